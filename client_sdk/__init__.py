@@ -1,0 +1,7 @@
+"""shardtrain's Python SDK: deploy a model over shard servers and train it with a plain PyTorch loop."""
+
+from client_sdk.cluster import Cluster
+from client_sdk.layer_list import LayerList
+from client_sdk.model import DistributedModel, Placement
+
+__all__ = ["Cluster", "DistributedModel", "LayerList", "Placement"]

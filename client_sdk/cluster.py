@@ -1,0 +1,124 @@
+"""Cluster: a connection to a coordinator (started locally or already running) that deploys models."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from client_sdk import layers as layer_tools
+from client_sdk.io_loop import shared_loop
+from client_sdk.model import DistributedModel, Placement
+from client_sdk.processes import LocalServices
+from client_sdk.transport import StageClients
+from shardtrain import optim
+from shardtrain.errors import Unavailable
+from shardtrain.rpc import Peer
+from shardtrain.settings import Security, Timeouts, security_from_env
+from shardtrain.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2
+
+
+class Cluster:
+    """A coordinator and its shards, seen from a script or notebook. Use as a context manager."""
+
+    def __init__(self, address: str, security: Security | None = None, timeouts: Timeouts | None = None,
+                 services: LocalServices | None = None):
+        self.address = address
+        self.security = security_from_env() if security is None else security
+        self.timeouts = timeouts or Timeouts()
+        self._services = services
+        self._io = shared_loop()
+        self._models: list[DistributedModel] = []
+        self._coordinator = self._io.run(self._open_coordinator())
+
+    async def _open_coordinator(self) -> Peer:
+        return Peer(f"coordinator at {self.address}", self.address, coordinator_pb2_grpc.CoordinatorServiceStub,
+                    self.security, self.timeouts.control)
+
+    @classmethod
+    def local(cls, num_shards: int = 3, device: str = "cpu", startup_timeout: float = 120.0) -> Cluster:
+        """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them."""
+        services = LocalServices(num_shards, device, startup_timeout=startup_timeout)
+        try:
+            cluster = cls(services.coordinator_address, security=Security(), services=services)
+            cluster.wait_for_shards(num_shards, startup_timeout)
+            return cluster
+        except BaseException:
+            services.stop()
+            raise
+
+    @classmethod
+    def connect(cls, address: str, security: Security | None = None) -> Cluster:
+        """Attaches to a running coordinator; close() leaves the services running."""
+        cluster = cls(address, security)
+        cluster.shards()  # fail now, with the address, if nothing answers
+        return cluster
+
+    def shards(self) -> list[coordinator_pb2.ShardInfo]:
+        """The registered shards, in registration order."""
+        return list(self._io.run(self._coordinator.call("ListShards", coordinator_pb2.ListShardsRequest())).shards)
+
+    def wait_for_shards(self, count: int, timeout: float = 60.0) -> None:
+        """Blocks until `count` shards have registered; Unavailable after `timeout` seconds."""
+        async def wait() -> None:
+            request = coordinator_pb2.ListShardsRequest()
+            for _ in range(int(timeout / 0.1)):
+                if len((await self._coordinator.call("ListShards", request)).shards) >= count:
+                    return
+                await asyncio.sleep(0.1)
+            raise Unavailable(f"fewer than {count} shards registered with {self.address} within {timeout:g} s")
+        self._io.run(wait())
+
+    def deploy(self, model, optimizer: tuple = (torch.optim.SGD, {"lr": 0.01}),
+               example_input: torch.Tensor | None = None, split_points: Sequence[int] = (),
+               layers_per_stage: Sequence[int] = (), num_stages: int = 0) -> DistributedModel:
+        """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
+
+        model: an nn.Sequential, a LayerList or a seed layer list [(layer_class, kwargs, input_shape), ...].
+        optimizer: (torch.optim class or name, kwargs); each shard steps its own copy over its own weights.
+        Partitioning: balanced by parameter count over `num_stages` (default: every shard), unless
+        split_points (layer indexes where a stage starts) or layers_per_stage say otherwise.
+        """
+        module = layer_tools.as_module(model)
+        layers = layer_tools.layers_of(module)
+        example = example_input if example_input is not None else layer_tools.example_input(module, layers)
+        name, kwargs_json = optim.encode(*optimizer)
+        request = coordinator_pb2.DeployRequest(
+            layers=layer_tools.capture(layers, example),
+            optimizer=shard_pb2.OptimizerSpec(name=name, kwargs_json=kwargs_json),
+            partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
+                                                    layers_per_stage=layers_per_stage))
+        response = self._io.run(self._coordinator.call("Deploy", request))
+        distributed = self._io.run(self._handle(response, request.layers))
+        distributed.load_state_dict(module.state_dict())
+        self._models.append(distributed)
+        return distributed
+
+    async def _handle(self, response, captured) -> DistributedModel:
+        owners, placements = {}, []
+        for stage in response.stages:
+            held = captured[stage.first_layer:stage.end_layer]
+            owners.update({entry.model_key: stage.stage for layer in held for entry in layer.state})
+            placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
+                                        tuple(layer.description for layer in held)))
+        clients = StageClients(response.deployment_id, [s.shard_address for s in response.stages],
+                               self.security, self.timeouts)
+        key_order = [entry.model_key for layer in captured for entry in layer.state]
+        return DistributedModel(self._io, clients, placements, owners, key_order)
+
+    def close(self) -> None:
+        """Closes connections; stops the services only if Cluster.local started them."""
+        for model in self._models:
+            model.close()
+        self._models.clear()
+        self._io.run(self._coordinator.close())
+        if self._services is not None:
+            self._services.stop()
+            self._services = None
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

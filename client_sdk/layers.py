@@ -1,0 +1,99 @@
+"""Turns what a user deploys (nn.Sequential, a seed layer list, a LayerList) into captured layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from client_sdk.layer_list import LayerList
+from shardtrain.capture import LayerAdapter, capture_layer
+from shardtrain.errors import InvalidArgument
+from shardtrain.residuals import Wiring
+from shardtrain.v1 import shard_pb2
+
+EXAMPLE_BATCH = 2  # a dynamic batch dimension needs an example of at least 2 rows (1 would be specialised)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the user's model: the module, its wiring and its state-dict prefix."""
+
+    module: torch.nn.Module
+    wiring: Wiring
+    prefix: str
+
+    @property
+    def cost(self) -> int:
+        """Parameter count, the partitioner's measure of a layer."""
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def as_module(model) -> torch.nn.Module:
+    """The user's model as a local module: a seed layer list becomes a LayerList."""
+    if isinstance(model, (list, tuple)):
+        return LayerList(model)
+    if isinstance(model, torch.nn.Module):
+        return model
+    raise InvalidArgument(f"cannot deploy a {type(model).__name__}; pass an nn.Sequential, a LayerList "
+                          "or a seed layer list [(layer_class, kwargs, input_shape), ...]")
+
+
+def layers_of(module: torch.nn.Module) -> list[Layer]:
+    """The layers, in order, of an nn.Sequential or a LayerList."""
+    if isinstance(module, LayerList):
+        return [Layer(m, w, name) for (name, m), w in zip(module.named_children(), module.wirings)]
+    if isinstance(module, torch.nn.Sequential):
+        return [Layer(m, Wiring(), name) for name, m in module.named_children()]
+    raise InvalidArgument(f"cannot split a {type(module).__name__} into stages; put its layers in an "
+                          "nn.Sequential (or a seed layer list for residuals)")
+
+
+def example_input(module: torch.nn.Module, layers: Sequence[Layer]) -> torch.Tensor:
+    """An input to trace with, when the user gave none: from the seed shapes or a first Linear."""
+    if isinstance(module, LayerList):
+        return module.example_input(EXAMPLE_BATCH)
+    first = layers[0].module if layers else None
+    if isinstance(first, torch.nn.Linear):
+        return torch.randn(EXAMPLE_BATCH, first.in_features)
+    raise InvalidArgument(f"cannot guess the input of a model starting with {type(first).__name__}; "
+                          "pass example_input=<a tensor shaped like one batch>")
+
+
+def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.CapturedLayer]:
+    """Captures each layer with the activations an example input produces on the way through."""
+    captured, saved = [], {}
+    x = x[:EXAMPLE_BATCH] if x.dim() and x.shape[0] > EXAMPLE_BATCH else x
+    with torch.no_grad():
+        for index, layer in enumerate(layers):
+            adapter = LayerAdapter(layer.module, layer.wiring.out_variables)
+            args = (x, *(saved[name] for name in layer.wiring.dependencies))
+            try:
+                program = capture_layer(adapter, args)
+            except Exception as error:  # export reports unsupported code in many exception types
+                raise InvalidArgument(f"layer {index} ({type(layer.module).__name__}) cannot be captured "
+                                      f"with torch.export: {type(error).__name__}: {str(error)[:500]}") from None
+            captured.append(_describe(index, layer, adapter, program))
+            result = adapter(*args)
+            x = result[0] if layer.wiring.out_variables else result
+            saved.update(zip(layer.wiring.out_variables, result[1:] if layer.wiring.out_variables else ()))
+    return captured
+
+
+def _describe(index: int, layer: Layer, adapter: LayerAdapter, program: bytes) -> shard_pb2.CapturedLayer:
+    state = [shard_pb2.StateEntry(graph_key=key, model_key=_model_key(layer.prefix, key))
+             for key in adapter.state_dict()]
+    return shard_pb2.CapturedLayer(index=index, description=_one_line(layer.module), program=program,
+                                   dependencies=layer.wiring.dependencies,
+                                   out_variables=layer.wiring.out_variables, state=state, cost=layer.cost)
+
+
+def _model_key(prefix: str, graph_key: str) -> str:
+    local = graph_key.removeprefix("layer.")
+    return f"{prefix}.{local}" if prefix else local
+
+
+def _one_line(module: torch.nn.Module) -> str:
+    text = repr(module).replace("\n", " ")
+    return " ".join(text.split())[:120]

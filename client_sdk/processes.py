@@ -1,0 +1,103 @@
+"""Local coordinator and shard processes for Cluster.local: started, awaited, and always reaped."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from shardtrain.errors import Unavailable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Linux only: the child gets SIGTERM if the process that started it dies, so no shard outlives a crash.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+class Service:
+    """One child process that prints a JSON 'ready' line on stdout once it serves."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
+                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def wait_ready(self, timeout: float) -> dict:
+        """The ready line's fields; Unavailable (with the log's tail) if the process dies or stays silent."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise Unavailable(f"{self.name} exited with code {self.process.returncode}: {self.log_tail()}")
+            readable, _, _ = select.select([self.process.stdout], [], [], 0.1)
+            if readable:
+                line = self.process.stdout.readline()
+                if line.startswith(b"{"):
+                    return json.loads(line)
+        raise Unavailable(f"{self.name} did not become ready within {timeout:g} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The end of the service's log, for error messages."""
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        return "\n".join(text[-lines:]) or "(no output)"
+
+    def stop(self, grace: float = 3.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; always reaps."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+        self._log.close()
+
+
+class LocalServices:
+    """A coordinator and `num_shards` shards as processes on 127.0.0.1, on ports the OS picks."""
+
+    def __init__(self, num_shards: int, device: str = "cpu", extra_args: list[str] | None = None,
+                 startup_timeout: float = 120.0):
+        self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="shardtrain-"))
+        self.services: list[Service] = []
+        extra = list(extra_args or [])
+        try:
+            coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", "127.0.0.1:0", *extra])
+            self.coordinator_address = f"127.0.0.1:{coordinator.wait_ready(startup_timeout)['port']}"
+            shards = [self._start(f"shard-{i}", ["-m", "shard_service", "--coordinator", self.coordinator_address,
+                                                 "--bind", "127.0.0.1:0", "--device", device, *extra])
+                      for i in range(num_shards)]
+            self.shard_addresses = [shard.wait_ready(startup_timeout)["address"] for shard in shards]
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, name: str, argv: list[str]) -> Service:
+        service = Service(name, argv, self.log_dir)
+        self.services.append(service)
+        return service
+
+    def stop(self) -> None:
+        """Stops every process (shards first)."""
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running services."""
+        return [service.process.pid for service in self.services]
+

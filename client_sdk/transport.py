@@ -1,0 +1,88 @@
+"""The SDK's RPCs for one deployment: into the first stage, out of the last, and to every stage at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from shardtrain import wire
+from shardtrain.errors import InvalidArgument
+from shardtrain.residuals import OUTPUT
+from shardtrain.rpc import Peer
+from shardtrain.settings import Security, Timeouts
+from shardtrain.v1 import shard_pb2, shard_pb2_grpc
+
+
+class StageClients:
+    """One Peer per stage of a deployment, created on the IoLoop (grpc.aio channels belong to a loop)."""
+
+    def __init__(self, deployment_id: str, addresses: Sequence[str], security: Security, timeouts: Timeouts):
+        self.deployment_id = deployment_id
+        self.stages = [Peer(f"shard at {address} (stage {index})", address, shard_pb2_grpc.ShardServiceStub,
+                            security, timeouts.rpc) for index, address in enumerate(addresses)]
+
+    def _key(self, step: int, microbatch: int = 0) -> shard_pb2.StepKey:
+        return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
+
+    async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool) -> torch.Tensor:
+        """Sends x into the first stage and, at the same time, asks the last stage for the output."""
+        key = self._key(step)
+        header = shard_pb2.ForwardHeader(key=key, requires_grad=requires_grad, zero_grad=zero_grad)
+        fetch = asyncio.ensure_future(wire.collect(
+            self.stages[-1].stream("FetchTensor", shard_pb2.FetchTensorRequest(key=key, name=OUTPUT))))
+        try:
+            await self.stages[0].call("Forward", wire.framed(shard_pb2.ForwardRequest, "header", header,
+                                                             {"activation": x}))
+            return (await fetch)[OUTPUT]
+        finally:
+            fetch.cancel()
+
+    async def backward(self, step: int, grad: torch.Tensor | None) -> None:
+        """Sends the gradient of the output into the last stage; returns once every stage has run backward."""
+        tensors = {"gradient": grad} if grad is not None else {}
+        header = shard_pb2.BackwardHeader(key=self._key(step))
+        await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, "header", header, tensors))
+
+    async def step(self, step: int, zero_grad: bool) -> None:
+        """Every stage applies its optimizer."""
+        request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, zero_grad=zero_grad)
+        await asyncio.gather(*(stage.call("Step", request) for stage in self.stages))
+
+    async def read_state(self) -> dict[str, torch.Tensor]:
+        """Every stage's weights, merged under the user's state-dict keys."""
+        request = shard_pb2.ReadStateRequest(deployment_id=self.deployment_id)
+        parts = await asyncio.gather(*(wire.collect(stage.stream("ReadState", request)) for stage in self.stages))
+        return {key: value for part in parts for key, value in part.items()}
+
+    async def load_state(self, per_stage: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Sends each stage its share of a state dict."""
+        header = shard_pb2.LoadStateHeader(deployment_id=self.deployment_id)
+        await asyncio.gather(*(
+            stage.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, "header", header, tensors))
+            for stage, tensors in zip(self.stages, per_stage)))
+
+    async def describe(self) -> list[shard_pb2.DescribeResponse]:
+        """What each stage's shard reports about itself."""
+        return list(await asyncio.gather(*(s.call("Describe", shard_pb2.DescribeRequest()) for s in self.stages)))
+
+    async def close(self) -> None:
+        """Closes every channel."""
+        await asyncio.gather(*(stage.close() for stage in self.stages))
+
+
+def split_state(state: dict[str, torch.Tensor], owners: dict[str, int], num_stages: int,
+                strict: bool) -> list[dict[str, torch.Tensor]]:
+    """Groups a state dict by the stage that owns each key; InvalidArgument on unknown or (if strict) missing keys."""
+    unknown = sorted(set(state) - set(owners))
+    missing = sorted(set(owners) - set(state))
+    if unknown or (strict and missing):
+        raise InvalidArgument(f"state dict does not match the model: unexpected keys {unknown[:10]}, "
+                              f"missing keys {missing[:10]}")
+    per_stage: list[dict[str, torch.Tensor]] = [{} for _ in range(num_stages)]
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgument(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor")
+        per_stage[owners[key]][key] = value
+    return per_stage

@@ -1,0 +1,52 @@
+"""Coordinator server wiring: build the gRPC server and serve until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+
+import grpc
+
+from coordinator.servicer import CoordinatorServicer
+from shardtrain import rpc
+from shardtrain.errors import ShardtrainError
+from shardtrain.settings import CoordinatorSettings, coordinator_settings
+from shardtrain.v1 import coordinator_pb2_grpc
+
+
+async def build_server(settings: CoordinatorSettings,
+                       bind: str | None = None) -> tuple[grpc.aio.Server, int, CoordinatorServicer]:
+    """Starts a coordinator on `bind` (default settings.bind; port 0 picks one); returns it, its port and servicer."""
+    server = rpc.new_server(settings.security)
+    address = bind or settings.bind
+    port = rpc.bind(server, address, settings.security)
+    servicer = CoordinatorServicer(settings, f"{address.rsplit(':', 1)[0]}:{port}")
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+    await server.start()
+    return server, port, servicer
+
+
+async def serve(settings: CoordinatorSettings) -> None:
+    """Runs the coordinator until cancelled, announcing readiness on stdout."""
+    server, port, _ = await build_server(settings)
+    print(json.dumps({"event": "ready", "service": "coordinator", "port": port}), flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `shardtrain coordinator`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = coordinator_settings(sys.argv[1:] if argv is None else argv)
+    try:
+        asyncio.run(serve(settings))
+    except ShardtrainError as error:
+        print(f"coordinator: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,223 @@
+"""Layers as captured graphs: torch.export on the client, a validated, pickle-free load on the shard.
+
+`torch.export.load` falls back to `torch.load(weights_only=False)` and the serialized program it
+reads is trusted input (operator names resolved by getattr, guard strings exec'd, node names
+pasted into generated source). So a shard never calls it: it checks every string in the program
+against an allow-list first, then hands the deserializer weights it received as plain tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._export.serde import schema as export_schema
+from torch._export.serde import serialize as export_serde
+
+from shardtrain.errors import InvalidArgument
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DOTTED = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?")
+_OPERATOR = re.compile(r"torch\.ops\.(aten|prims)\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operator\.getitem")
+# sympy's srepr of shape symbols, e.g. Symbol('s77', positive=True, integer=True); no dots or
+# underscores, so nothing can reach an attribute.
+_SYMPY_TOKEN = re.compile(r"\s*(Symbol|Integer|Add|Mul|Pow|Max|Min|FloorDiv|Mod|CeilToInt|positive|integer|"
+                          r"nonnegative|True|False|'[a-z]\d+'|\d+|[()=,+\-*/])")
+# e.g. L['x'].size()[0] == L['res'].size()[0]  or  L['x'].size()[1] >= 2
+_GUARD_TERM = r"(L\['[A-Za-z_][A-Za-z0-9_]*'\](\[\d+\])?\.size\(\)\[\d+\]|\d+)"
+_GUARD = re.compile(rf"{_GUARD_TERM} (==|>=|<=|!=|<|>) {_GUARD_TERM}")
+# Strings that only label things (dtype names, dialects, kinds): no quotes, spaces or brackets.
+_PLAIN = re.compile(r"[A-Za-z0-9_.:\-]*")
+_NAME_KEYS = {"name", "parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name",
+              "user_input_name", "user_output_name", "input_name", "output_name", "fqn"}
+_FREE_TEXT_KEYS = {"as_string", "torch_version"}  # string constants: emitted with repr(), never parsed
+_TREESPEC_KEYS = {"in_spec", "out_spec"}  # pytree specs, themselves JSON
+_TREESPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict"}
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A weight a captured graph expects: its name in the graph, shape, dtype and whether it trains."""
+
+    graph_key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_parameter: bool
+
+
+class LayerAdapter(torch.nn.Module):
+    """Gives every layer one calling convention: forward(x, *dependencies) -> x or (x, *saved).
+
+    A seed-style layer with `out_variables` returns (x, [(name, tensor), ...]); the adapter keeps the
+    tensors in `out_variables` order so a captured graph has plain tensor outputs. A plain layer
+    given `out_variables` saves its own output under those names.
+    """
+
+    def __init__(self, layer: torch.nn.Module, out_variables: tuple[str, ...] = ()):
+        super().__init__()
+        self.layer = layer
+        self.out_variables = tuple(out_variables)
+
+    def forward(self, x: torch.Tensor, *dependencies: torch.Tensor):
+        result = self.layer(x, *dependencies)
+        if not self.out_variables:
+            return result
+        if isinstance(result, torch.Tensor):  # a plain layer: what it saves is its output
+            return (result, *(result for _ in self.out_variables))
+        output, saved = result
+        named = dict(saved)
+        return (output, *(named[name] for name in self.out_variables))
+
+
+def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...]) -> bytes:
+    """Exports a layer with a dynamic batch (dim 0) on every input; returns the program without weights."""
+    batch = torch.export.Dim("batch", min=1)
+
+    def dims(arg: torch.Tensor) -> dict:
+        return {0: batch} if arg.dim() > 0 else {}
+
+    dynamic: dict = {"x": dims(example_args[0])}
+    if len(example_args) > 1:  # export wants the varargs key only when varargs were given
+        dynamic["dependencies"] = tuple(dims(arg) for arg in example_args[1:])
+    program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
+    artifact = export_serde.serialize(program, serialize_state_dict=False, serialize_constants=False,
+                                      serialize_example_inputs=False)
+    return artifact.exported_program
+
+
+def _check_string(key: str, value: str, path: str) -> None:
+    if key == "target":
+        ok = _OPERATOR.fullmatch(value) is not None
+    elif key == "expr_str":
+        ok = _SYMPY_TOKEN.sub("", value).strip() == ""
+    elif key in _NAME_KEYS:
+        ok = _DOTTED.fullmatch(value) is not None
+    elif key in _FREE_TEXT_KEYS:
+        ok = True
+    elif key in _TREESPEC_KEYS:
+        ok = _is_plain_treespec(value)
+    else:
+        ok = _PLAIN.fullmatch(value) is not None
+    if not ok:
+        raise InvalidArgument(f"captured program: {path} = {value[:80]!r} is not allowed "
+                              f"(only aten/prims operators and plain names may appear)")
+
+
+def _is_plain_treespec(text: str) -> bool:
+    """True for a pytree spec made of tuples, lists and dicts keyed by plain names."""
+    try:
+        _protocol, root = json.loads(text)
+        pending = [root]
+        while pending:
+            node = pending.pop()
+            context = json.loads(node["context"]) if isinstance(node["context"], str) else node["context"]
+            names = context if isinstance(context, list) else [] if context is None else [None]
+            if node["type"] not in _TREESPEC_TYPES or not all(
+                    isinstance(n, str) and _PLAIN.fullmatch(n) for n in names):
+                return False
+            pending.extend(node["children_spec"])
+        return True
+    except (ValueError, TypeError, KeyError):
+        return False
+
+
+def _check_tree(node: Any, key: str = "", path: str = "program") -> None:
+    if isinstance(node, dict):
+        for child_key, child in node.items():
+            _check_tree(child, child_key, f"{path}.{child_key}")
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            _check_tree(child, key, f"{path}[{index}]")
+    elif isinstance(node, str):
+        _check_string(key, node, path)
+
+
+def _parse_program(program: bytes) -> dict:
+    try:
+        tree = json.loads(program)
+    except ValueError as error:
+        raise InvalidArgument(f"captured program is not valid JSON: {error}") from None
+    if not isinstance(tree, dict) or "graph_module" not in tree:
+        raise InvalidArgument("captured program has no graph_module")
+    for guard in tree.get("guards_code", []):
+        if not isinstance(guard, str) or _GUARD.fullmatch(guard) is None:
+            raise InvalidArgument(f"captured program: guard {str(guard)[:80]!r} is not a plain shape comparison")
+    for node in tree["graph_module"]["graph"].get("nodes", []):
+        node["metadata"] = {}  # stack traces and module paths are not needed to run, and not trusted
+    body = {k: v for k, v in tree.items() if k != "guards_code"}
+    _check_tree(body)
+    return tree
+
+
+class CapturedProgram:
+    """A captured layer received from the wire, checked once, then read for specs or rebuilt."""
+
+    def __init__(self, program: bytes):
+        self._tree = _parse_program(program)
+        graph_module = self._tree["graph_module"]
+        self._values = graph_module["graph"]["tensor_values"]
+        self._inputs = [next(iter(spec.items())) for spec in graph_module["signature"]["input_specs"]]
+
+    def state_specs(self) -> list[StateSpec]:
+        """The parameters and buffers the program expects, read from the program itself."""
+        specs = []
+        for kind, body in self._inputs:
+            if kind in ("parameter", "buffer"):
+                meta = self._values[body["arg"]["name"]]
+                shape = tuple(size["as_int"] for size in meta["sizes"])
+                specs.append(StateSpec(body[f"{kind}_name"], shape, _dtype(meta), kind == "parameter"))
+        return specs
+
+    def input_specs(self) -> list[InputSpec]:
+        """The user inputs (main input first, then dependencies), in order."""
+        specs = []
+        for kind, body in self._inputs:
+            if kind == "user_input":
+                meta = self._values[body["arg"]["as_tensor"]["name"]]
+                specs.append(InputSpec(_dtype(meta), tuple(size.get("as_int") for size in meta["sizes"])))
+        return specs
+
+    def load(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """Rebuilds the layer around the given weights (Parameters and buffers, used as they are)."""
+        serialized = export_serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
+        try:
+            exported = export_serde.ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
+        except Exception as error:  # the deserializer raises many types; all mean a bad program
+            raise InvalidArgument(f"captured program does not load: {type(error).__name__}: {error}") from None
+        _check_targets(exported)
+        return exported.module()
+
+
+def _check_targets(exported: torch.export.ExportedProgram) -> None:
+    import operator
+
+    for node in exported.graph.nodes:
+        if node.op == "call_function" and not (
+                isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
+            raise InvalidArgument(f"captured program calls {node.target!r}; only torch operators are allowed")
+        if node.op in ("call_module", "call_method"):
+            raise InvalidArgument(f"captured program has a {node.op} node; only torch operators are allowed")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a captured graph accepts for one input: dtype and shape, None where the size is free."""
+
+    dtype: torch.dtype
+    shape: tuple[int | None, ...]
+
+    def check(self, tensor: torch.Tensor, what: str) -> None:
+        """InvalidArgument naming `what` when the tensor's dtype or shape do not fit."""
+        fits = tensor.dtype == self.dtype and tensor.dim() == len(self.shape) and all(
+            want is None or want == got for want, got in zip(self.shape, tensor.shape))
+        if not fits:
+            wanted = ["batch" if size is None else size for size in self.shape]
+            raise InvalidArgument(f"{what}: expected {str(self.dtype).removeprefix('torch.')} of shape {wanted}, "
+                                  f"got {str(tensor.dtype).removeprefix('torch.')} of shape {list(tensor.shape)}")
+
+
+def _dtype(meta: dict) -> torch.dtype:
+    return export_serde._SERIALIZE_TO_TORCH_DTYPE[export_schema.ScalarType(meta["dtype"])]

@@ -1,0 +1,87 @@
+"""Exception classes and their gRPC status codes: one table, read in both directions."""
+
+from __future__ import annotations
+
+
+class ShardtrainError(Exception):
+    """Base of every error shardtrain raises on purpose; `code` names its gRPC status code."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(ShardtrainError, ValueError):
+    """The request itself is wrong: shape, dtype, name, size or an unknown option."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class FailedPrecondition(ShardtrainError, RuntimeError):
+    """The request is well formed but the receiver is not in a state to serve it."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class NotFound(ShardtrainError, LookupError):
+    """A named thing (step, tensor, deployment) does not exist on the receiver."""
+
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(ShardtrainError):
+    """The thing the request would create is already there."""
+
+    code = "ALREADY_EXISTS"
+
+
+class ResourceExhausted(ShardtrainError):
+    """A bound on memory, in-flight steps or message size would be exceeded."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ShardtrainError, ConnectionError):
+    """A peer cannot be reached (not started, dead, or unreachable)."""
+
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ShardtrainError, TimeoutError):
+    """A call or a wait on a peer ran past its deadline."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class DataLoss(ShardtrainError):
+    """Bytes arrived damaged or incomplete."""
+
+    code = "DATA_LOSS"
+
+
+class Unauthenticated(ShardtrainError, PermissionError):
+    """The caller did not present the expected token."""
+
+    code = "UNAUTHENTICATED"
+
+
+class Cancelled(ShardtrainError):
+    """The caller gave up on the call."""
+
+    code = "CANCELLED"
+
+
+class InternalError(ShardtrainError):
+    """A bug or an unexpected failure inside a service; the message says where."""
+
+    code = "INTERNAL"
+
+
+ERRORS: tuple[type[ShardtrainError], ...] = (
+    InvalidArgument, FailedPrecondition, NotFound, AlreadyExists, ResourceExhausted,
+    Unavailable, DeadlineExceeded, DataLoss, Unauthenticated, Cancelled, InternalError,
+)
+_BY_CODE: dict[str, type[ShardtrainError]] = {cls.code: cls for cls in ERRORS}
+
+
+def error_for_code(code: str, message: str) -> ShardtrainError:
+    """The exception for a gRPC status code name; codes with no class of their own become InternalError."""
+    return _BY_CODE.get(code, InternalError)(message)

@@ -1,0 +1,82 @@
+"""Where to cut a layer list into contiguous stages: a pure function of layer costs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shardtrain.errors import InvalidArgument
+
+Ranges = list[tuple[int, int]]  # (first layer, end layer exclusive) per stage
+
+
+def balanced(costs: Sequence[int], num_stages: int) -> Ranges:
+    """Contiguous stages minimising the largest stage cost; ties cut as early as possible."""
+    _check_count(len(costs), num_stages)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[k][i]: the smallest possible largest-stage cost for layers[:i] in k stages.
+    inf = float("inf")
+    best = [[inf] * (len(costs) + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (len(costs) + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, len(costs) + 1):
+            for j in range(k - 1, i):
+                candidate = max(best[k - 1][j], prefix[i] - prefix[j])
+                if candidate < best[k][i]:
+                    best[k][i], cut[k][i] = candidate, j
+    return _walk_back(cut, num_stages, len(costs))
+
+
+def _walk_back(cut: list[list[int]], num_stages: int, num_layers: int) -> Ranges:
+    ranges, end = [], num_layers
+    for k in range(num_stages, 0, -1):
+        start = cut[k][end]
+        ranges.append((start, end))
+        end = start
+    return ranges[::-1]
+
+
+def at_split_points(num_layers: int, split_points: Sequence[int]) -> Ranges:
+    """Stages that start at each split point (layer index), the first at layer 0."""
+    points = list(split_points)
+    if points != sorted(set(points)) or not all(0 < p < num_layers for p in points):
+        raise InvalidArgument(f"split points {points} must be increasing layer indexes in 1..{num_layers - 1}")
+    bounds = [0, *points, num_layers]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def by_counts(num_layers: int, layers_per_stage: Sequence[int]) -> Ranges:
+    """Stages of the given sizes, which must add up to the number of layers."""
+    counts = list(layers_per_stage)
+    if any(c < 1 for c in counts) or sum(counts) != num_layers:
+        raise InvalidArgument(f"layers per stage {counts} must be positive and add up to {num_layers} layers")
+    points, total = [], 0
+    for count in counts[:-1]:
+        total += count
+        points.append(total)
+    return at_split_points(num_layers, points)
+
+
+def plan(costs: Sequence[int], num_stages: int, split_points: Sequence[int] = (),
+         layers_per_stage: Sequence[int] = ()) -> Ranges:
+    """The stages a deploy asks for: explicit split points, explicit counts, or balanced costs."""
+    if split_points and layers_per_stage:
+        raise InvalidArgument("give split points or layers per stage, not both")
+    if split_points:
+        ranges = at_split_points(len(costs), split_points)
+    elif layers_per_stage:
+        ranges = by_counts(len(costs), layers_per_stage)
+    else:
+        return balanced(costs, num_stages)
+    if len(ranges) > num_stages:
+        raise InvalidArgument(f"{len(ranges)} stages asked for but only {num_stages} shards are available")
+    return ranges
+
+
+def _check_count(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise InvalidArgument(f"need at least one stage, got {num_stages}")
+    if num_layers < num_stages:
+        raise InvalidArgument(f"cannot cut {num_layers} layers into {num_stages} non-empty stages")

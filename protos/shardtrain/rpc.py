@@ -1,0 +1,173 @@
+"""The gRPC edge every component shares: channels, servers, the token check and the error boundary."""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import inspect
+import logging
+import pathlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from shardtrain import errors
+from shardtrain.settings import Security
+
+log = logging.getLogger("shardtrain.rpc")
+
+# Control messages (a deploy carries every captured graph) can be large; tensors travel in
+# chunks far below this, so the limit only bounds what one message may allocate.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def _read(path: str) -> bytes:
+    return pathlib.Path(path).read_bytes()
+
+
+def open_channel(address: str, security: Security) -> grpc.aio.Channel:
+    """An aio channel to `address`, over TLS when security names a CA."""
+    if not security.tls_ca:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = list(CHANNEL_OPTIONS)
+    if security.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", security.tls_server_name))
+    credentials = grpc.ssl_channel_credentials(root_certificates=_read(security.tls_ca))
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def new_server(security: Security) -> grpc.aio.Server:
+    """An aio server that checks the token when one is configured."""
+    interceptors = [TokenInterceptor(security.token)] if security.token else []
+    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
+    """Binds the server (TLS when security names a certificate) and returns the port it got."""
+    if bool(security.tls_cert) != bool(security.tls_key):
+        raise errors.InvalidArgument("TLS needs both --tls-cert and --tls-key")
+    if not security.tls_cert:
+        port = server.add_insecure_port(address)
+    else:
+        pair = [(_read(security.tls_key), _read(security.tls_cert))]
+        port = server.add_secure_port(address, grpc.ssl_server_credentials(pair))
+    if port == 0:
+        raise errors.Unavailable(f"could not bind {address}")
+    return port
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls whose `authorization` metadata does not carry the configured bearer token."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        presented = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(presented.encode(), self._expected):
+            return await continuation(details)
+        return _deny(await continuation(details), details.method)
+
+
+def _deny(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    message = f"{method}: missing or wrong auth token (expected metadata 'authorization: Bearer <token>')"
+
+    async def refuse(_request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_stream(_request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler is None:
+        return None
+    if handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
+        return make(refuse_stream)
+    make = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
+    return make(refuse)
+
+
+def _status_message(error: Exception, where: str) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, errors.ShardtrainError):
+        code = grpc.StatusCode[error.code]
+        # A peer's error already names the peer; do not wrap it in our own name again.
+        return code, str(error) if getattr(error, "from_peer", False) else f"{where}: {error}"
+    log.exception("unexpected error in %s", where)
+    return grpc.StatusCode.INTERNAL, f"{where}: unexpected {type(error).__name__}: {error}"
+
+
+def boundary(method: Callable) -> Callable:
+    """Maps exceptions raised by a servicer method to status codes; `self.location` names the server."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def streaming(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except Exception as error:  # noqa: BLE001 - this is the one boundary
+                await context.abort(*_status_message(error, self.location))
+        return streaming
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as error:  # noqa: BLE001 - this is the one boundary
+            await context.abort(*_status_message(error, self.location))
+    return unary
+
+
+def translate(error: grpc.aio.AioRpcError, peer: str) -> errors.ShardtrainError:
+    """The shardtrain exception for a failed call to `peer`, marked as coming from that peer."""
+    code = error.code().name
+    details = error.details() or ""
+    if code == "UNAVAILABLE":
+        message = f"{peer} is unavailable: {details}"
+    elif code == "DEADLINE_EXCEEDED" and not details.startswith(("shard", "coordinator")):
+        message = f"{peer} did not answer before the deadline: {details}"
+    else:
+        message = details
+    translated = errors.error_for_code(code, message)
+    translated.from_peer = True
+    return translated
+
+
+class Peer:
+    """One remote service: its channel, a stub, the token and the deadline, with errors translated."""
+
+    def __init__(self, name: str, address: str, stub_class: type, security: Security, timeout: float):
+        self.name = name
+        self.address = address
+        self.channel = open_channel(address, security)
+        self.stub = stub_class(self.channel)
+        self._metadata = security.metadata
+        self._timeout = timeout
+
+    async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """A unary-response call (the request may be an async iterator for client streaming)."""
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout or self._timeout,
+                                                     metadata=self._metadata)
+        except grpc.aio.AioRpcError as error:
+            raise translate(error, self.name) from None
+
+    async def stream(self, method: str, request: Any, timeout: float | None = None) -> AsyncIterator[Any]:
+        """A server-streaming call, yielding its messages."""
+        call = getattr(self.stub, method)(request, timeout=timeout or self._timeout, metadata=self._metadata)
+        try:
+            async for message in call:
+                yield message
+        except grpc.aio.AioRpcError as error:
+            raise translate(error, self.name) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        """Closes the channel."""
+        await self.channel.close()

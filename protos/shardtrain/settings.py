@@ -1,0 +1,130 @@
+"""Typed settings for each service, filled from flags and environment variables (the only reader of os.environ)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from shardtrain.wire import DEFAULT_CHUNK_BYTES
+
+ENV_PREFIX = "SHARDTRAIN_"
+
+
+@dataclass(frozen=True)
+class Security:
+    """Token authentication and TLS; empty fields mean off."""
+
+    token: str = ""
+    tls_cert: str = ""        # PEM certificate chain of this server
+    tls_key: str = ""         # PEM private key of this server
+    tls_ca: str = ""          # PEM roots a client trusts; set it to talk TLS to the services
+    tls_server_name: str = ""  # overrides the name checked against the server's certificate
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata that carries the token."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Deadlines, in seconds: every RPC and every wait on a peer has one."""
+
+    rpc: float = 120.0        # one data-plane call (forward, backward, fetch, step)
+    control: float = 30.0     # one control-plane call (register, deploy, describe)
+    peer_wait: float = 120.0  # waiting for a residual or a residual gradient to arrive
+    connect: float = 60.0     # a shard retrying registration until the coordinator answers
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """What `shardtrain shard` needs."""
+
+    coordinator: str
+    bind: str = "127.0.0.1:0"
+    advertise: str = ""       # address peers use; default: the bound host and port
+    device: str = "cpu"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_in_flight: int = 64   # steps whose autograd state a stage keeps at once
+    security: Security = field(default_factory=Security)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """What `shardtrain coordinator` needs."""
+
+    bind: str = "127.0.0.1:0"
+    security: Security = field(default_factory=Security)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+def _env(env: Mapping[str, str], name: str, default: str = "") -> str:
+    return env.get(ENV_PREFIX + name, default)
+
+
+def _read_token(value: str, token_file: str) -> str:
+    if token_file:
+        return pathlib.Path(token_file).read_text().strip()
+    return value
+
+
+def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Adds --auth-token/--auth-token-file/--tls-* with SHARDTRAIN_* environment defaults."""
+    parser.add_argument("--auth-token", default=_env(env, "AUTH_TOKEN"))
+    parser.add_argument("--auth-token-file", default=_env(env, "AUTH_TOKEN_FILE"))
+    parser.add_argument("--tls-cert", default=_env(env, "TLS_CERT"))
+    parser.add_argument("--tls-key", default=_env(env, "TLS_KEY"))
+    parser.add_argument("--tls-ca", default=_env(env, "TLS_CA"))
+    parser.add_argument("--tls-server-name", default=_env(env, "TLS_SERVER_NAME"))
+
+
+def security_from(args: argparse.Namespace) -> Security:
+    """The Security object that add_security_flags' flags describe."""
+    return Security(token=_read_token(args.auth_token, args.auth_token_file), tls_cert=args.tls_cert,
+                    tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name)
+
+
+def security_from_env(env: Mapping[str, str] | None = None) -> Security:
+    """Security for a client (the SDK) from SHARDTRAIN_* variables alone."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_security_flags(parser, os.environ if env is None else env)
+    return security_from(parser.parse_args([]))
+
+
+def _coordinator_default(env: Mapping[str, str]) -> str:
+    # MODEL_HOST/MODEL_PORT are the seed's names for the coordinator's address.
+    if "MODEL_HOST" in env and "MODEL_PORT" in env:
+        return f"{env['MODEL_HOST']}:{env['MODEL_PORT']}"
+    return _env(env, "COORDINATOR")
+
+
+def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ShardSettings:
+    """Parses `shardtrain shard` flags, with environment variables as defaults."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="shardtrain shard", description="Run one shard server.")
+    parser.add_argument("--coordinator", default=_coordinator_default(env),
+                        help="host:port of the coordinator (or SHARDTRAIN_COORDINATOR, or MODEL_HOST+MODEL_PORT)")
+    parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"))
+    parser.add_argument("--advertise", default=_env(env, "ADVERTISE"), help="address peers use to reach this shard")
+    parser.add_argument("--device", default=_env(env, "DEVICE", "cpu"), help="cpu, cuda or cuda:N")
+    parser.add_argument("--chunk-bytes", type=int, default=int(_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES))))
+    add_security_flags(parser, env)
+    args = parser.parse_args(list(argv))
+    if not args.coordinator:
+        parser.error("the coordinator's address is required: --coordinator HOST:PORT")
+    return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
+                         device=args.device, chunk_bytes=args.chunk_bytes, security=security_from(args))
+
+
+def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:
+    """Parses `shardtrain coordinator` flags, with environment variables as defaults."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="shardtrain coordinator", description="Run the coordinator.")
+    parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"))
+    add_security_flags(parser, env)
+    args = parser.parse_args(list(argv))
+    return CoordinatorSettings(bind=args.bind, security=security_from(args))

@@ -1,0 +1,84 @@
+from shardtrain.v1 import shard_pb2 as _shard_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterShardRequest(_message.Message):
+    __slots__ = ("address", "device")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    device: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class RegisterShardResponse(_message.Message):
+    __slots__ = ("shard_id",)
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    def __init__(self, shard_id: _Optional[str] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("shard_id", "address", "device")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    address: str
+    device: str
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ListShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListShardsResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
+
+class PartitionSpec(_message.Message):
+    __slots__ = ("num_stages", "split_points", "layers_per_stage")
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_POINTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PER_STAGE_FIELD_NUMBER: _ClassVar[int]
+    num_stages: int
+    split_points: _containers.RepeatedScalarFieldContainer[int]
+    layers_per_stage: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeployRequest(_message.Message):
+    __slots__ = ("layers", "optimizer", "partition")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[_shard_pb2.CapturedLayer]
+    optimizer: _shard_pb2.OptimizerSpec
+    partition: PartitionSpec
+    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ...) -> None: ...
+
+class StageAssignment(_message.Message):
+    __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    shard_id: str
+    shard_address: str
+    first_layer: int
+    end_layer: int
+    def __init__(self, stage: _Optional[int] = ..., shard_id: _Optional[str] = ..., shard_address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ...) -> None: ...
+
+class DeployResponse(_message.Message):
+    __slots__ = ("deployment_id", "stages")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    def __init__(self, deployment_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,238 @@
+from shardtrain.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CapturedLayer(_message.Message):
+    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    DEPENDENCIES_FIELD_NUMBER: _ClassVar[int]
+    OUT_VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    description: str
+    program: bytes
+    dependencies: _containers.RepeatedScalarFieldContainer[str]
+    out_variables: _containers.RepeatedScalarFieldContainer[str]
+    state: _containers.RepeatedCompositeFieldContainer[StateEntry]
+    cost: int
+    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ...) -> None: ...
+
+class StateEntry(_message.Message):
+    __slots__ = ("graph_key", "model_key")
+    GRAPH_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KEY_FIELD_NUMBER: _ClassVar[int]
+    graph_key: str
+    model_key: str
+    def __init__(self, graph_key: _Optional[str] = ..., model_key: _Optional[str] = ...) -> None: ...
+
+class ResidualSource(_message.Message):
+    __slots__ = ("name", "producer_stage", "producer_address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_STAGE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    producer_stage: int
+    producer_address: str
+    def __init__(self, name: _Optional[str] = ..., producer_stage: _Optional[int] = ..., producer_address: _Optional[str] = ...) -> None: ...
+
+class ResidualSink(_message.Message):
+    __slots__ = ("name", "consumer_stages")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_STAGES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    consumer_stages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., consumer_stages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StagePlan(_message.Message):
+    __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCOMING_RESIDUALS_FIELD_NUMBER: _ClassVar[int]
+    OUTGOING_RESIDUALS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    num_stages: int
+    previous_address: str
+    next_address: str
+    incoming_residuals: _containers.RepeatedCompositeFieldContainer[ResidualSource]
+    outgoing_residuals: _containers.RepeatedCompositeFieldContainer[ResidualSink]
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "kwargs_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kwargs_json: str
+    def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ...) -> None: ...
+
+class LoadStageRequest(_message.Message):
+    __slots__ = ("deployment_id", "plan", "layers", "optimizer")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    plan: StagePlan
+    layers: _containers.RepeatedCompositeFieldContainer[CapturedLayer]
+    optimizer: OptimizerSpec
+    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+
+class LoadStageResponse(_message.Message):
+    __slots__ = ("parameter_count",)
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    parameter_count: int
+    def __init__(self, parameter_count: _Optional[int] = ...) -> None: ...
+
+class LoadStateHeader(_message.Message):
+    __slots__ = ("deployment_id",)
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
+
+class LoadStateRequest(_message.Message):
+    __slots__ = ("header", "tensor")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    header: LoadStateHeader
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[LoadStateHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class LoadStateResponse(_message.Message):
+    __slots__ = ("loaded",)
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loaded: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReadStateRequest(_message.Message):
+    __slots__ = ("deployment_id",)
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
+
+class StepKey(_message.Message):
+    __slots__ = ("deployment_id", "step", "microbatch")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    step: int
+    microbatch: int
+    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
+
+class ForwardHeader(_message.Message):
+    __slots__ = ("key", "requires_grad", "zero_grad")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    requires_grad: bool
+    zero_grad: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("header", "tensor")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    header: ForwardHeader
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[ForwardHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BackwardHeader(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("header", "tensor")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    header: BackwardHeader
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[BackwardHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class BackwardResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AccumulateGradientHeader(_message.Message):
+    __slots__ = ("key", "name", "consumer_stage", "has_gradient")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_STAGE_FIELD_NUMBER: _ClassVar[int]
+    HAS_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    name: str
+    consumer_stage: int
+    has_gradient: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ..., consumer_stage: _Optional[int] = ..., has_gradient: _Optional[bool] = ...) -> None: ...
+
+class AccumulateGradientRequest(_message.Message):
+    __slots__ = ("header", "tensor")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    header: AccumulateGradientHeader
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[AccumulateGradientHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class AccumulateGradientResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FetchTensorRequest(_message.Message):
+    __slots__ = ("key", "name")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    name: str
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("deployment_id", "step", "zero_grad")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    step: int
+    zero_grad: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    device: str
+    deployment_id: str
+    stage: int
+    layer_indexes: _containers.RepeatedScalarFieldContainer[int]
+    in_flight_steps: _containers.RepeatedScalarFieldContainer[int]
+    parameter_count: int
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ...) -> None: ...

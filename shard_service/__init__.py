@@ -1,0 +1,1 @@
+"""The shard: a gRPC server that runs one stage of a model."""

@@ -1,0 +1,50 @@
+"""Tensors one side of a step leaves for the other to pick up: awaitable, bounded, with timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any, Hashable
+
+from shardtrain.errors import DeadlineExceeded
+
+
+class Mailbox:
+    """Values keyed by (step, microbatch, name); a reader waits until the writer has put, up to a timeout."""
+
+    def __init__(self, capacity: int = 1024):
+        self._slots: OrderedDict[Hashable, asyncio.Future] = OrderedDict()
+        self._capacity = capacity
+
+    def _slot(self, key: Hashable) -> asyncio.Future:
+        if key not in self._slots:
+            self._slots[key] = asyncio.get_running_loop().create_future()
+            while len(self._slots) > self._capacity:  # forgotten entries (failed steps) must not pile up
+                self._slots.popitem(last=False)[1].cancel()
+        return self._slots[key]
+
+    def put(self, key: Hashable, value: Any) -> None:
+        """Delivers a value; a second put for the same key replaces it."""
+        slot = self._slot(key)
+        if slot.done():
+            self._slots[key] = slot = asyncio.get_running_loop().create_future()
+        slot.set_result(value)
+
+    async def get(self, key: Hashable, timeout: float, what: str) -> Any:
+        """Waits for the value under `key`; DeadlineExceeded naming `what` after `timeout` seconds."""
+        slot = self._slot(key)
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{what} did not arrive within {timeout:g} s") from None
+
+    def discard(self, key: Hashable) -> None:
+        """Forgets one entry."""
+        slot = self._slots.pop(key, None)
+        if slot is not None and not slot.done():
+            slot.cancel()
+
+    def discard_where(self, predicate) -> None:
+        """Forgets every entry whose key satisfies `predicate`."""
+        for key in [k for k in self._slots if predicate(k)]:
+            self.discard(key)

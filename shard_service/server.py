@@ -1,0 +1,77 @@
+"""Shard server wiring: build the gRPC server, register with the coordinator, serve until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+
+import grpc
+
+from shard_service.servicer import ShardServicer
+from shardtrain import rpc
+from shardtrain.errors import ShardtrainError, Unavailable
+from shardtrain.settings import ShardSettings, shard_settings
+from shardtrain.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2_grpc
+
+log = logging.getLogger("shardtrain.shard")
+
+
+async def build_server(settings: ShardSettings, bind: str | None = None) -> tuple[grpc.aio.Server, int, ShardServicer]:
+    """Starts a shard server on `bind` (default settings.bind; port 0 picks one); returns it, its port and servicer."""
+    server = rpc.new_server(settings.security)
+    port = rpc.bind(server, bind or settings.bind, settings.security)
+    host = (bind or settings.bind).rsplit(":", 1)[0]
+    servicer = ShardServicer(settings, settings.advertise or f"{host}:{port}")
+    shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
+    await server.start()
+    return server, port, servicer
+
+
+async def register(settings: ShardSettings, address: str) -> str:
+    """Registers with the coordinator, retrying until it answers or settings.timeouts.connect runs out."""
+    coordinator = rpc.Peer(f"coordinator at {settings.coordinator}", settings.coordinator,
+                           coordinator_pb2_grpc.CoordinatorServiceStub, settings.security,
+                           settings.timeouts.control)
+    deadline, delay = time.monotonic() + settings.timeouts.connect, 0.1
+    try:
+        while True:
+            try:
+                request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device)
+                return (await coordinator.call("RegisterShard", request)).shard_id
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+    finally:
+        await coordinator.close()
+
+
+async def serve(settings: ShardSettings) -> None:
+    """Runs one shard until cancelled: serve, register, announce readiness on stdout."""
+    server, port, servicer = await build_server(settings)
+    try:
+        shard_id = await register(settings, servicer.address)
+        print(json.dumps({"event": "ready", "service": "shard", "address": servicer.address,
+                          "port": port, "shard_id": shard_id}), flush=True)
+        await server.wait_for_termination()
+    finally:
+        await servicer.close()
+        await server.stop(grace=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `shardtrain shard`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = shard_settings(sys.argv[1:] if argv is None else argv)
+    try:
+        asyncio.run(serve(settings))
+    except ShardtrainError as error:
+        print(f"shard: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

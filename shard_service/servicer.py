@@ -1,0 +1,242 @@
+"""ShardService over gRPC: decodes requests, calls the Stage, pushes results to neighbouring shards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shard_service.mailbox import Mailbox
+from shard_service.stage import LayerSource, Stage
+from shardtrain import wire
+from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.residuals import OUTPUT, StageResiduals, Wiring
+from shardtrain.rpc import Peer, boundary
+from shardtrain.settings import ShardSettings
+from shardtrain.v1 import shard_pb2, shard_pb2_grpc
+
+log = logging.getLogger("shardtrain.shard")
+
+
+class RequestReader:
+    """Reads a client stream made of one header message followed by tensor chunks."""
+
+    def __init__(self, requests: AsyncIterator):
+        self._requests = requests.__aiter__()
+
+    async def header(self):
+        """The first message's header; InvalidArgument if the stream does not start with one."""
+        first = await anext(self._requests, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("stream must start with a header message")
+        return first.header
+
+    async def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor that follows the header, by name."""
+        return await wire.collect(self._chunks())
+
+    async def _chunks(self) -> AsyncIterator:
+        async for message in self._requests:
+            if message.WhichOneof("part") != "tensor":
+                raise InvalidArgument("only tensor chunks may follow the header")
+            yield message.tensor
+
+
+class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
+    """The gRPC face of one shard; all model logic lives in Stage."""
+
+    def __init__(self, settings: ShardSettings, address: str):
+        self.settings = settings
+        self.address = address
+        self._deployment_id = ""
+        self._stage: Stage | None = None
+        self._peers: dict[str, Peer] = {}
+        self._plan = shard_pb2.StagePlan()
+        self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
+        self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
+        self._pending: dict[tuple, list] = {}
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage")  # one stage, one thread, in order
+
+    @property
+    def location(self) -> str:
+        """How errors name this shard."""
+        stage = f"stage {self._stage.index}" if self._stage else "no stage loaded"
+        return f"shard {self.address} ({stage})"
+
+    async def _run(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._compute, function, *args)
+
+    def _peer(self, address: str) -> Peer:
+        if address not in self._peers:
+            self._peers[address] = Peer(f"shard at {address}", address, shard_pb2_grpc.ShardServiceStub,
+                                        self.settings.security, self.settings.timeouts.rpc)
+        return self._peers[address]
+
+    def _stage_for(self, deployment_id: str) -> Stage:
+        if self._stage is None:
+            raise FailedPrecondition("no stage is loaded here; deploy a model first")
+        if deployment_id != self._deployment_id:
+            raise FailedPrecondition(f"this shard holds deployment {self._deployment_id!r}, "
+                                     f"not {deployment_id!r}; the model was redeployed")
+        return self._stage
+
+    @boundary
+    async def LoadStage(self, request, context):
+        sources = [LayerSource(layer.index, layer.description, layer.program,
+                               Wiring(tuple(layer.dependencies), tuple(layer.out_variables)),
+                               {entry.graph_key: entry.model_key for entry in layer.state})
+                   for layer in request.layers]
+        plan = request.plan
+        residuals = StageResiduals({r.name: r.producer_stage for r in plan.incoming_residuals},
+                                   {r.name: list(r.consumer_stages) for r in plan.outgoing_residuals})
+        optimizer = (request.optimizer.name, request.optimizer.kwargs_json)
+        stage = await self._run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
+                                self.settings.max_in_flight)
+        self._stage, self._plan, self._deployment_id = stage, plan, request.deployment_id
+        self._outbox.discard_where(lambda key: True)
+        self._gradients.discard_where(lambda key: True)
+        log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
+                 request.deployment_id)
+        return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count)
+
+    @boundary
+    async def LoadState(self, request_iterator, context):
+        reader = RequestReader(request_iterator)
+        stage = self._stage_for((await reader.header()).deployment_id)
+        loaded = await self._run(stage.load_state, await reader.tensors())
+        return shard_pb2.LoadStateResponse(loaded=loaded)
+
+    @boundary
+    async def ReadState(self, request, context):
+        stage = self._stage_for(request.deployment_id)
+        for name, tensor in (await self._run(stage.state)).items():
+            for chunk in wire.tensor_chunks(tensor, name, self.settings.chunk_bytes):
+                yield chunk
+
+    @boundary
+    async def Forward(self, request_iterator, context):
+        reader = RequestReader(request_iterator)
+        header = await reader.header()
+        stage = self._stage_for(header.key.deployment_id)
+        fetches = {name: asyncio.ensure_future(self._fetch_residual(stage, header.key, name))
+                   for name in stage.residuals.incoming}
+        try:
+            tensors = await reader.tensors()
+            if len(tensors) != 1:
+                raise InvalidArgument(f"Forward carries exactly one activation tensor, got {len(tensors)}")
+            (x,) = tensors.values()
+            incoming = {name: await task for name, task in fetches.items()}
+        finally:
+            for task in fetches.values():
+                task.cancel()
+        if header.zero_grad:
+            await self._run(stage.zero_grad)
+        key = (header.key.step, header.key.microbatch)
+        output, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad)
+        for name, tensor in outgoing.items():
+            self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
+        if self._plan.next_address:
+            stream = wire.framed(shard_pb2.ForwardRequest, "header", header, {"activation": output}, self.settings.chunk_bytes)
+            await self._peer(self._plan.next_address).call("Forward", stream)
+        else:
+            self._outbox.put((*key, OUTPUT), [output, 1])
+        return shard_pb2.ForwardResponse()
+
+    async def _fetch_residual(self, stage: Stage, key, name: str):
+        producer = next(r for r in self._plan.incoming_residuals if r.name == name)
+        request = shard_pb2.FetchTensorRequest(key=key, name=name)
+        tensors = await wire.collect(self._peer(producer.producer_address).stream("FetchTensor", request))
+        if name not in tensors:
+            raise InvalidArgument(f"producer of residual {name!r} sent {sorted(tensors)} instead")
+        tensor = tensors[name]
+        stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {producer.producer_stage}")
+        return tensor
+
+    @boundary
+    async def FetchTensor(self, request, context):
+        self._stage_for(request.key.deployment_id)
+        key = (request.key.step, request.key.microbatch, request.name)
+        what = f"tensor {request.name!r} of step {request.key.step} micro-batch {request.key.microbatch}"
+        entry = await self._outbox.get(key, self.settings.timeouts.peer_wait, what)
+        entry[1] -= 1
+        if entry[1] <= 0:
+            self._outbox.discard(key)
+        for chunk in wire.tensor_chunks(entry[0], request.name, self.settings.chunk_bytes):
+            yield chunk
+
+    @boundary
+    async def Backward(self, request_iterator, context):
+        reader = RequestReader(request_iterator)
+        header = await reader.header()
+        stage = self._stage_for(header.key.deployment_id)
+        grad_output = (await reader.tensors()).get("gradient")
+        key = (header.key.step, header.key.microbatch)
+        residual_grads = {}
+        for name in stage.residuals.outgoing:
+            what = f"gradient of residual {name!r} for step {key[0]}"
+            residual_grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
+        grad_input, incoming_grads = await self._run(stage.backward, key, grad_output, residual_grads)
+        calls = [self._send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
+        if self._plan.previous_address:
+            tensors = {"gradient": grad_input} if grad_input is not None else {}
+            stream = wire.framed(shard_pb2.BackwardRequest, "header", header, tensors, self.settings.chunk_bytes)
+            calls.append(self._peer(self._plan.previous_address).call("Backward", stream))
+        await asyncio.gather(*calls)
+        return shard_pb2.BackwardResponse()
+
+    async def _send_residual_grad(self, key, name: str, grad) -> None:
+        producer = next(r for r in self._plan.incoming_residuals if r.name == name)
+        header = shard_pb2.AccumulateGradientHeader(key=key, name=name, consumer_stage=self._plan.stage,
+                                                    has_gradient=grad is not None)
+        tensors = {name: grad} if grad is not None else {}
+        stream = wire.framed(shard_pb2.AccumulateGradientRequest, "header", header, tensors, self.settings.chunk_bytes)
+        await self._peer(producer.producer_address).call("AccumulateGradient", stream)
+
+    @boundary
+    async def AccumulateGradient(self, request_iterator, context):
+        reader = RequestReader(request_iterator)
+        header = await reader.header()
+        stage = self._stage_for(header.key.deployment_id)
+        if header.name not in stage.residuals.outgoing:
+            raise InvalidArgument(f"stage {stage.index} did not produce residual {header.name!r}; "
+                                  f"it produces {sorted(stage.residuals.outgoing)}")
+        grad = (await reader.tensors()).get(header.name) if header.has_gradient else None
+        key = (header.key.step, header.key.microbatch, header.name)
+        received = self._pending.setdefault(key, [])
+        received.append(grad)
+        if len(received) == len(stage.residuals.outgoing[header.name]):
+            del self._pending[key]
+            present = [g for g in received if g is not None]
+            self._gradients.put(key, sum(present[1:], present[0]) if present else None)
+        return shard_pb2.AccumulateGradientResponse()
+
+    @boundary
+    async def Step(self, request, context):
+        stage = self._stage_for(request.deployment_id)
+        if request.zero_grad:
+            await self._run(stage.zero_grad)
+        await self._run(stage.step, request.step)
+        stale = lambda key: key[0] <= request.step  # noqa: E731 - a one-line predicate
+        self._outbox.discard_where(stale)
+        self._gradients.discard_where(stale)
+        for key in [k for k in self._pending if stale(k)]:
+            del self._pending[key]
+        return shard_pb2.StepResponse()
+
+    @boundary
+    async def Describe(self, request, context):
+        stage = self._stage
+        return shard_pb2.DescribeResponse(
+            address=self.address, device=self.settings.device, deployment_id=self._deployment_id,
+            stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
+            in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
+            parameter_count=stage.parameter_count if stage else 0)
+
+    async def close(self) -> None:
+        """Closes peer channels and the compute thread."""
+        for peer in self._peers.values():
+            await peer.close()
+        self._compute.shutdown(wait=False, cancel_futures=True)

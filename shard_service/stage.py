@@ -1,0 +1,188 @@
+"""One stage of a model on one device: its layers, optimizer and the autograd state of in-flight steps."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shardtrain import optim
+from shardtrain.capture import CapturedProgram, InputSpec
+from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
+from shardtrain.residuals import StageResiduals, Wiring, run_chain
+
+log = logging.getLogger("shardtrain.shard.stage")
+
+StepKey = tuple[int, int]  # (step, microbatch)
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """One layer as it arrives: the captured program, its wiring and its weight names."""
+
+    index: int
+    description: str
+    program: bytes
+    wiring: Wiring
+    state_keys: dict[str, str]  # graph key -> the user's state-dict key
+
+
+@dataclass
+class InFlight:
+    """What backward of one step needs: the leaves it differentiates into and the roots it starts from."""
+
+    inputs: torch.Tensor | None
+    incoming: dict[str, torch.Tensor]
+    output: torch.Tensor
+    outgoing: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Stage:
+    """Runs forward and backward of a contiguous slice of layers, keeping per-step state until backward."""
+
+    def __init__(self, index: int, sources: Sequence[LayerSource], residuals: StageResiduals,
+                 optimizer: tuple[str, str], device: str, max_in_flight: int = 64):
+        self.index = index
+        self.device = torch.device(device)
+        self.residuals = residuals
+        self.layer_indexes = [source.index for source in sources]
+        self.descriptions = [source.description for source in sources]
+        self._wirings = [source.wiring for source in sources]
+        self._layers, self._state, self._input_specs = self._build(sources)
+        self._unloaded = set(self._state)
+        parameters = [t for t in self._state.values() if isinstance(t, torch.nn.Parameter)]
+        self._optimizer = optim.build(*optimizer, parameters) if parameters else None
+        self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
+        self._max_in_flight = max_in_flight
+
+    def _build(self, sources: Sequence[LayerSource]):
+        layers, state, inputs = [], {}, []
+        for source in sources:
+            program = CapturedProgram(source.program)
+            graph_state = {}
+            for spec in program.state_specs():
+                if spec.graph_key not in source.state_keys:
+                    raise InvalidArgument(f"layer {source.index}: weight {spec.graph_key!r} has no state-dict key")
+                tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+                tensor = torch.nn.Parameter(tensor) if spec.is_parameter else tensor
+                graph_state[spec.graph_key] = state[source.state_keys[spec.graph_key]] = tensor
+            layers.append(program.load(graph_state))
+            inputs.append(program.input_specs())
+        return layers, state, inputs
+
+    @property
+    def parameter_count(self) -> int:
+        """Number of trainable scalars in the stage."""
+        return sum(t.numel() for t in self._state.values() if isinstance(t, torch.nn.Parameter))
+
+    @property
+    def in_flight_steps(self) -> list[StepKey]:
+        """Steps whose forward ran and whose backward has not."""
+        return list(self._in_flight)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """InvalidArgument unless `x` fits the first layer's main input."""
+        self._input_specs[0][0].check(x, f"stage {self.index} input (layer {self.layer_indexes[0]})")
+
+    def incoming_spec(self, name: str) -> InputSpec:
+        """The dtype and shape the first consumer in this stage expects for residual `name`."""
+        for wiring, specs, index in zip(self._wirings, self._input_specs, self.layer_indexes):
+            if name in wiring.dependencies:
+                return specs[1 + wiring.dependencies.index(name)]
+        raise NotFound(f"stage {self.index} does not consume residual {name!r}")
+
+    def forward(self, key: StepKey, x: torch.Tensor, incoming: dict[str, torch.Tensor],
+                requires_grad: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Runs the stage; keeps autograd state under `key` when requires_grad. Returns output and outgoing residuals."""
+        self._check_ready(key, requires_grad)
+        self.check_input(x)
+        x = x.to(self.device).requires_grad_(requires_grad and self.index > 0)
+        leaves = {name: t.to(self.device).requires_grad_(requires_grad) for name, t in incoming.items()}
+        saved = dict(leaves)
+        with torch.set_grad_enabled(requires_grad):
+            output = self._run(x, saved)
+        outgoing = {name: saved[name] for name in self.residuals.outgoing}
+        if requires_grad:
+            self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing))
+        return output.detach(), {name: t.detach() for name, t in outgoing.items()}
+
+    def _run(self, x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
+        try:
+            return run_chain(self._layers, self._wirings, x, saved)
+        except Exception as error:  # a layer failing on its data: report which stage and layers
+            raise InternalError(f"stage {self.index} (layers {self.layer_indexes[0]}-{self.layer_indexes[-1]}) "
+                                f"failed: {type(error).__name__}: {error}") from None
+
+    def _check_ready(self, key: StepKey, requires_grad: bool) -> None:
+        if self._unloaded:
+            raise FailedPrecondition(f"stage {self.index} has not received weights {sorted(self._unloaded)[:5]}; "
+                                     "load a state dict first")
+        if requires_grad and key in self._in_flight:
+            raise FailedPrecondition(f"step {key[0]} micro-batch {key[1]} is already in flight on stage {self.index}")
+
+    def _remember(self, key: StepKey, state: InFlight) -> None:
+        self._in_flight[key] = state
+        while len(self._in_flight) > self._max_in_flight:
+            dropped, _ = self._in_flight.popitem(last=False)
+            log.warning("stage %d dropped step %s: more than %d steps in flight without backward",
+                        self.index, dropped, self._max_in_flight)
+
+    def backward(self, key: StepKey, grad_output: torch.Tensor | None,
+                 residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+        """Backpropagates one step; returns the gradient of the input and of each fetched residual. Frees the step."""
+        if key not in self._in_flight:
+            raise NotFound(f"stage {self.index} has no step {key[0]} micro-batch {key[1]} in flight "
+                           f"(in flight: {[k[0] for k in self._in_flight]}); run forward first")
+        state = self._in_flight[key]
+        if grad_output is not None:
+            _check_like(grad_output, state.output, f"stage {self.index} output gradient")
+        roots, grads = self._roots(state, grad_output, residual_grads)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        del self._in_flight[key]
+        grad_input = state.inputs.grad if state.inputs is not None else None
+        return grad_input, {name: leaf.grad for name, leaf in state.incoming.items()}
+
+    def _roots(self, state: InFlight, grad_output: torch.Tensor | None, residual_grads: dict[str, torch.Tensor]):
+        pairs = [(state.output, grad_output)] + [(state.outgoing[n], g) for n, g in residual_grads.items()]
+        pairs = [(root, grad.to(self.device)) for root, grad in pairs if grad is not None and root.requires_grad]
+        for root, grad in pairs:
+            _check_like(grad, root, f"stage {self.index} gradient")
+        return [root for root, _ in pairs], [grad for _, grad in pairs]
+
+    def zero_grad(self) -> None:
+        """Clears parameter gradients (set to None, as torch does by default)."""
+        for tensor in self._state.values():
+            tensor.grad = None
+
+    def step(self, step: int) -> None:
+        """Applies the optimizer and forgets steps up to `step` whose backward never came."""
+        if self._optimizer is not None:
+            self._optimizer.step()
+        for key in [k for k in self._in_flight if k[0] <= step]:
+            del self._in_flight[key]
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Copies weights in place (the optimizer keeps pointing at them); InvalidArgument on unknown keys or shapes."""
+        for key, value in tensors.items():
+            if key not in self._state:
+                raise InvalidArgument(f"stage {self.index} has no weight {key!r}; it holds {sorted(self._state)}")
+            _check_like(value, self._state[key], f"weight {key!r}")
+        with torch.no_grad():
+            for key, value in tensors.items():
+                self._state[key].copy_(value)
+        self._unloaded -= set(tensors)
+        return sorted(tensors)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The stage's weights under the user's state-dict keys."""
+        return {key: tensor.detach() for key, tensor in self._state.items()}
+
+
+def _check_like(value: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    if value.shape != reference.shape or value.dtype != reference.dtype:
+        raise InvalidArgument(f"{what}: expected {reference.dtype} of shape {list(reference.shape)}, "
+                              f"got {value.dtype} of shape {list(value.shape)}")
