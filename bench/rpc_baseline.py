@@ -25,9 +25,12 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
+from client_sdk.layer_list import LayerList
+from client_sdk.seed_models import TEST_RESIDUAL_SMALL
+
 NUM_STAGES = 3
 WORLD_SIZE = NUM_STAGES + 1
-STAGE_BOUNDS = [(0, 3), (3, 6), (6, 10)]  # layer slices owned by workers 1, 2, 3
+STAGE_BOUNDS = [(0, 3), (3, 5), (5, 10)]  # layer slices owned by workers 1, 2, 3: shardtrain's balanced plan
 LEARNING_RATE = 3e-3
 RPC_TIMEOUT_S = 60
 GLOBAL_TIMEOUT_S = 300.0
@@ -35,39 +38,9 @@ SHUTDOWN_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.5
 
 
-class wrapped_linear(nn.Module):
-    """The seed's residual-aware linear layer, kept exactly as written in the seed."""
-
-    def __init__(self, in_features=None, out_features=None, dependencies=[], out_variables=[]):
-        super().__init__()
-        self.linear = nn.Linear(in_features, out_features)
-        self.dependencies = dependencies
-        self.forward_order = dependencies
-        self.out_variables = out_variables
-
-    def forward(self, x, noise=None):
-        if len(self.dependencies) != 0:
-            if self.dependencies[0] == "random_noise":
-                x = x + noise
-                lin_out = self.linear(x)
-            elif self.dependencies[0] == "res_1":
-                lin_out = self.linear(x) + noise
-        else:
-            lin_out = self.linear(x)
-        if len(self.out_variables) == 1:
-            return lin_out, [(self.out_variables[0], lin_out)]
-        return self.linear(x)
-
-
 def build_seed_layers() -> list[nn.Module]:
-    """Return the seed residual model's ten layers, in order."""
-    return [
-        nn.Linear(1, 512), nn.ReLU(),
-        wrapped_linear(512, 512, out_variables=["res_1"]), nn.ReLU(),
-        nn.Linear(512, 512), nn.ReLU(),
-        wrapped_linear(512, 512, dependencies=["res_1"]), nn.ReLU(),
-        nn.Linear(512, 1), nn.Sigmoid(),
-    ]
+    """Return the seed residual model's ten layers, in order (client_sdk.seed_models, the seed verbatim)."""
+    return list(LayerList(TEST_RESIDUAL_SMALL).children())
 
 
 class Stage(nn.Module):

@@ -79,7 +79,9 @@ class Cluster:
         optimizer: (torch.optim class or name, kwargs); each shard steps its own copy over its own weights.
         Partitioning: balanced by parameter count over `num_stages` (default: every shard), unless
         split_points (layer indexes where a stage starts) or layers_per_stage say otherwise.
+        A deploy replaces the cluster's previous deployment; its handle stops working.
         """
+        self._close_models()  # shards hold one deployment at a time: finish the previous one first
         module = layer_tools.as_module(model)
         layers = layer_tools.layers_of(module)
         example = example_input if example_input is not None else layer_tools.example_input(module, layers)
@@ -107,11 +109,19 @@ class Cluster:
         key_order = [entry.model_key for layer in captured for entry in layer.state]
         return DistributedModel(self._io, clients, placements, owners, key_order)
 
+    def _close_models(self) -> None:
+        models, self._models = self._models, []
+        for model in models:
+            model.close()
+
     def close(self) -> None:
         """Closes connections; stops the services only if Cluster.local started them."""
-        for model in self._models:
-            model.close()
-        self._models.clear()
+        try:
+            self._close_models()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         self._io.run(self._coordinator.close())
         if self._services is not None:
             self._services.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -9,9 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from client_sdk.autograd import RemoteStages
+from client_sdk.inflight import InFlight
 from client_sdk.io_loop import IoLoop
 from client_sdk.transport import StageClients, split_state
 from shardtrain.errors import FailedPrecondition
+from shardtrain.v1 import shard_pb2
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,11 @@ class DistributedModel:
     Training loop, as in PyTorch:  pred = model(x); loss.backward(); model.step(); model.zero_grad()
     Explicit async loop:  pred = await model.aforward(x); loss.backward(); await model.abackward(pred.grad);
                           await model.astep()
+
+    The synchronous loop does not wait for the shards to acknowledge backward, and step() travels
+    with the next forward: each shard orders the work itself, and the client runs at most one
+    iteration ahead. An error raised by a shard surfaces at the next call into the model;
+    synchronize() sends anything deferred and waits for everything sent so far.
     """
 
     def __init__(self, io: IoLoop, clients: StageClients, placements: Sequence[Placement],
@@ -43,8 +51,12 @@ class DistributedModel:
         self._anchor = torch.zeros((), requires_grad=True)
         self._steps = itertools.count()
         self._last_step = -1
+        self._optimizer_steps = 0
+        self._backward_steps: list[int] = []
         self._zero_grad_pending = False
+        self._step_pending: shard_pb2.StepRequest | None = None
         self._async_steps: list[int] = []
+        self._inflight = InFlight()
 
     @property
     def deployment_id(self) -> str:
@@ -59,7 +71,7 @@ class DistributedModel:
         """Runs the model; under autograd the result backpropagates into the shards."""
         if torch.is_grad_enabled():
             return RemoteStages.apply(self, self._anchor, x)
-        return self._remote_forward(self._begin_step(), x, requires_grad=False)
+        return self._io.run(self._forward(self._begin_step(), x, requires_grad=False))
 
     def step(self) -> None:
         """Every shard applies its optimizer to the gradients accumulated so far."""
@@ -69,15 +81,18 @@ class DistributedModel:
         """Clears gradients on every shard; sent with the next forward or step rather than on its own."""
         self._zero_grad_pending = True
 
+    def synchronize(self) -> None:
+        """Sends a deferred step, waits until every shard has finished everything sent so far; raises the first error."""
+        self._io.run(self._synchronize())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights, gathered from the shards, in the original model's key order."""
-        state = self._io.run(self._clients.read_state())
-        return {key: state[key] for key in self._key_order if key in state}
+        return self._io.run(self._read_state())
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Pushes weights to the shards that own them."""
         per_stage = split_state(state, self._owners, len(self.placements), strict)
-        self._io.run(self._clients.load_state(per_stage))
+        self._io.run(self._load_state(per_stage))
 
     def describe(self) -> list:
         """Each shard's own report: address, device, stage, layers, steps in flight."""
@@ -97,11 +112,11 @@ class DistributedModel:
             if not self._async_steps:
                 raise FailedPrecondition("abackward without a pending aforward")
             step = self._async_steps.pop(0)
-        await self._io.wrap(self._clients.backward(step, grad_output))
+        await self._io.wrap(self._backward(step, grad_output, wait=True))
 
     async def astep(self) -> None:
-        """Awaitable step()."""
-        await self._io.wrap(self._step())
+        """Applies every shard's optimizer and waits until all have."""
+        await self._io.wrap(self._step(wait=True))
 
     async def azero_grad(self) -> None:
         """Awaitable zero_grad() (it sends nothing by itself either)."""
@@ -109,10 +124,9 @@ class DistributedModel:
 
     async def astate_dict(self) -> dict[str, torch.Tensor]:
         """Awaitable state_dict()."""
-        state = await self._io.wrap(self._clients.read_state())
-        return {key: state[key] for key in self._key_order if key in state}
+        return await self._io.wrap(self._read_state())
 
-    # -- plumbing used by RemoteStages ---------------------------------------------------------
+    # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
     def _begin_step(self) -> int:
         self._last_step = next(self._steps)
         return self._last_step
@@ -121,19 +135,69 @@ class DistributedModel:
         return self._io.run(self._forward(step, x, requires_grad))
 
     def _remote_backward(self, step: int, grad_output: torch.Tensor) -> None:
-        self._io.run(self._clients.backward(step, grad_output))
+        self._io.run(self._backward(step, grad_output, wait=False))
 
     async def _forward(self, step: int, x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        self._inflight.raise_failures()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
-        return await self._clients.forward(step, x.detach(), requires_grad, zero_grad)
+        step_first, self._step_pending = self._step_pending, None
+        output, acknowledgement = await self._clients.forward(step, x.detach(), requires_grad, zero_grad,
+                                                              self._optimizer_steps, step_first)
+        self._inflight.add(acknowledgement)
+        return output
 
-    async def _step(self) -> None:
+    async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool) -> None:
+        self._inflight.raise_failures()
+        call = asyncio.ensure_future(self._clients.backward(step, grad_output))
+        self._backward_steps.append(step)
+        self._inflight.add(call)
+        if wait:
+            await call
+
+    async def _step(self, wait: bool = False) -> None:
+        """Defers the optimizer step to the next forward (or sends it now when `wait`)."""
+        await self._send_pending_step()
+        try:
+            await self._inflight.drain_previous()
+        except BaseException:
+            self._backward_steps.clear()
+            raise
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
-        await self._clients.step(self._last_step, zero_grad)
+        self._optimizer_steps += 1
+        backward_steps, self._backward_steps = self._backward_steps, []
+        self._step_pending = self._clients.step_request(self._last_step, zero_grad, self._optimizer_steps,
+                                                        backward_steps)
+        self._inflight.next_iteration()
+        if wait:
+            await self._synchronize()
+
+    async def _send_pending_step(self) -> None:
+        request, self._step_pending = self._step_pending, None
+        if request is not None:
+            self._inflight.add(asyncio.ensure_future(self._clients.step(request)))
+
+    async def _synchronize(self) -> None:
+        await self._send_pending_step()
+        await self._inflight.drain()
+
+    async def _read_state(self) -> dict[str, torch.Tensor]:
+        await self._synchronize()
+        state = await self._clients.read_state()
+        return {key: state[key] for key in self._key_order if key in state}
+
+    async def _load_state(self, per_stage) -> None:
+        await self._synchronize()
+        await self._clients.load_state(per_stage)
+
+    async def _close(self) -> None:
+        try:
+            await self._synchronize()
+        finally:
+            await self._clients.close()
 
     def close(self) -> None:
-        """Closes the channels to the shards (the shards keep the model)."""
-        self._io.run(self._clients.close())
+        """Waits for calls still in flight, then closes the channels (the shards keep the model)."""
+        self._io.run(self._close())
 
     def __repr__(self) -> str:
         stages = ", ".join(f"stage {p.stage}@{p.shard_address}: layers {p.first_layer}-{p.end_layer - 1}"

@@ -26,28 +26,45 @@ class StageClients:
     def _key(self, step: int, microbatch: int = 0) -> shard_pb2.StepKey:
         return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
 
-    async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool) -> torch.Tensor:
-        """Sends x into the first stage and, at the same time, asks the last stage for the output."""
+    async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
+                      after_optimizer_step: int, step_first: shard_pb2.StepRequest | None = None,
+                      ) -> tuple[torch.Tensor, asyncio.Future]:
+        """Sends x into the first stage and, at the same time, asks the last stage for the output.
+
+        Returns as soon as the output arrives (which proves every stage ran), with the still-running
+        Forward call, whose answer only confirms it.
+        """
         key = self._key(step)
-        header = shard_pb2.ForwardHeader(key=key, requires_grad=requires_grad, zero_grad=zero_grad)
+        header = shard_pb2.ForwardHeader(key=key, requires_grad=requires_grad, zero_grad=zero_grad,
+                                         after_optimizer_step=after_optimizer_step, step_first=step_first)
         fetch = asyncio.ensure_future(wire.collect(
             self.stages[-1].stream("FetchTensor", shard_pb2.FetchTensorRequest(key=key, name=OUTPUT))))
-        try:
-            await self.stages[0].call("Forward", wire.framed(shard_pb2.ForwardRequest, "header", header,
-                                                             {"activation": x}))
-            return (await fetch)[OUTPUT]
-        finally:
+        call = asyncio.ensure_future(self.stages[0].call(
+            "Forward", wire.framed(shard_pb2.ForwardRequest, header, {"activation": x})))
+        await asyncio.wait([fetch, call], return_when=asyncio.FIRST_COMPLETED)
+        if call.done() and call.exception() is not None:
             fetch.cancel()
+            raise call.exception()
+        try:
+            return (await fetch)[OUTPUT], call
+        except BaseException:
+            call.cancel()
+            raise
 
     async def backward(self, step: int, grad: torch.Tensor | None) -> None:
         """Sends the gradient of the output into the last stage; returns once every stage has run backward."""
         tensors = {"gradient": grad} if grad is not None else {}
         header = shard_pb2.BackwardHeader(key=self._key(step))
-        await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, "header", header, tensors))
+        await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, header, tensors))
 
-    async def step(self, step: int, zero_grad: bool) -> None:
-        """Every stage applies its optimizer."""
-        request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, zero_grad=zero_grad)
+    def step_request(self, step: int, zero_grad: bool, optimizer_step: int,
+                     backward_steps: Sequence[int]) -> shard_pb2.StepRequest:
+        """An optimizer step, to send on its own or with the next forward."""
+        return shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, zero_grad=zero_grad,
+                                     optimizer_step=optimizer_step, backward_steps=backward_steps)
+
+    async def step(self, request: shard_pb2.StepRequest) -> None:
+        """Every stage applies its optimizer once its share of the request's backwards has succeeded."""
         await asyncio.gather(*(stage.call("Step", request) for stage in self.stages))
 
     async def read_state(self) -> dict[str, torch.Tensor]:
@@ -60,7 +77,7 @@ class StageClients:
         """Sends each stage its share of a state dict."""
         header = shard_pb2.LoadStateHeader(deployment_id=self.deployment_id)
         await asyncio.gather(*(
-            stage.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, "header", header, tensors))
+            stage.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, header, tensors))
             for stage, tensors in zip(self.stages, per_stage)))
 
     async def describe(self) -> list[shard_pb2.DescribeResponse]:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import grpc
+import torch
 
 from shard_service.servicer import ShardServicer
 from shardtrain import rpc
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `shardtrain shard`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)  # for this thread; the compute thread sets its own
     try:
         asyncio.run(serve(settings))
     except ShardtrainError as error:

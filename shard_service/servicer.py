@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shard_service.mailbox import Mailbox
+from shard_service.ordering import StepOrder
 from shard_service.stage import LayerSource, Stage
 from shardtrain import wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument
@@ -22,27 +23,35 @@ log = logging.getLogger("shardtrain.shard")
 
 
 class RequestReader:
-    """Reads a client stream made of one header message followed by tensor chunks."""
+    """Reads a client stream whose first message carries a header and every message may carry a tensor chunk."""
 
     def __init__(self, requests: AsyncIterator):
         self._requests = requests.__aiter__()
+        self._first = None
 
     async def header(self):
         """The first message's header; InvalidArgument if the stream does not start with one."""
-        first = await anext(self._requests, None)
-        if first is None or first.WhichOneof("part") != "header":
+        self._first = await anext(self._requests, None)
+        if self._first is None or not self._first.HasField("header"):
             raise InvalidArgument("stream must start with a header message")
-        return first.header
+        return self._first.header
 
     async def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor that follows the header, by name."""
+        """Every tensor in the stream, by name."""
         return await wire.collect(self._chunks())
 
     async def _chunks(self) -> AsyncIterator:
+        if self._first.HasField("tensor"):
+            yield self._first.tensor
         async for message in self._requests:
-            if message.WhichOneof("part") != "tensor":
-                raise InvalidArgument("only tensor chunks may follow the header")
+            if message.HasField("header"):
+                raise InvalidArgument("only the first message of a stream may carry a header")
             yield message.tensor
+
+
+def _set_threads(threads: int) -> None:
+    if threads:
+        torch.set_num_threads(threads)
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -58,7 +67,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._pending: dict[tuple, list] = {}
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage")  # one stage, one thread, in order
+        self._order = StepOrder()
+        # One stage, one thread, in order. OpenMP thread counts are per thread, so the setting is
+        # applied inside the compute thread: set only in the main thread, the compute thread would
+        # start a team per core and spin against the other shards on the same host.
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage", initializer=_set_threads,
+                                           initargs=(settings.threads,))
 
     @property
     def location(self) -> str:
@@ -98,6 +112,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._stage, self._plan, self._deployment_id = stage, plan, request.deployment_id
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
+        self._order = StepOrder()
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count)
@@ -121,29 +136,49 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         reader = RequestReader(request_iterator)
         header = await reader.header()
         stage = self._stage_for(header.key.deployment_id)
-        fetches = {name: asyncio.ensure_future(self._fetch_residual(stage, header.key, name))
+        key = (header.key.step, header.key.microbatch)
+        output = asyncio.get_running_loop().create_future()
+        # The header goes on at once, so later stages fetch their residuals while this one computes.
+        downstream = self._pass_on(header, output) if self._plan.next_address else None
+        try:
+            x, incoming = await self._inputs(stage, header.key, reader)
+            if header.HasField("step_first"):
+                await self._apply_step(stage, header.step_first)
+            await self._order.after_optimizer_step(header.after_optimizer_step, self.settings.timeouts.peer_wait)
+            if header.zero_grad:
+                await self._run(stage.zero_grad)
+            result, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad)
+            for name, tensor in outgoing.items():
+                self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
+            if downstream is None:
+                self._outbox.put((*key, OUTPUT), [result, 1])
+            else:
+                output.set_result(result)
+                await downstream
+        finally:
+            if downstream is not None and not downstream.done():
+                downstream.cancel()
+        return shard_pb2.ForwardResponse()
+
+    def _pass_on(self, header, output: asyncio.Future) -> asyncio.Future:
+        async def requests():
+            yield shard_pb2.ForwardRequest(header=header)
+            for chunk in wire.tensor_chunks(await output, "activation", self.settings.chunk_bytes):
+                yield shard_pb2.ForwardRequest(tensor=chunk)
+        return asyncio.ensure_future(self._peer(self._plan.next_address).call("Forward", requests()))
+
+    async def _inputs(self, stage: Stage, key, reader: RequestReader):
+        """The activation from the stream and every incoming residual, fetched concurrently."""
+        fetches = {name: asyncio.ensure_future(self._fetch_residual(stage, key, name))
                    for name in stage.residuals.incoming}
         try:
             tensors = await reader.tensors()
             if len(tensors) != 1:
                 raise InvalidArgument(f"Forward carries exactly one activation tensor, got {len(tensors)}")
-            (x,) = tensors.values()
-            incoming = {name: await task for name, task in fetches.items()}
+            return next(iter(tensors.values())), {name: await task for name, task in fetches.items()}
         finally:
             for task in fetches.values():
                 task.cancel()
-        if header.zero_grad:
-            await self._run(stage.zero_grad)
-        key = (header.key.step, header.key.microbatch)
-        output, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad)
-        for name, tensor in outgoing.items():
-            self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
-        if self._plan.next_address:
-            stream = wire.framed(shard_pb2.ForwardRequest, "header", header, {"activation": output}, self.settings.chunk_bytes)
-            await self._peer(self._plan.next_address).call("Forward", stream)
-        else:
-            self._outbox.put((*key, OUTPUT), [output, 1])
-        return shard_pb2.ForwardResponse()
 
     async def _fetch_residual(self, stage: Stage, key, name: str):
         producer = next(r for r in self._plan.incoming_residuals if r.name == name)
@@ -172,6 +207,19 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         reader = RequestReader(request_iterator)
         header = await reader.header()
         stage = self._stage_for(header.key.deployment_id)
+        failure = "cancelled"
+        try:
+            await self._backward(stage, header, reader)
+            failure = ""
+        except Exception as error:
+            failure = str(error)
+            raise
+        finally:
+            await self._order.backward_finished(header.key.step, failure)
+        return shard_pb2.BackwardResponse()
+
+    async def _backward(self, stage: Stage, header, reader: RequestReader) -> None:
+        """This stage's backward, then (concurrently) the previous stage's and the residual producers'."""
         grad_output = (await reader.tensors()).get("gradient")
         key = (header.key.step, header.key.microbatch)
         residual_grads = {}
@@ -182,17 +230,16 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         calls = [self._send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
         if self._plan.previous_address:
             tensors = {"gradient": grad_input} if grad_input is not None else {}
-            stream = wire.framed(shard_pb2.BackwardRequest, "header", header, tensors, self.settings.chunk_bytes)
+            stream = wire.framed(shard_pb2.BackwardRequest, header, tensors, self.settings.chunk_bytes)
             calls.append(self._peer(self._plan.previous_address).call("Backward", stream))
         await asyncio.gather(*calls)
-        return shard_pb2.BackwardResponse()
 
     async def _send_residual_grad(self, key, name: str, grad) -> None:
         producer = next(r for r in self._plan.incoming_residuals if r.name == name)
         header = shard_pb2.AccumulateGradientHeader(key=key, name=name, consumer_stage=self._plan.stage,
                                                     has_gradient=grad is not None)
         tensors = {name: grad} if grad is not None else {}
-        stream = wire.framed(shard_pb2.AccumulateGradientRequest, "header", header, tensors, self.settings.chunk_bytes)
+        stream = wire.framed(shard_pb2.AccumulateGradientRequest, header, tensors, self.settings.chunk_bytes)
         await self._peer(producer.producer_address).call("AccumulateGradient", stream)
 
     @boundary
@@ -215,16 +262,33 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     @boundary
     async def Step(self, request, context):
-        stage = self._stage_for(request.deployment_id)
-        if request.zero_grad:
-            await self._run(stage.zero_grad)
-        await self._run(stage.step, request.step)
-        stale = lambda key: key[0] <= request.step  # noqa: E731 - a one-line predicate
+        await self._apply_step(self._stage_for(request.deployment_id), request)
+        return shard_pb2.StepResponse()
+
+    async def _apply_step(self, stage: Stage, request) -> None:
+        """Steps the optimizer once this stage's share of the listed backwards has succeeded."""
+        try:
+            failures = await self._order.backward_failures(request.backward_steps, self.settings.timeouts.peer_wait)
+            if failures:
+                step, reason = next(iter(failures.items()))
+                raise FailedPrecondition(f"optimizer step {request.optimizer_step} not applied: the backward of "
+                                         f"step {step} failed: {reason}")
+            if request.zero_grad:
+                await self._run(stage.zero_grad)
+            await self._run(stage.step)
+        finally:
+            await self._order.optimizer_step_settled(request.optimizer_step)
+            await self._forget(stage, request.step)
+
+    async def _forget(self, stage: Stage, up_to_step: int) -> None:
+        """Drops every leftover of steps up to `up_to_step` (forwards whose backward never came, failed steps)."""
+        await self._run(stage.forget, up_to_step)
+        stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
         self._outbox.discard_where(stale)
         self._gradients.discard_where(stale)
         for key in [k for k in self._pending if stale(k)]:
             del self._pending[key]
-        return shard_pb2.StepResponse()
+        self._order.forget(up_to_step)
 
     @boundary
     async def Describe(self, request, context):

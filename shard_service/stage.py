@@ -158,11 +158,14 @@ class Stage:
         for tensor in self._state.values():
             tensor.grad = None
 
-    def step(self, step: int) -> None:
-        """Applies the optimizer and forgets steps up to `step` whose backward never came."""
+    def step(self) -> None:
+        """Applies the optimizer to the accumulated gradients."""
         if self._optimizer is not None:
             self._optimizer.step()
-        for key in [k for k in self._in_flight if k[0] <= step]:
+
+    def forget(self, up_to_step: int) -> None:
+        """Drops the state of steps up to `up_to_step` whose backward never came."""
+        for key in [k for k in self._in_flight if k[0] <= up_to_step]:
             del self._in_flight[key]
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> list[str]:

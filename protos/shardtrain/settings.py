@@ -49,6 +49,7 @@ class ShardSettings:
     device: str = "cpu"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_in_flight: int = 64   # steps whose autograd state a stage keeps at once
+    threads: int = 0          # torch intra-op threads; 0 keeps torch's default (one per core)
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -112,12 +113,15 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--advertise", default=_env(env, "ADVERTISE"), help="address peers use to reach this shard")
     parser.add_argument("--device", default=_env(env, "DEVICE", "cpu"), help="cpu, cuda or cuda:N")
     parser.add_argument("--chunk-bytes", type=int, default=int(_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES))))
+    parser.add_argument("--threads", type=int, default=int(_env(env, "THREADS", "0")),
+                        help="torch intra-op threads (0: torch's default); set 1 when shards share a host's cores")
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
-                         device=args.device, chunk_bytes=args.chunk_bytes, security=security_from(args))
+                         device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
+                         security=security_from(args))
 
 
 def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:

@@ -55,14 +55,14 @@ def _byte_view(flat: torch.Tensor) -> memoryview:
 
 def tensor_chunks(tensor: torch.Tensor, name: str = "",
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
-    """Yields a header, then the tensor's bytes in chunks; device and layout are normalised first."""
+    """Yields the tensor's bytes in chunks, the first carrying the header; device and layout are normalised first."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     header = tensor_pb2.TensorHeader(name=name, dtype=dtype_code(tensor.dtype),
                                      shape=list(tensor.shape), nbytes=flat.numel())
-    yield tensor_pb2.TensorChunk(header=header)
     view = _byte_view(flat)
-    for offset in range(0, len(view), chunk_bytes):
-        # bytes() is the one copy per chunk that a protobuf bytes field demands.
+    # bytes() is the one copy per chunk that a protobuf bytes field demands.
+    yield tensor_pb2.TensorChunk(header=header, data=bytes(view[:chunk_bytes]))
+    for offset in range(chunk_bytes, len(view), chunk_bytes):
         yield tensor_pb2.TensorChunk(data=bytes(view[offset:offset + chunk_bytes]))
 
 
@@ -121,14 +121,13 @@ class TensorStreamReader:
 
     def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
         """Takes one message; returns a tensor as soon as its last byte has arrived."""
-        if chunk.WhichOneof("part") == "header":
+        if chunk.HasField("header"):
             if self._assembler is not None:
                 raise DataLoss(f"tensor {self._assembler.name!r}: a new header arrived before its data was complete")
             self._assembler = TensorAssembler(chunk.header, self._max_bytes)
         elif self._assembler is None:
             raise InvalidArgument("tensor stream: data chunk before any header")
-        else:
-            self._assembler.add(chunk.data)
+        self._assembler.add(chunk.data)
         return self._take_if_complete()
 
     def finish(self) -> None:
@@ -153,13 +152,16 @@ def read_tensors(chunks: Iterable[tensor_pb2.TensorChunk]) -> Iterator[tuple[str
     reader.finish()
 
 
-def framed(message_type, header_field: str, header, tensors: dict[str, torch.Tensor],
+def framed(message_type, header, tensors: dict[str, torch.Tensor],
            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
-    """A request stream: `message_type(header=...)`, then each tensor's chunks as `message_type(tensor=...)`."""
-    yield message_type(**{header_field: header})
+    """A request stream of `message_type(header=..., tensor=...)`: the header rides on the first message."""
+    first = True
     for name, tensor in tensors.items():
         for chunk in tensor_chunks(tensor, name, chunk_bytes):
-            yield message_type(tensor=chunk)
+            yield message_type(header=header, tensor=chunk) if first else message_type(tensor=chunk)
+            first = False
+    if first:
+        yield message_type(header=header)
 
 
 async def collect(chunks) -> dict[str, torch.Tensor]:

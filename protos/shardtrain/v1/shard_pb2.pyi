@@ -130,14 +130,18 @@ class StepKey(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("key", "requires_grad", "zero_grad")
+    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
+    AFTER_OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIRST_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     requires_grad: bool
     zero_grad: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ...) -> None: ...
+    after_optimizer_step: int
+    step_first: StepRequest
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("header", "tensor")
@@ -202,14 +206,18 @@ class FetchTensorRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("deployment_id", "step", "zero_grad")
+    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_STEPS_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     step: int
     zero_grad: bool
-    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ...) -> None: ...
+    optimizer_step: int
+    backward_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,28 @@
+"""The `shardtrain` command: `coordinator`, `shard` and `demo`, each handed to its component."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "coordinator": ("coordinator.server", "run the coordinator service"),
+    "shard": ("shard_service.server", "run one shard service"),
+    "demo": ("client_sdk.demo", "train the seed's residual model on a local 3-shard cluster"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatches `shardtrain COMMAND [flags]`; components are imported only when their command runs."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: shardtrain {coordinator,shard,demo} [--help]\n", file=sys.stderr)
+        for name, (_, summary) in COMMANDS.items():
+            print(f"  {name:<12} {summary}", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Orders the work a client sends without waiting for answers: forwards after optimizer steps, steps after backwards."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from shardtrain.errors import DeadlineExceeded
+
+
+class StepOrder:
+    """What this shard has settled so far, and waits (with timeouts) for what has not settled yet."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+        self._optimizer_steps = 0           # highest optimizer step settled here (applied or refused)
+        self._backwards: dict[int, str] = {}  # step -> "" if its backward succeeded here and upstream, else why not
+
+    async def _wait(self, predicate, timeout: float, what: str) -> None:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+            except TimeoutError:
+                raise DeadlineExceeded(f"{what} did not happen within {timeout:g} s") from None
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def after_optimizer_step(self, number: int, timeout: float) -> None:
+        """Returns once optimizer step `number` has settled here (at once for 0)."""
+        await self._wait(lambda: self._optimizer_steps >= number, timeout, f"optimizer step {number}")
+
+    async def optimizer_step_settled(self, number: int) -> None:
+        """Records that optimizer step `number` is over here, applied or not."""
+        self._optimizer_steps = max(self._optimizer_steps, number)
+        await self._notify()
+
+    async def backward_finished(self, step: int, failure: str = "") -> None:
+        """Records the outcome of a step's backward: "" for success, else the reason."""
+        self._backwards[step] = failure
+        await self._notify()
+
+    async def backward_failures(self, steps: Iterable[int], timeout: float) -> dict[int, str]:
+        """Waits until every listed backward has an outcome; returns the failed ones with their reasons."""
+        steps = list(steps)
+        await self._wait(lambda: all(s in self._backwards for s in steps), timeout, f"backward of steps {steps}")
+        return {s: self._backwards[s] for s in steps if self._backwards[s]}
+
+    def forget(self, up_to_step: int) -> None:
+        """Drops backward outcomes of steps up to `up_to_step`."""
+        for step in [s for s in self._backwards if s <= up_to_step]:
+            del self._backwards[step]
