@@ -15,7 +15,7 @@ from client_sdk.transport import StageClients
 from shardtrain import optim
 from shardtrain.errors import Unavailable
 from shardtrain.rpc import Peer
-from shardtrain.settings import Security, Timeouts, security_from_env
+from shardtrain.settings import Security, Timeouts, security_env, security_from_env
 from shardtrain.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2
 
 
@@ -37,11 +37,16 @@ class Cluster:
                     self.security, self.timeouts.control)
 
     @classmethod
-    def local(cls, num_shards: int = 3, device: str = "cpu", startup_timeout: float = 120.0) -> Cluster:
-        """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them."""
-        services = LocalServices(num_shards, device, startup_timeout=startup_timeout)
+    def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
+              startup_timeout: float = 120.0) -> Cluster:
+        """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
+
+        `security` (a token, TLS files) applies to the services and to this client alike.
+        """
+        security = security or Security()
+        services = LocalServices(num_shards, device, env=security_env(security), startup_timeout=startup_timeout)
         try:
-            cluster = cls(services.coordinator_address, security=Security(), services=services)
+            cluster = cls(services.coordinator_address, security=security, services=services)
             cluster.wait_for_shards(num_shards, startup_timeout)
             return cluster
         except BaseException:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from client_sdk.io_loop import IoLoop
 from client_sdk.transport import StageClients, split_state
 from shardtrain.errors import FailedPrecondition
 from shardtrain.v1 import shard_pb2
+
+log = logging.getLogger("shardtrain.sdk")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class DistributedModel:
         self._step_pending: shard_pb2.StepRequest | None = None
         self._async_steps: list[int] = []
         self._inflight = InFlight()
+        self._closed = False
 
     @property
     def deployment_id(self) -> str:
@@ -75,6 +79,7 @@ class DistributedModel:
 
     def step(self) -> None:
         """Every shard applies its optimizer to the gradients accumulated so far."""
+        self._check_open()
         self._io.run(self._step())
 
     def zero_grad(self) -> None:
@@ -87,10 +92,12 @@ class DistributedModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights, gathered from the shards, in the original model's key order."""
+        self._check_open()
         return self._io.run(self._read_state())
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Pushes weights to the shards that own them."""
+        self._check_open()
         per_stage = split_state(state, self._owners, len(self.placements), strict)
         self._io.run(self._load_state(per_stage))
 
@@ -128,6 +135,7 @@ class DistributedModel:
 
     # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
     def _begin_step(self) -> int:
+        self._check_open()
         self._last_step = next(self._steps)
         return self._last_step
 
@@ -192,12 +200,21 @@ class DistributedModel:
     async def _close(self) -> None:
         try:
             await self._synchronize()
+        except Exception as error:  # closing must not fail: a broken shard was already reported or is moot now
+            log.warning("deployment %s: calls still in flight at close failed: %s", self.deployment_id, error)
         finally:
             await self._clients.close()
 
     def close(self) -> None:
         """Waits for calls still in flight, then closes the channels (the shards keep the model)."""
-        self._io.run(self._close())
+        if not self._closed:
+            self._closed = True
+            self._io.run(self._close())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition(f"deployment {self.deployment_id} is closed: the cluster was closed or "
+                                     "deployed another model; use the handle the latest deploy returned")
 
     def __repr__(self) -> str:
         stages = ", ".join(f"stage {p.stage}@{p.shard_address}: layers {p.first_layer}-{p.end_layer - 1}"

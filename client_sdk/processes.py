@@ -34,12 +34,14 @@ def _die_with_parent() -> None:
 class Service:
     """One child process that prints a JSON 'ready' line on stdout once it serves."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path):
+    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict[str, str]):
         self.name = name
+        self.address = ""  # set from the ready line
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, env=_CHILD_ENV)
+                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                        env={**_CHILD_ENV, **env})
 
     def wait_ready(self, timeout: float) -> dict:
         """The ready line's fields; Unavailable (with the log's tail) if the process dies or stays silent."""
@@ -51,7 +53,9 @@ class Service:
             if readable:
                 line = self.process.stdout.readline()
                 if line.startswith(b"{"):
-                    return json.loads(line)
+                    ready = json.loads(line)
+                    self.address = ready.get("address", f"127.0.0.1:{ready.get('port')}")
+                    return ready
         raise Unavailable(f"{self.name} did not become ready within {timeout:g} s: {self.log_tail()}")
 
     def log_tail(self, lines: int = 15) -> str:
@@ -75,16 +79,17 @@ class Service:
 class LocalServices:
     """A coordinator and `num_shards` shards as processes on 127.0.0.1, on ports the OS picks."""
 
-    def __init__(self, num_shards: int, device: str = "cpu", extra_args: list[str] | None = None,
+    def __init__(self, num_shards: int, device: str = "cpu", env: dict[str, str] | None = None,
                  startup_timeout: float = 120.0):
+        """`env` adds variables for the services (SHARDTRAIN_AUTH_TOKEN and the like); secrets stay off argv."""
         self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="shardtrain-"))
         self.services: list[Service] = []
-        extra = list(extra_args or [])
+        self._env = dict(env or {})
         try:
-            coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", "127.0.0.1:0", *extra])
+            coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", "127.0.0.1:0"])
             self.coordinator_address = f"127.0.0.1:{coordinator.wait_ready(startup_timeout)['port']}"
             shards = [self._start(f"shard-{i}", ["-m", "shard_service", "--coordinator", self.coordinator_address,
-                                                 "--bind", "127.0.0.1:0", "--device", device, *extra])
+                                                 "--bind", "127.0.0.1:0", "--device", device])
                       for i in range(num_shards)]
             self.shard_addresses = [shard.wait_ready(startup_timeout)["address"] for shard in shards]
         except BaseException:
@@ -92,7 +97,7 @@ class LocalServices:
             raise
 
     def _start(self, name: str, argv: list[str]) -> Service:
-        service = Service(name, argv, self.log_dir)
+        service = Service(name, argv, self.log_dir, self._env)
         self.services.append(service)
         return service
 

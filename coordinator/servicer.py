@@ -46,7 +46,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
         spec = request.partition
         available = len(self.registry.shards())
-        ranges = partition.plan([layer.cost for layer in layers], spec.num_stages or available,
+        # By default one stage per shard, but never an empty stage when there are fewer layers than shards.
+        ranges = partition.plan([layer.cost for layer in layers], spec.num_stages or min(available, len(layers)),
                                 spec.split_points, spec.layers_per_stage)
         routes = route([Wiring(tuple(l.dependencies), tuple(l.out_variables)) for l in layers], ranges)
         placements = place(ranges, routes, self.registry.take(len(ranges)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import sys
 import time
 
@@ -24,11 +25,16 @@ async def build_server(settings: ShardSettings, bind: str | None = None) -> tupl
     """Starts a shard server on `bind` (default settings.bind; port 0 picks one); returns it, its port and servicer."""
     server = rpc.new_server(settings.security)
     port = rpc.bind(server, bind or settings.bind, settings.security)
-    host = (bind or settings.bind).rsplit(":", 1)[0]
-    servicer = ShardServicer(settings, settings.advertise or f"{host}:{port}")
+    servicer = ShardServicer(settings, settings.advertise or f"{_reachable_host(bind or settings.bind)}:{port}")
     shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
     await server.start()
     return server, port, servicer
+
+
+def _reachable_host(bind: str) -> str:
+    """The host part of a bind address, or this machine's name when bound to every interface."""
+    host = bind.rsplit(":", 1)[0]
+    return socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
 
 
 async def register(settings: ShardSettings, address: str) -> str:

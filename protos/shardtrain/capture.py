@@ -214,7 +214,7 @@ class InputSpec:
         fits = tensor.dtype == self.dtype and tensor.dim() == len(self.shape) and all(
             want is None or want == got for want, got in zip(self.shape, tensor.shape))
         if not fits:
-            wanted = ["batch" if size is None else size for size in self.shape]
+            wanted = "[" + ", ".join("batch" if size is None else str(size) for size in self.shape) + "]"
             raise InvalidArgument(f"{what}: expected {str(self.dtype).removeprefix('torch.')} of shape {wanted}, "
                                   f"got {str(tensor.dtype).removeprefix('torch.')} of shape {list(tensor.shape)}")
 

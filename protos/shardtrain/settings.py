@@ -96,6 +96,13 @@ def security_from_env(env: Mapping[str, str] | None = None) -> Security:
     return security_from(parser.parse_args([]))
 
 
+def security_env(security: Security) -> dict[str, str]:
+    """The SHARDTRAIN_* variables that make a child service use `security` (the inverse of the flags' defaults)."""
+    fields = {"AUTH_TOKEN": security.token, "TLS_CERT": security.tls_cert, "TLS_KEY": security.tls_key,
+              "TLS_CA": security.tls_ca, "TLS_SERVER_NAME": security.tls_server_name}
+    return {ENV_PREFIX + name: value for name, value in fields.items() if value}
+
+
 def _coordinator_default(env: Mapping[str, str]) -> str:
     # MODEL_HOST/MODEL_PORT are the seed's names for the coordinator's address.
     if "MODEL_HOST" in env and "MODEL_PORT" in env:

@@ -1,0 +1,76 @@
+"""The `shardtrain` command, token authentication and TLS, through real processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import Cluster
+from shardtrain import errors
+from shardtrain.settings import Security
+from tests.integration.training import regression_batches, train_remotely
+
+
+def test_demo_trains_and_matches_one_process():
+    done = subprocess.run(["shardtrain", "demo", "--steps", "20"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "where each layer runs:" in done.stdout
+    assert "-> match" in done.stdout
+
+
+def test_services_started_from_the_command_line_serve_a_client(tmp_path):
+    coordinator = subprocess.Popen(["shardtrain", "coordinator", "--bind", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+    shard = None
+    try:
+        port = json.loads(coordinator.stdout.readline())["port"]
+        shard = subprocess.Popen(["shardtrain", "shard", "--bind", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True,
+                                 env={**__import__("os").environ, "MODEL_HOST": "127.0.0.1", "MODEL_PORT": str(port)})
+        ready = json.loads(shard.stdout.readline())
+        with Cluster.connect(f"127.0.0.1:{port}") as cluster:
+            assert [s.address for s in cluster.shards()] == [ready["address"]]
+            model = cluster.deploy(nn.Sequential(nn.Linear(2, 1)))
+            assert train_remotely(model, regression_batches(steps=2, batch=2, features=2))
+    finally:
+        for process in (shard, coordinator):
+            if process is not None:
+                process.terminate()
+                process.wait(10)
+
+
+def test_wrong_or_missing_token_is_unauthenticated():
+    with Cluster.local(num_shards=1, security=Security(token="s3cret")) as cluster:
+        model = cluster.deploy(nn.Sequential(nn.Linear(2, 1)))
+        train_remotely(model, regression_batches(steps=1, batch=2, features=2))
+        for token in ("", "wrong"):
+            with pytest.raises(errors.Unauthenticated, match="auth token"):
+                Cluster.connect(cluster.address, security=Security(token=token))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_end_to_end(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=shardtrain-test", "-addext",
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    security = Security(token="t", tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
+    with Cluster.local(num_shards=2, security=security) as cluster:
+        torch.manual_seed(0)
+        model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)))
+        losses = train_remotely(model, regression_batches(steps=3, batch=2, features=2))
+        assert len(losses) == 3
+        with pytest.raises(errors.Unavailable):
+            Cluster.connect(cluster.address, security=Security(token="t"))  # plaintext to a TLS port
+
+
+def test_entry_point_lists_its_commands():
+    done = subprocess.run([sys.executable, "-m", "shardtrain.cli"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert all(name in done.stderr for name in ("coordinator", "shard", "demo"))

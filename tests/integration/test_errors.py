@@ -1,0 +1,143 @@
+"""Bad input gets a clear error with the right status code; the shard keeps serving and the next step works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import Cluster
+from shardtrain import errors
+from shardtrain.v1 import shard_pb2
+from tests.integration.training import regression_batches, train_remotely
+
+
+class Picky(nn.Module):
+    """A layer that fails on its data: values of 100 or more are refused at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch._assert_async(x.abs().max() < 100, "input values must stay below 100")
+        return self.linear(x)
+
+
+@pytest.fixture
+def picky_model(cluster4):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), Picky(), nn.Linear(4, 1))
+    return cluster4.deploy(net, optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=3)
+
+
+def a_good_step_works(model) -> None:
+    """One full training step succeeds and changes the weights."""
+    before = model.state_dict()
+    train_remotely(model, regression_batches(steps=1, batch=4, features=3))
+    after = model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_wrong_input_shape_names_stage_and_expected_shape(picky_model):
+    with pytest.raises(errors.InvalidArgument, match=r"stage 0 input .*expected float32 of shape \[batch, 3\], "
+                                                     r"got float32 of shape \[4, 5\]") as caught:
+        picky_model(torch.randn(4, 5))
+    assert "127.0.0.1:" in str(caught.value)
+    a_good_step_works(picky_model)
+
+
+def test_wrong_input_dtype(picky_model):
+    with pytest.raises(errors.InvalidArgument, match="expected float32 .* got float64"):
+        picky_model(torch.randn(4, 3, dtype=torch.float64))
+    a_good_step_works(picky_model)
+
+
+def test_a_stage_that_raises_names_the_stage_and_the_cause(picky_model):
+    with pytest.raises(errors.InternalError, match=r"stage 1 \(layers 1-1\) failed: .*input values must stay below 100"):
+        picky_model(torch.full((4, 3), 1e4))
+    a_good_step_works(picky_model)
+
+
+def test_backward_of_an_unknown_step_is_not_found(picky_model):
+    request = picky_model._clients.backward(10_000, torch.zeros(4, 1))
+    with pytest.raises(errors.NotFound, match="no step 10000 micro-batch 0 in flight"):
+        picky_model._io.run(request)
+    a_good_step_works(picky_model)
+
+
+def test_wrong_gradient_shape_fails_backward_and_nothing_is_stepped(picky_model):
+    before = picky_model.state_dict()
+    pred = picky_model(torch.randn(4, 3))
+    picky_model._remote_backward(picky_model._last_step, torch.zeros(4, 7))
+    with pytest.raises(errors.InvalidArgument, match=r"output gradient: expected torch.float32 of shape \[4, 1\]"):
+        picky_model.step()
+        picky_model.synchronize()
+    after = picky_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a failed backward must not step any stage"
+    del pred
+    a_good_step_works(picky_model)
+
+
+def test_handle_of_a_replaced_deployment_is_refused(cluster4):
+    old = cluster4.deploy(nn.Sequential(nn.Linear(2, 2)), num_stages=1)
+    with Cluster.connect(cluster4.address) as other_client:  # someone else redeploys on the same shards
+        other_client.deploy(nn.Sequential(nn.Linear(2, 3)), num_stages=1)
+    with pytest.raises(errors.FailedPrecondition, match="holds deployment .* the model was redeployed"):
+        old(torch.randn(1, 2))
+    cluster4.deploy(nn.Sequential(nn.Linear(2, 2)), num_stages=1)  # this client redeploys: its old handle closes
+    with pytest.raises(errors.FailedPrecondition, match="is closed: .*deployed another model"):
+        old(torch.randn(1, 2))
+
+
+def test_optimizer_outside_the_allow_list_is_refused(cluster4):
+    class Mine(torch.optim.SGD):
+        pass
+
+    with pytest.raises(errors.InvalidArgument, match="not allowed"):
+        cluster4.deploy(nn.Sequential(nn.Linear(2, 2)), optimizer=(Mine, {"lr": 0.1}))
+    with pytest.raises(errors.InvalidArgument, match="cannot build SGD"):
+        cluster4.deploy(nn.Sequential(nn.Linear(2, 2)), optimizer=(torch.optim.SGD, {"lr": 0.1, "bogus": 1}))
+
+
+def test_more_stages_than_shards_is_refused(cluster4):
+    with pytest.raises(errors.InvalidArgument, match="5 stages asked for but only 4 shards"):
+        cluster4.deploy(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]), split_points=[1, 2, 3, 4])
+
+
+def test_unknown_state_dict_keys_are_refused(cluster4):
+    model = cluster4.deploy(nn.Sequential(nn.Linear(2, 2)), num_stages=1)
+    with pytest.raises(errors.InvalidArgument, match=r"unexpected keys \['9.weight'\]"):
+        model.load_state_dict({"9.weight": torch.zeros(2, 2)})
+    with pytest.raises(errors.InvalidArgument, match=r"weight '0.weight': expected .* shape \[2, 2\]"):
+        model.load_state_dict({"0.weight": torch.zeros(3, 3), "0.bias": torch.zeros(2)})
+
+
+def test_a_tampered_program_is_refused_by_the_shard(cluster4):
+    model = cluster4.deploy(nn.Sequential(nn.Linear(2, 2)), num_stages=1)
+    shard = model._clients.stages[0]
+    layer = shard_pb2.CapturedLayer(index=0, program=b'{"graph_module": {"graph": {"nodes": [{"target": '
+                                                     b'"torch.os.system", "metadata": {}}]}}}')
+    request = shard_pb2.LoadStageRequest(deployment_id="evil", plan=shard_pb2.StagePlan(stage=0, num_stages=1),
+                                         layers=[layer], optimizer=shard_pb2.OptimizerSpec(name="SGD"))
+    with pytest.raises(errors.InvalidArgument, match="torch.os.system"):
+        model._io.run(shard.call("LoadStage", request))
+    a_good_step_works_on = model(torch.randn(1, 2))  # the shard kept its stage and serves on
+    assert a_good_step_works_on.shape == (1, 2)
+
+
+def test_nothing_listening_is_unavailable_with_the_address():
+    with pytest.raises(errors.Unavailable, match=r"coordinator at 127.0.0.1:1 is unavailable"):
+        Cluster.connect("127.0.0.1:1")
+
+
+def test_a_dead_shard_makes_the_call_fail_with_its_address(own_cluster):
+    torch.manual_seed(0)
+    model = own_cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=2)
+    train_remotely(model, regression_batches(steps=1, batch=2, features=2))
+    victim = model.placements[1].shard_address
+    service = next(s for s in own_cluster._services.services if s.address == victim)
+    service.process.kill()
+    service.process.wait()
+    with pytest.raises(errors.Unavailable, match=rf"{victim} .*is unavailable"):
+        model(torch.randn(2, 2))

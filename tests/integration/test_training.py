@@ -1,0 +1,144 @@
+"""Training over shards (real processes on 127.0.0.1) matches the same training in one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import LayerList
+from client_sdk.seed_models import TEST_RESIDUAL_SMALL
+from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+
+ADAM = (torch.optim.Adam, {"lr": 3e-3})
+
+
+def test_seed_residual_model_on_three_shards_matches_one_process(cluster4):
+    torch.manual_seed(0)
+    reference = LayerList(TEST_RESIDUAL_SMALL)
+    batches = regression_batches(steps=50, batch=32, features=1)
+    model = cluster4.deploy(TEST_RESIDUAL_SMALL, optimizer=ADAM, num_stages=3)
+    model.load_state_dict(reference.state_dict())  # the deploy built its own weights; start from the reference's
+    losses = train_remotely(model, batches)
+    assert largest_difference(model.state_dict(), train_locally(reference, batches, ADAM)) <= 1e-5
+    assert losses[-1] < losses[0] / 5, f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}"
+    assert [(p.first_layer, p.end_layer) for p in model.placements] == [(0, 3), (3, 5), (5, 10)]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_sequential_matches_one_process(cluster4, stages):
+    torch.manual_seed(stages)
+    net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16),
+                        nn.GELU(), nn.Linear(16, 2))
+    batches = regression_batches(steps=30, batch=16, features=6, outputs=2)
+    model = cluster4.deploy(net, optimizer=ADAM, num_stages=stages)
+    assert len(model.placements) == stages
+    train_remotely(model, batches)
+    trained = model.state_dict()
+    assert list(trained) == list(net.state_dict())
+    assert largest_difference(trained, train_locally(net, batches, ADAM)) <= 1e-5
+
+
+class SkipAdd(nn.Module):
+    """A Linear that adds a saved residual to its output (unlike the seed's layer, it keeps the sum)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x, residual):
+        return self.linear(x) + residual
+
+
+def test_residual_that_skips_a_whole_stage_gets_its_gradient(cluster4):
+    torch.manual_seed(1)
+    spec = [
+        (nn.Linear, {"in_features": 3, "out_features": 8, "out_variables": ["skip"]}, (4, 3)),
+        (nn.Tanh, {}, (4, 8)),
+        (nn.Linear, {"in_features": 8, "out_features": 8}, (4, 8)),
+        (nn.Tanh, {}, (4, 8)),
+        (SkipAdd, {"features": 8, "dependencies": ["skip"]}, [(4, 8), (4, 8)]),
+        (nn.Linear, {"in_features": 8, "out_features": 1}, (4, 8)),
+    ]
+    reference = LayerList(spec)
+    batches = regression_batches(steps=25, batch=8, features=3)
+    model = cluster4.deploy(reference, optimizer=(torch.optim.SGD, {"lr": 0.1}), split_points=[2, 4])
+    assert [(p.first_layer, p.end_layer) for p in model.placements] == [(0, 2), (2, 4), (4, 6)]
+    train_remotely(model, batches)
+    trained, expected = model.state_dict(), train_locally(reference, batches, (torch.optim.SGD, {"lr": 0.1}))
+    assert largest_difference(trained, expected) <= 1e-5
+
+
+CUSTOM_LAYER_SCRIPT = textwrap.dedent('''
+    import json, sys, torch
+    from torch import nn
+    from client_sdk import Cluster
+
+    class Swish(nn.Module):                 # lives in __main__: the shards cannot import it
+        def __init__(self, features):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(features))
+        def forward(self, x):
+            return x * torch.sigmoid(self.scale * x)
+
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(4, 16), Swish(16), nn.Linear(16, 16), Swish(16), nn.Linear(16, 1))
+    reference = {k: v.clone() for k, v in net.state_dict().items()}
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)) for _ in range(20)]
+    cluster = Cluster.connect(sys.argv[1])
+    model = cluster.deploy(net, optimizer=(torch.optim.SGD, {"lr": 0.05}), num_stages=2)
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward(); model.step(); model.zero_grad()
+    trained = model.state_dict()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for x, y in batches:
+        nn.functional.mse_loss(net(x), y).backward(); opt.step(); opt.zero_grad()
+    print(json.dumps({"difference": max((trained[k] - v).abs().max().item() for k, v in net.state_dict().items()),
+                      "moved": max((trained[k] - v).abs().max().item() for k, v in reference.items()),
+                      "keys": list(trained)}))
+    cluster.close()
+''')
+
+
+def test_custom_layer_class_defined_in_main_trains(cluster4, tmp_path):
+    script = tmp_path / "custom_layer.py"
+    script.write_text(CUSTOM_LAYER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), cluster4.address], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["difference"] <= 1e-5
+    assert result["moved"] > 1e-3
+    assert result["keys"] == ["0.weight", "0.bias", "1.scale", "2.weight", "2.bias", "3.scale", "4.weight", "4.bias"]
+
+
+def test_no_grad_forward_keeps_no_state_and_matches_local(cluster4):
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = cluster4.deploy(net, num_stages=2)
+    x = torch.randn(5, 3)
+    with torch.no_grad():
+        pred = model(x)
+    assert not pred.requires_grad
+    torch.testing.assert_close(pred, net(x).detach(), rtol=0, atol=1e-6)
+    assert all(not report.in_flight_steps for report in model.describe())
+
+
+def test_gradient_accumulation_over_two_forwards(cluster4):
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = cluster4.deploy(net, optimizer=(torch.optim.SGD, {"lr": 0.1}), num_stages=2)
+    batches = regression_batches(steps=2, batch=4, features=3)
+    total = sum(nn.functional.mse_loss(model(x), y) for x, y in batches)
+    total.backward()
+    model.step()
+    local_total = sum(nn.functional.mse_loss(net(x), y) for x, y in batches)
+    local_total.backward()
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    assert largest_difference(model.state_dict(), net.state_dict()) <= 1e-6
