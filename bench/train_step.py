@@ -1,25 +1,32 @@
 """Issue-2 benchmark: median training-step time of the seed residual model, three ways, in one run.
 
-    python bench/train_step.py [--batches 32 256] [--steps 60]
+    python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3]
 
 1. one process (the baseline; its best of 1 and 2 torch threads),
 2. shardtrain on 3 local shard processes,
 3. torch.distributed.rpc + distributed autograd + DistributedOptimizer on 3 worker processes.
-Prints the medians and the ratios shardtrain/one-process and shardtrain/torch.rpc.
+The three take turns for --rounds rounds (this machine is shared and noisy); each figure is the
+median of every timed step of its rounds. Prints the medians and the ratios
+shardtrain/one-process and shardtrain/torch.rpc.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
-import torch
+# Every process of the run (this one, the torch.rpc workers it spawns, the local shards) gets the
+# OpenMP setting Cluster.local gives its shards, so the comparison is like for like.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from bench.rpc_baseline import _make_data, run_rpc_baseline
-from client_sdk import Cluster, LayerList
-from client_sdk.seed_models import TEST_RESIDUAL_SMALL
+import torch  # noqa: E402 - after the OpenMP setting, which is read when torch loads
+
+from bench.rpc_baseline import _make_data, run_rpc_baseline  # noqa: E402
+from client_sdk import Cluster, LayerList  # noqa: E402
+from client_sdk.seed_models import TEST_RESIDUAL_SMALL  # noqa: E402
 
 LR = 3e-3
 
@@ -36,8 +43,9 @@ def timed_steps(step: Callable[[], None], steps: int, warmup: int) -> list[float
     return times
 
 
-def single_process(batch: int, steps: int, warmup: int, threads: int) -> float:
-    """Median step of the whole model in this process with `threads` intra-op threads."""
+def single_process(batch: int, steps: int, warmup: int, threads: int) -> list[float]:
+    """Step times of the whole model in this process with `threads` intra-op threads."""
+    default = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = LayerList(TEST_RESIDUAL_SMALL)
@@ -48,40 +56,52 @@ def single_process(batch: int, steps: int, warmup: int, threads: int) -> float:
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return statistics.median(timed_steps(step, steps, warmup))
+    try:
+        return timed_steps(step, steps, warmup)
+    finally:
+        torch.set_num_threads(default)
 
 
-def shardtrain(cluster: Cluster, batch: int, steps: int, warmup: int) -> float:
-    """Median step of the model deployed over the cluster's shards."""
-    torch.manual_seed(0)
-    model = cluster.deploy(TEST_RESIDUAL_SMALL, optimizer=(torch.optim.Adam, {"lr": LR}))
+def shardtrain(model, batch: int, steps: int, warmup: int) -> list[float]:
+    """Step times of the model deployed over the cluster's shards."""
     x, y = _make_data(batch, 0)
 
     def step() -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         model.step()
         model.zero_grad()
-    return statistics.median(timed_steps(step, steps, warmup))
+    return timed_steps(step, steps, warmup)
+
+
+def measure(cluster: Cluster, batch: int, args) -> dict[str, float]:
+    """Median step time of each way, the ways taking turns for args.rounds rounds."""
+    torch.manual_seed(0)
+    model = cluster.deploy(TEST_RESIDUAL_SMALL, optimizer=(torch.optim.Adam, {"lr": LR}))
+    times: dict[str, list[float]] = {"shardtrain": [], "1 thread": [], "2 threads": [], "torch.rpc": []}
+    for _ in range(args.rounds):
+        times["shardtrain"] += shardtrain(model, batch, args.steps, args.warmup)
+        times["1 thread"] += single_process(batch, args.steps, args.warmup, 1)
+        times["2 threads"] += single_process(batch, args.steps, args.warmup, 2)
+        times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    rows = []
     with Cluster.local(num_shards=3) as cluster:
-        for batch in args.batches:
-            ours = shardtrain(cluster, batch, args.steps, args.warmup)
-            single = {t: single_process(batch, args.steps, args.warmup, t) for t in (1, 2)}
-            rows.append((batch, min(single.values()), single, ours))
+        results = [(batch, measure(cluster, batch, args)) for batch in args.batches]
     print(f"{'batch':>5} {'1 process':>10} {'(1 thr / 2 thr)':>16} {'shardtrain':>11} {'torch.rpc':>10} "
           f"{'st/1proc':>9} {'st/rpc':>7}")
-    for batch, single, by_threads, ours in rows:
-        rpc = statistics.median(run_rpc_baseline(batch, args.steps, args.warmup))
-        print(f"{batch:5d} {single * 1e3:8.2f}ms {by_threads[1] * 1e3:7.2f}/{by_threads[2] * 1e3:.2f}ms "
-              f"{ours * 1e3:9.2f}ms {rpc * 1e3:8.2f}ms {ours / single:8.2f}x {ours / rpc:6.2f}x")
+    for batch, m in results:
+        single = min(m["1 thread"], m["2 threads"])
+        print(f"{batch:5d} {single * 1e3:8.2f}ms {m['1 thread'] * 1e3:7.2f}/{m['2 threads'] * 1e3:.2f}ms "
+              f"{m['shardtrain'] * 1e3:9.2f}ms {m['torch.rpc'] * 1e3:8.2f}ms "
+              f"{m['shardtrain'] / single:8.2f}x {m['shardtrain'] / m['torch.rpc']:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,17 @@ import asyncio
 from collections import OrderedDict
 from typing import Any, Hashable
 
-from shardtrain.errors import DeadlineExceeded
+from shardtrain.errors import DeadlineExceeded, FailedPrecondition
+
+
+class _Refused(Exception):
+    """Set on a slot that will never be filled; its reader turns it into FailedPrecondition."""
+
+
+def _refuse(slot: asyncio.Future, why: str) -> None:
+    if not slot.done():
+        slot.set_exception(_Refused(why))
+        slot.exception()  # marks it retrieved: nobody may be waiting
 
 
 class Mailbox:
@@ -20,7 +30,7 @@ class Mailbox:
         if key not in self._slots:
             self._slots[key] = asyncio.get_running_loop().create_future()
             while len(self._slots) > self._capacity:  # forgotten entries (failed steps) must not pile up
-                self._slots.popitem(last=False)[1].cancel()
+                _refuse(self._slots.popitem(last=False)[1], "was evicted: too many entries waiting")
         return self._slots[key]
 
     def put(self, key: Hashable, value: Any) -> None:
@@ -37,12 +47,14 @@ class Mailbox:
             return await asyncio.wait_for(asyncio.shield(slot), timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"{what} did not arrive within {timeout:g} s") from None
+        except _Refused as refused:
+            raise FailedPrecondition(f"{what} {refused}") from None
 
     def discard(self, key: Hashable) -> None:
-        """Forgets one entry."""
+        """Forgets one entry; a reader still waiting for it gets FailedPrecondition."""
         slot = self._slots.pop(key, None)
-        if slot is not None and not slot.done():
-            slot.cancel()
+        if slot is not None:
+            _refuse(slot, "was dropped: its step was abandoned or the stage reloaded")
 
     def discard_where(self, predicate) -> None:
         """Forgets every entry whose key satisfies `predicate`."""

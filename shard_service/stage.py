@@ -99,8 +99,9 @@ class Stage:
         """Runs the stage; keeps autograd state under `key` when requires_grad. Returns output and outgoing residuals."""
         self._check_ready(key, requires_grad)
         self.check_input(x)
-        x = x.to(self.device).requires_grad_(requires_grad and self.index > 0)
-        leaves = {name: t.to(self.device).requires_grad_(requires_grad) for name, t in incoming.items()}
+        # detach(): our own leaves, never the caller's tensors (to() returns the same object on the same device)
+        x = x.to(self.device).detach().requires_grad_(requires_grad and self.index > 0)
+        leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
         with torch.set_grad_enabled(requires_grad):
             output = self._run(x, saved)

@@ -23,9 +23,10 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?")
 _OPERATOR = re.compile(r"torch\.ops\.(aten|prims)\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operator\.getitem")
 # sympy's srepr of shape symbols, e.g. Symbol('s77', positive=True, integer=True); no dots or
-# underscores, so nothing can reach an attribute.
-_SYMPY_TOKEN = re.compile(r"\s*(Symbol|Integer|Add|Mul|Pow|Max|Min|FloorDiv|Mod|CeilToInt|positive|integer|"
-                          r"nonnegative|True|False|'[a-z]\d+'|\d+|[()=,+\-*/])")
+# underscores, so nothing can reach an attribute, and no powers or long numbers, so sympy cannot be
+# made to compute for minutes (Integer(9)**9**9**9).
+_SYMPY_TOKEN = re.compile(r"\s*(Symbol|Integer|Add|Mul|Max|Min|FloorDiv|Mod|CeilToInt|positive|integer|"
+                          r"nonnegative|True|False|'[a-z]\d{1,6}'|\d{1,12}|[()=,+\-/]|\*(?!\*))")
 # e.g. L['x'].size()[0] == L['res'].size()[0]  or  L['x'].size()[1] >= 2
 _GUARD_TERM = r"(L\['[A-Za-z_][A-Za-z0-9_]*'\](\[\d+\])?\.size\(\)\[\d+\]|\d+)"
 _GUARD = re.compile(rf"{_GUARD_TERM} (==|>=|<=|!=|<|>) {_GUARD_TERM}")
@@ -138,15 +139,18 @@ def _check_tree(node: Any, key: str = "", path: str = "program") -> None:
 def _parse_program(program: bytes) -> dict:
     try:
         tree = json.loads(program)
-    except ValueError as error:
-        raise InvalidArgument(f"captured program is not valid JSON: {error}") from None
+    except (ValueError, RecursionError) as error:
+        raise InvalidArgument(f"captured program is not valid JSON: {str(error)[:200]}") from None
     if not isinstance(tree, dict) or "graph_module" not in tree:
         raise InvalidArgument("captured program has no graph_module")
     for guard in tree.get("guards_code", []):
         if not isinstance(guard, str) or _GUARD.fullmatch(guard) is None:
             raise InvalidArgument(f"captured program: guard {str(guard)[:80]!r} is not a plain shape comparison")
-    for node in tree["graph_module"]["graph"].get("nodes", []):
-        node["metadata"] = {}  # stack traces and module paths are not needed to run, and not trusted
+    try:
+        for node in tree["graph_module"]["graph"].get("nodes", []):
+            node["metadata"] = {}  # stack traces and module paths are not needed to run, and not trusted
+    except (KeyError, TypeError, AttributeError) as error:
+        raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
     body = {k: v for k, v in tree.items() if k != "guards_code"}
     _check_tree(body)
     return tree
@@ -157,9 +161,12 @@ class CapturedProgram:
 
     def __init__(self, program: bytes):
         self._tree = _parse_program(program)
-        graph_module = self._tree["graph_module"]
-        self._values = graph_module["graph"]["tensor_values"]
-        self._inputs = [next(iter(spec.items())) for spec in graph_module["signature"]["input_specs"]]
+        try:
+            graph_module = self._tree["graph_module"]
+            self._values = graph_module["graph"]["tensor_values"]
+            self._inputs = [next(iter(spec.items())) for spec in graph_module["signature"]["input_specs"]]
+        except (KeyError, TypeError, AttributeError, StopIteration) as error:
+            raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
 
     def state_specs(self) -> list[StateSpec]:
         """The parameters and buffers the program expects, read from the program itself."""
@@ -182,13 +189,22 @@ class CapturedProgram:
 
     def load(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """Rebuilds the layer around the given weights (Parameters and buffers, used as they are)."""
-        serialized = export_serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
         try:
+            serialized = export_serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
             exported = export_serde.ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
         except Exception as error:  # the deserializer raises many types; all mean a bad program
             raise InvalidArgument(f"captured program does not load: {type(error).__name__}: {error}") from None
         _check_targets(exported)
-        return exported.module()
+        return _without_input_checks(exported.module())
+
+
+def _without_input_checks(module: torch.nn.Module) -> torch.nn.Module:
+    """Drops export's per-call input-constraint hook: about 100 us a layer call (Linear 512, batch 32: 325 us
+    captured vs 226 us without it vs 209 us eager). The shard checks each stage's inputs once instead."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
+            del module._forward_pre_hooks[key]
+    return module
 
 
 def _check_targets(exported: torch.export.ExportedProgram) -> None:

@@ -19,7 +19,7 @@ def encode(optimizer: type | str, kwargs: dict | None = None) -> tuple[str, str]
         raise InvalidArgument(f"optimizer {optimizer!r} is not allowed; choose one of torch.optim.{ALLOWED}")
     try:
         return name, json.dumps(kwargs or {})
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         raise InvalidArgument(f"optimizer arguments must be JSON numbers, strings, lists: {error}") from None
 
 
@@ -36,5 +36,5 @@ def build(name: str, kwargs_json: str, parameters: Iterable[torch.nn.Parameter])
     kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in kwargs.items()}
     try:
         return getattr(torch.optim, name)(list(parameters), **kwargs)
-    except (TypeError, ValueError) as error:
-        raise InvalidArgument(f"cannot build {name} with {kwargs}: {error}") from None
+    except Exception as error:  # optimizers check their arguments with many exception types
+        raise InvalidArgument(f"cannot build {name} with {kwargs}: {type(error).__name__}: {error}") from None

@@ -67,16 +67,21 @@ def _env(env: Mapping[str, str], name: str, default: str = "") -> str:
     return env.get(ENV_PREFIX + name, default)
 
 
-def _read_token(value: str, token_file: str) -> str:
-    if token_file:
-        return pathlib.Path(token_file).read_text().strip()
-    return value
+def _read_token(args: argparse.Namespace) -> str:
+    for token, token_file in ((args.auth_token, args.auth_token_file), (args.env_token, args.env_token_file)):
+        if token:
+            return token
+        if token_file:
+            return pathlib.Path(token_file).read_text().strip()
+    return ""
 
 
 def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Adds --auth-token/--auth-token-file/--tls-* with SHARDTRAIN_* environment defaults."""
-    parser.add_argument("--auth-token", default=_env(env, "AUTH_TOKEN"))
-    parser.add_argument("--auth-token-file", default=_env(env, "AUTH_TOKEN_FILE"))
+    # A token flag beats a token-file flag, which beats the variables (token, then token file).
+    parser.add_argument("--auth-token", default=None)
+    parser.add_argument("--auth-token-file", default=None)
+    parser.set_defaults(env_token=_env(env, "AUTH_TOKEN"), env_token_file=_env(env, "AUTH_TOKEN_FILE"))
     parser.add_argument("--tls-cert", default=_env(env, "TLS_CERT"))
     parser.add_argument("--tls-key", default=_env(env, "TLS_KEY"))
     parser.add_argument("--tls-ca", default=_env(env, "TLS_CA"))
@@ -85,7 +90,7 @@ def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
 
 def security_from(args: argparse.Namespace) -> Security:
     """The Security object that add_security_flags' flags describe."""
-    return Security(token=_read_token(args.auth_token, args.auth_token_file), tls_cert=args.tls_cert,
+    return Security(token=_read_token(args), tls_cert=args.tls_cert,
                     tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name)
 
 
@@ -104,8 +109,8 @@ def security_env(security: Security) -> dict[str, str]:
 
 
 def _coordinator_default(env: Mapping[str, str]) -> str:
-    # MODEL_HOST/MODEL_PORT are the seed's names for the coordinator's address.
-    if "MODEL_HOST" in env and "MODEL_PORT" in env:
+    # MODEL_HOST/MODEL_PORT are the seed's names for the coordinator's address: the fallback.
+    if not _env(env, "COORDINATOR") and "MODEL_HOST" in env and "MODEL_PORT" in env:
         return f"{env['MODEL_HOST']}:{env['MODEL_PORT']}"
     return _env(env, "COORDINATOR")
 
@@ -119,8 +124,9 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"))
     parser.add_argument("--advertise", default=_env(env, "ADVERTISE"), help="address peers use to reach this shard")
     parser.add_argument("--device", default=_env(env, "DEVICE", "cpu"), help="cpu, cuda or cuda:N")
-    parser.add_argument("--chunk-bytes", type=int, default=int(_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES))))
-    parser.add_argument("--threads", type=int, default=int(_env(env, "THREADS", "0")),
+    # String defaults: argparse converts them with `type`, so a bad variable is reported like a bad flag.
+    parser.add_argument("--chunk-bytes", type=int, default=_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES)))
+    parser.add_argument("--threads", type=int, default=_env(env, "THREADS", "0"),
                         help="torch intra-op threads (0: torch's default); set 1 when shards share a host's cores")
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))

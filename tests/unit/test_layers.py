@@ -1,0 +1,96 @@
+"""client_sdk.layers: what a user deploys, as layers with wiring, state-dict prefixes and captured programs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import layers as layer_tools
+from client_sdk.layer_list import LayerList
+from client_sdk.seed_models import TEST_RESIDUAL_SMALL, wrapped_linear
+from shardtrain.capture import CapturedProgram
+from shardtrain.errors import InvalidArgument
+from shardtrain.residuals import Wiring
+
+
+def test_a_seed_layer_list_becomes_a_layer_list():
+    assert isinstance(layer_tools.as_module(TEST_RESIDUAL_SMALL), LayerList)
+
+
+def test_a_module_is_used_as_it_is():
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert layer_tools.as_module(model) is model
+
+
+def test_anything_else_cannot_be_deployed():
+    with pytest.raises(InvalidArgument, match="cannot deploy a dict"):
+        layer_tools.as_module({"0": nn.Linear(2, 2)})
+
+
+def test_layers_of_a_sequential_are_plain_with_index_prefixes():
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    assert [(layer.module, layer.wiring, layer.prefix) for layer in layer_tools.layers_of(model)] == [
+        (model[0], Wiring(), "0"), (model[1], Wiring(), "1")]
+
+
+def test_layers_of_a_layer_list_carry_its_wiring():
+    layers = layer_tools.layers_of(LayerList(TEST_RESIDUAL_SMALL))
+    assert [layer.prefix for layer in layers] == [str(i) for i in range(10)]
+    assert layers[2].wiring == Wiring(out_variables=("res_1",))
+    assert layers[6].wiring == Wiring(dependencies=("res_1",))
+
+
+def test_layers_of_another_module_is_refused():
+    with pytest.raises(InvalidArgument, match="cannot split a Linear into stages"):
+        layer_tools.layers_of(nn.Linear(2, 2))
+
+
+def test_cost_is_the_parameter_count():
+    costs = [layer.cost for layer in layer_tools.layers_of(LayerList(TEST_RESIDUAL_SMALL))]
+    assert costs == [1024, 0, 262656, 0, 262656, 0, 262656, 0, 513, 0]
+
+
+def test_example_input_from_a_first_linear():
+    model = nn.Sequential(nn.Linear(5, 2))
+    assert layer_tools.example_input(model, layer_tools.layers_of(model)).shape == (2, 5)
+
+
+def test_example_input_from_the_seed_shapes():
+    model = LayerList(TEST_RESIDUAL_SMALL)
+    assert layer_tools.example_input(model, layer_tools.layers_of(model)).shape == (2, 1)
+
+
+def test_example_input_cannot_be_guessed_for_other_first_layers():
+    model = nn.Sequential(nn.Conv1d(1, 1, 3))
+    with pytest.raises(InvalidArgument, match="cannot guess the input of a model starting with Conv1d"):
+        layer_tools.example_input(model, layer_tools.layers_of(model))
+
+
+def test_capture_describes_each_layer_with_its_wiring_and_model_keys():
+    torch.manual_seed(0)
+    spec = [(wrapped_linear, {"in_features": 3, "out_features": 3, "out_variables": ["res_1"]}, [(4, 3)]),
+            (wrapped_linear, {"in_features": 3, "out_features": 3, "dependencies": ["res_1"]}, [(4, 3), (4, 3)])]
+    model = LayerList(spec)
+    captured = layer_tools.capture(layer_tools.layers_of(model), torch.randn(8, 3))
+    assert [(c.index, list(c.dependencies), list(c.out_variables), c.cost) for c in captured] == [
+        (0, [], ["res_1"], 12), (1, ["res_1"], [], 12)]
+    assert [[(e.graph_key, e.model_key) for e in c.state] for c in captured] == [
+        [("layer.linear.weight", "0.linear.weight"), ("layer.linear.bias", "0.linear.bias")],
+        [("layer.linear.weight", "1.linear.weight"), ("layer.linear.bias", "1.linear.bias")]]
+    assert "\n" not in captured[0].description and captured[0].description.startswith("wrapped_linear(")
+    # The second layer was captured with the residual as its dependency input.
+    assert len(CapturedProgram(captured[1].program).input_specs()) == 2
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def test_layer_that_cannot_be_captured_is_named():
+    layers = layer_tools.layers_of(nn.Sequential(nn.Identity(), DataDependent()))
+    with pytest.raises(InvalidArgument, match=r"layer 1 \(DataDependent\) cannot be captured with torch.export"):
+        layer_tools.capture(layers, torch.randn(2, 3))

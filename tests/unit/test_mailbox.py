@@ -1,0 +1,129 @@
+"""shard_service.mailbox: values left by one side of a step for the other, with waits that time out."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from shard_service.mailbox import Mailbox
+from shardtrain.errors import DeadlineExceeded, ShardtrainError
+
+LONG = 5.0    # a wait that must not time out
+SHORT = 0.01  # a wait that must
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_get_returns_what_was_put():
+    async def scenario():
+        mailbox = Mailbox()
+        mailbox.put((1, 0, "res_1"), "tensor")
+        return await mailbox.get((1, 0, "res_1"), LONG, "residual")
+    assert run(scenario()) == "tensor"
+
+
+def test_get_waits_for_a_later_put():
+    async def scenario():
+        mailbox = Mailbox()
+        getter = asyncio.create_task(mailbox.get("k", LONG, "residual"))
+        await asyncio.sleep(0)
+        assert not getter.done()
+        mailbox.put("k", 42)
+        return await getter
+    assert run(scenario()) == 42
+
+
+def test_values_are_kept_apart_by_key():
+    async def scenario():
+        mailbox = Mailbox()
+        mailbox.put((1, 0, "a"), "step 1")
+        mailbox.put((2, 0, "a"), "step 2")
+        return await mailbox.get((2, 0, "a"), LONG, "a"), await mailbox.get((1, 0, "a"), LONG, "a")
+    assert run(scenario()) == ("step 2", "step 1")
+
+
+def test_value_can_be_read_more_than_once():
+    async def scenario():
+        mailbox = Mailbox()
+        mailbox.put("k", 1)
+        return await mailbox.get("k", LONG, "k"), await mailbox.get("k", LONG, "k")
+    assert run(scenario()) == (1, 1)
+
+
+def test_second_put_replaces_the_value():
+    async def scenario():
+        mailbox = Mailbox()
+        mailbox.put("k", "first")
+        mailbox.put("k", "second")
+        return await mailbox.get("k", LONG, "k")
+    assert run(scenario()) == "second"
+
+
+def test_get_times_out_naming_what_it_waited_for():
+    async def scenario():
+        await Mailbox().get((3, 0, "res_1"), SHORT, "residual 'res_1' of step 3")
+    with pytest.raises(DeadlineExceeded, match=re.escape("residual 'res_1' of step 3 did not arrive within 0.01 s")):
+        run(scenario())
+
+
+def test_put_after_a_timed_out_get_is_still_delivered():
+    async def scenario():
+        mailbox = Mailbox()
+        with pytest.raises(DeadlineExceeded):
+            await mailbox.get("k", SHORT, "k")
+        mailbox.put("k", "late")
+        return await mailbox.get("k", LONG, "k")
+    assert run(scenario()) == "late"
+
+
+def test_oldest_entries_are_evicted_beyond_capacity():
+    async def scenario():
+        mailbox = Mailbox(capacity=2)
+        for key in ("a", "b", "c"):
+            mailbox.put(key, key.upper())
+        kept = [await mailbox.get(key, LONG, key) for key in ("b", "c")]
+        with pytest.raises(DeadlineExceeded, match="'a' did not arrive"):
+            await mailbox.get("a", SHORT, "'a'")
+        return kept
+    assert run(scenario()) == ["B", "C"]
+
+
+def test_discard_forgets_one_entry():
+    async def scenario():
+        mailbox = Mailbox()
+        mailbox.put("a", 1)
+        mailbox.put("b", 2)
+        mailbox.discard("a")
+        mailbox.discard("never-put")
+        with pytest.raises(DeadlineExceeded):
+            await mailbox.get("a", SHORT, "a")
+        return await mailbox.get("b", LONG, "b")
+    assert run(scenario()) == 2
+
+
+def test_discard_where_forgets_every_matching_key():
+    async def scenario():
+        mailbox = Mailbox()
+        for step in (1, 2, 3):
+            mailbox.put((step, 0, "r"), step)
+        mailbox.discard_where(lambda key: key[0] <= 2)
+        for step in (1, 2):
+            with pytest.raises(DeadlineExceeded):
+                await mailbox.get((step, 0, "r"), SHORT, f"step {step}")
+        return await mailbox.get((3, 0, "r"), LONG, "step 3")
+    assert run(scenario()) == 3
+
+
+def test_reader_of_a_discarded_entry_gets_a_shardtrain_error():
+    async def scenario():
+        mailbox = Mailbox()
+        reader = asyncio.create_task(mailbox.get("k", LONG, "residual 'r' of step 1"))
+        await asyncio.sleep(0)
+        mailbox.discard("k")
+        with pytest.raises(ShardtrainError, match="residual 'r' of step 1"):
+            await reader
+    run(scenario())

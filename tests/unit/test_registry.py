@@ -1,0 +1,70 @@
+"""coordinator.registry: shards by address, in registration order, with stable ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.registry import ShardRecord, ShardRegistry
+from shardtrain.errors import FailedPrecondition, InvalidArgument
+
+
+def registry_of(*addresses: str) -> ShardRegistry:
+    registry = ShardRegistry()
+    for address in addresses:
+        registry.register(address, "cpu")
+    return registry
+
+
+def test_register_gives_ids_in_order():
+    registry = ShardRegistry()
+    assert registry.register("10.0.0.1:7001", "cpu") == ShardRecord("shard-0", "10.0.0.1:7001", "cpu")
+    assert registry.register("10.0.0.2:7001", "cuda:0") == ShardRecord("shard-1", "10.0.0.2:7001", "cuda:0")
+    assert [s.shard_id for s in registry.shards()] == ["shard-0", "shard-1"]
+
+
+def test_empty_device_means_cpu():
+    assert ShardRegistry().register("h:1", "").device == "cpu"
+
+
+def test_re_register_keeps_id_and_place_and_refreshes_the_device():
+    registry = registry_of("a:1", "b:2", "c:3")
+    assert registry.register("b:2", "cuda:1") == ShardRecord("shard-1", "b:2", "cuda:1")
+    assert registry.shards() == [ShardRecord("shard-0", "a:1", "cpu"), ShardRecord("shard-1", "b:2", "cuda:1"),
+                                 ShardRecord("shard-2", "c:3", "cpu")]
+
+
+def test_new_shard_after_a_re_register_gets_a_fresh_id():
+    registry = registry_of("a:1", "b:2")
+    registry.register("a:1", "cpu")
+    assert registry.register("c:3", "cpu").shard_id == "shard-2"
+
+
+@pytest.mark.parametrize("address", ["localhost:50051", "[::1]:7000", "shard-3.svc:80"])
+def test_host_port_addresses_are_accepted(address):
+    assert ShardRegistry().register(address, "cpu").address == address
+
+
+@pytest.mark.parametrize("address", ["", "localhost", ":7000", "localhost:", "localhost:http", "host:-1"])
+def test_address_that_is_not_host_port_is_refused_by_name(address):
+    with pytest.raises(InvalidArgument, match=f"shard address {address!r} must be host:port"):
+        ShardRegistry().register(address, "cpu")
+
+
+def test_refused_address_is_not_registered():
+    registry = ShardRegistry()
+    with pytest.raises(InvalidArgument):
+        registry.register("nohost", "cpu")
+    assert registry.shards() == []
+
+
+def test_take_gives_the_first_shards_in_order():
+    assert [s.address for s in registry_of("a:1", "b:2", "c:3").take(2)] == ["a:1", "b:2"]
+
+
+def test_take_all():
+    assert len(registry_of("a:1", "b:2").take(2)) == 2
+
+
+def test_take_more_than_registered_is_failed_precondition():
+    with pytest.raises(FailedPrecondition, match="3 stages need 3 shards but 2 have registered"):
+        registry_of("a:1", "b:2").take(3)

@@ -1,0 +1,147 @@
+"""shardtrain.settings: typed settings from flags and an explicit environment mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtrain.settings import (
+    CoordinatorSettings, Security, ShardSettings, Timeouts, coordinator_settings, security_env, security_from_env,
+    shard_settings,
+)
+from shardtrain.wire import DEFAULT_CHUNK_BYTES
+
+COORDINATOR = {"SHARDTRAIN_COORDINATOR": "coord:7000"}
+
+
+def test_shard_defaults_with_only_a_coordinator():
+    assert shard_settings([], COORDINATOR) == ShardSettings(
+        coordinator="coord:7000", bind="127.0.0.1:0", advertise="", device="cpu",
+        chunk_bytes=DEFAULT_CHUNK_BYTES, threads=0, security=Security(), timeouts=Timeouts())
+
+
+def test_shard_reads_every_shardtrain_variable():
+    env = {
+        "SHARDTRAIN_COORDINATOR": "coord:7000", "SHARDTRAIN_BIND": "0.0.0.0:7001", "SHARDTRAIN_ADVERTISE": "shard-a:7001",
+        "SHARDTRAIN_DEVICE": "cuda:1", "SHARDTRAIN_CHUNK_BYTES": "4096", "SHARDTRAIN_THREADS": "2",
+        "SHARDTRAIN_AUTH_TOKEN": "tok", "SHARDTRAIN_TLS_CERT": "cert.pem", "SHARDTRAIN_TLS_KEY": "key.pem",
+        "SHARDTRAIN_TLS_CA": "ca.pem", "SHARDTRAIN_TLS_SERVER_NAME": "shards.local",
+    }
+    settings = shard_settings([], env)
+    assert (settings.coordinator, settings.bind, settings.advertise, settings.device, settings.chunk_bytes,
+            settings.threads) == ("coord:7000", "0.0.0.0:7001", "shard-a:7001", "cuda:1", 4096, 2)
+    assert settings.security == Security(token="tok", tls_cert="cert.pem", tls_key="key.pem", tls_ca="ca.pem",
+                                         tls_server_name="shards.local")
+
+
+def test_shard_flags_override_the_environment():
+    env = {"SHARDTRAIN_COORDINATOR": "coord:7000", "SHARDTRAIN_BIND": "0.0.0.0:7001", "SHARDTRAIN_DEVICE": "cuda",
+           "SHARDTRAIN_CHUNK_BYTES": "4096", "SHARDTRAIN_THREADS": "2", "SHARDTRAIN_AUTH_TOKEN": "from-env"}
+    settings = shard_settings(["--coordinator", "other:1", "--bind", "127.0.0.1:9", "--device", "cpu",
+                               "--chunk-bytes", "512", "--threads", "1", "--auth-token", "from-flag"], env)
+    assert (settings.coordinator, settings.bind, settings.device, settings.chunk_bytes, settings.threads,
+            settings.security.token) == ("other:1", "127.0.0.1:9", "cpu", 512, 1, "from-flag")
+
+
+def test_shard_coordinator_from_model_host_and_port():
+    assert shard_settings([], {"MODEL_HOST": "seed-host", "MODEL_PORT": "5000"}).coordinator == "seed-host:5000"
+
+
+def test_shard_coordinator_flag_overrides_model_host_and_port():
+    env = {"MODEL_HOST": "seed-host", "MODEL_PORT": "5000"}
+    assert shard_settings(["--coordinator", "flag:1"], env).coordinator == "flag:1"
+
+
+def test_shard_coordinator_variable_wins_over_the_model_host_fallback():
+    env = {"SHARDTRAIN_COORDINATOR": "coord:7000", "MODEL_HOST": "seed-host", "MODEL_PORT": "5000"}
+    assert shard_settings([], env).coordinator == "coord:7000"
+
+
+@pytest.mark.parametrize("env", [{}, {"MODEL_HOST": "seed-host"}, {"MODEL_PORT": "5000"},
+                                 {"SHARDTRAIN_COORDINATOR": ""}])
+def test_shard_without_a_coordinator_exits_naming_the_flag(env, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        shard_settings([], env)
+    assert exit_info.value.code == 2
+    assert "--coordinator HOST:PORT" in capsys.readouterr().err
+
+
+def test_shard_unknown_flag_exits(capsys):
+    with pytest.raises(SystemExit):
+        shard_settings(["--no-such-flag"], COORDINATOR)
+    assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_shard_non_numeric_chunk_bytes_flag_exits(capsys):
+    with pytest.raises(SystemExit):
+        shard_settings(["--chunk-bytes", "lots"], COORDINATOR)
+    assert "--chunk-bytes" in capsys.readouterr().err
+
+
+def test_settings_ignore_variables_without_the_prefix():
+    settings = shard_settings([], {**COORDINATOR, "BIND": "0.0.0.0:1", "AUTH_TOKEN": "x", "DEVICE": "cuda"})
+    assert (settings.bind, settings.security.token, settings.device) == ("127.0.0.1:0", "", "cpu")
+
+
+def test_coordinator_defaults():
+    assert coordinator_settings([], {}) == CoordinatorSettings(bind="127.0.0.1:0", security=Security())
+
+
+def test_coordinator_bind_from_env_and_flag():
+    env = {"SHARDTRAIN_BIND": "0.0.0.0:7000", "SHARDTRAIN_AUTH_TOKEN": "tok"}
+    assert coordinator_settings([], env) == CoordinatorSettings(bind="0.0.0.0:7000", security=Security(token="tok"))
+    assert coordinator_settings(["--bind", "127.0.0.1:5"], env).bind == "127.0.0.1:5"
+
+
+# The token: inline or from a file.
+
+def test_token_file_is_read_and_stripped(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("  file-token \n")
+    assert coordinator_settings(["--auth-token-file", str(token_file)], {}).security.token == "file-token"
+
+
+def test_token_file_from_env(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token\n")
+    settings = shard_settings([], {**COORDINATOR, "SHARDTRAIN_AUTH_TOKEN_FILE": str(token_file)})
+    assert settings.security.token == "file-token"
+
+
+def test_token_file_flag_wins_over_token_in_env(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token")
+    settings = coordinator_settings(["--auth-token-file", str(token_file)], {"SHARDTRAIN_AUTH_TOKEN": "env-token"})
+    assert settings.security.token == "file-token"
+
+
+def test_token_flag_wins_over_token_file_in_env(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token")
+    settings = coordinator_settings(["--auth-token", "flag-token"], {"SHARDTRAIN_AUTH_TOKEN_FILE": str(token_file)})
+    assert settings.security.token == "flag-token"
+
+
+# Security
+
+def test_metadata_carries_the_bearer_token():
+    assert Security(token="s3cret").metadata == (("authorization", "Bearer s3cret"),)
+
+
+def test_metadata_is_empty_without_a_token():
+    assert Security().metadata == ()
+
+
+def test_security_from_env_reads_only_shardtrain_variables():
+    env = {"SHARDTRAIN_AUTH_TOKEN": "tok", "SHARDTRAIN_TLS_CA": "ca.pem", "TLS_CERT": "ignored.pem"}
+    assert security_from_env(env) == Security(token="tok", tls_ca="ca.pem")
+
+
+def test_security_env_sets_only_what_is_configured():
+    assert security_env(Security()) == {}
+    assert security_env(Security(token="tok", tls_ca="ca.pem")) == {"SHARDTRAIN_AUTH_TOKEN": "tok",
+                                                                      "SHARDTRAIN_TLS_CA": "ca.pem"}
+
+
+def test_security_env_round_trips_through_security_from_env():
+    security = Security(token="tok", tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem", tls_server_name="n")
+    assert security_from_env(security_env(security)) == security
