@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 
 class InFlight:
@@ -12,9 +13,10 @@ class InFlight:
     of the shards and an error is reported at most one iteration after it happened.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_failure: Callable[[], None] = lambda: None) -> None:
         self._current: list[asyncio.Future] = []
         self._previous: list[asyncio.Future] = []
+        self._on_failure = on_failure
 
     def add(self, call: asyncio.Future) -> None:
         """Tracks a call of the current iteration."""
@@ -53,3 +55,4 @@ class InFlight:
         for call in self._previous + self._current:
             call.cancel()
         self._previous, self._current = [], []
+        self._on_failure()

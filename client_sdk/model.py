@@ -55,11 +55,12 @@ class DistributedModel:
         self._steps = itertools.count()
         self._last_step = -1
         self._optimizer_steps = 0
+        self._settle_before_forward = 0  # an optimizer step sent on its own, that the next forward must follow
         self._backward_steps: list[int] = []
         self._zero_grad_pending = False
         self._step_pending: shard_pb2.StepRequest | None = None
         self._async_steps: list[int] = []
-        self._inflight = InFlight()
+        self._inflight = InFlight(on_failure=self._abandon_deferred_work)
         self._closed = False
 
     @property
@@ -150,7 +151,7 @@ class DistributedModel:
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         step_first, self._step_pending = self._step_pending, None
         output, acknowledgement = await self._clients.forward(step, x.detach(), requires_grad, zero_grad,
-                                                              self._optimizer_steps, step_first)
+                                                              self._settle_before_forward, step_first)
         self._inflight.add(acknowledgement)
         return output
 
@@ -165,11 +166,7 @@ class DistributedModel:
     async def _step(self, wait: bool = False) -> None:
         """Defers the optimizer step to the next forward (or sends it now when `wait`)."""
         await self._send_pending_step()
-        try:
-            await self._inflight.drain_previous()
-        except BaseException:
-            self._backward_steps.clear()
-            raise
+        await self._inflight.drain_previous()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         self._optimizer_steps += 1
         backward_steps, self._backward_steps = self._backward_steps, []
@@ -182,7 +179,14 @@ class DistributedModel:
     async def _send_pending_step(self) -> None:
         request, self._step_pending = self._step_pending, None
         if request is not None:
+            self._settle_before_forward = request.optimizer_step
             self._inflight.add(asyncio.ensure_future(self._clients.step(request)))
+
+    def _abandon_deferred_work(self) -> None:
+        """After a failure every call in flight was cancelled: no step is owed, none may be waited for."""
+        self._settle_before_forward = 0
+        self._step_pending = None
+        self._backward_steps.clear()
 
     async def _synchronize(self) -> None:
         await self._send_pending_step()

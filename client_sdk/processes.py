@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pathlib
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,20 +13,16 @@ import time
 
 from shardtrain.errors import Unavailable
 
-_PR_SET_PDEATHSIG = 1
 # Local shards share this host's cores and take turns computing. OpenMP threads that spin while
 # idle (the default) steal the cores a busy neighbour needs: bench/train_step.py at batch 32 went
 # from 39.9 ms to 23.4 ms a step with PASSIVE, and torch.rpc, whose processes also inherit it,
 # from 102 ms to 19 ms.
-_CHILD_ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _die_with_parent() -> None:
-    # Linux only: the child gets SIGTERM if the process that started it dies, so no shard outlives a crash.
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment for a child service, which exits when this process does."""
+    return {**os.environ, **_OPENMP, "SHARDTRAIN_PARENT_PID": str(os.getpid()), **extra}
 
 
 class Service:
@@ -40,8 +34,8 @@ class Service:
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                        env={**_CHILD_ENV, **env})
+                                        stdin=subprocess.DEVNULL,
+                                        env=_child_env(env))
 
     def wait_ready(self, timeout: float) -> dict:
         """The ready line's fields; Unavailable (with the log's tail) if the process dies or stays silent."""
@@ -77,7 +71,11 @@ class Service:
 
 
 class LocalServices:
-    """A coordinator and `num_shards` shards as processes on 127.0.0.1, on ports the OS picks."""
+    """A coordinator and `num_shards` shards as processes on 127.0.0.1, on ports the OS picks.
+
+    The services end when this process ends, however it ends (Linux's parent-death signal; the
+    "parent" is the thread that started them, so start them from a thread that outlives them).
+    """
 
     def __init__(self, num_shards: int, device: str = "cpu", env: dict[str, str] | None = None,
                  startup_timeout: float = 120.0):

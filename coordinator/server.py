@@ -11,6 +11,7 @@ import grpc
 
 from coordinator.servicer import CoordinatorServicer
 from shardtrain import rpc
+from shardtrain.lifecycle import die_with_parent
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
 from shardtrain.v1 import coordinator_pb2_grpc
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `shardtrain coordinator`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = coordinator_settings(sys.argv[1:] if argv is None else argv)
+    die_with_parent(settings.parent_pid)
     try:
         asyncio.run(serve(settings))
     except ShardtrainError as error:

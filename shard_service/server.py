@@ -14,6 +14,7 @@ import torch
 
 from shard_service.servicer import ShardServicer
 from shardtrain import rpc
+from shardtrain.lifecycle import die_with_parent
 from shardtrain.errors import ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
 from shardtrain.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2_grpc
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `shardtrain shard`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
+    die_with_parent(settings.parent_pid)
     if settings.threads:
         torch.set_num_threads(settings.threads)  # for this thread; the compute thread sets its own
     try:

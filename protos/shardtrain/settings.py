@@ -49,6 +49,7 @@ class ShardSettings:
     device: str = "cpu"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_in_flight: int = 64   # steps whose autograd state a stage keeps at once
+    parent_pid: int = 0       # exit when this process dies (set by Cluster.local for its children)
     threads: int = 0          # torch intra-op threads; 0 keeps torch's default (one per core)
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -59,6 +60,7 @@ class CoordinatorSettings:
     """What `shardtrain coordinator` needs."""
 
     bind: str = "127.0.0.1:0"
+    parent_pid: int = 0
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -128,13 +130,15 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--chunk-bytes", type=int, default=_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES)))
     parser.add_argument("--threads", type=int, default=_env(env, "THREADS", "0"),
                         help="torch intra-op threads (0: torch's default); set 1 when shards share a host's cores")
+    parser.add_argument("--parent-pid", type=int, default=_env(env, "PARENT_PID", "0"),
+                        help="exit when this process dies")
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
-                         security=security_from(args))
+                         parent_pid=args.parent_pid, security=security_from(args))
 
 
 def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:
@@ -142,6 +146,8 @@ def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = No
     env = os.environ if env is None else env
     parser = argparse.ArgumentParser(prog="shardtrain coordinator", description="Run the coordinator.")
     parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"))
+    parser.add_argument("--parent-pid", type=int, default=_env(env, "PARENT_PID", "0"),
+                        help="exit when this process dies")
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
-    return CoordinatorSettings(bind=args.bind, security=security_from(args))
+    return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, security=security_from(args))

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -74,3 +75,35 @@ def test_entry_point_lists_its_commands():
     done = subprocess.run([sys.executable, "-m", "shardtrain.cli"], capture_output=True, text=True)
     assert done.returncode == 2
     assert all(name in done.stderr for name in ("coordinator", "shard", "demo"))
+
+
+ORPHAN_SCRIPT = """
+import json, sys
+from client_sdk import Cluster
+cluster = Cluster.local(num_shards=2)
+print(json.dumps(cluster._services.pids), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_services_die_with_the_client_that_started_them(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    client = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    pids = json.loads(client.stdout.readline())
+    client.kill()  # no chance to clean up
+    client.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not [pid for pid in pids if alive(pid)], "services outlived the client that started them"
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
