@@ -82,7 +82,9 @@ def measure(cluster: Cluster, batch: int, args) -> dict[str, float]:
         times["shardtrain"] += shardtrain(model, batch, args.steps, args.warmup)
         times["1 thread"] += single_process(batch, args.steps, args.warmup, 1)
         times["2 threads"] += single_process(batch, args.steps, args.warmup, 2)
-        times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup)
+        # Same intra-op threads as the shards get (torch's default: one per core), same OpenMP policy.
+        times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup,
+                                               threads_per_process=os.cpu_count() or 1)
     return {name: statistics.median(values) for name, values in times.items()}
 
 

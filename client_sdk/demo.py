@@ -25,12 +25,15 @@ def batches(steps: int, batch: int, seed: int) -> Iterator[tuple[torch.Tensor, t
 
 
 def progress(step: int, total: int, loss: float, started: float) -> None:
-    """One self-overwriting progress line."""
+    """A self-overwriting progress bar on a terminal; a line every tenth of the run elsewhere (logs, CI)."""
+    interactive = sys.stdout.isatty()
+    if not interactive and (step + 1) % max(1, total // 10) and step + 1 != total:
+        return
     width = 30
     filled = width * (step + 1) // total
     rate = (step + 1) / max(time.perf_counter() - started, 1e-9)
-    sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step + 1}/{total}  loss {loss:.5f}  "
-                     f"{rate:.0f} steps/s")
+    line = f"[{'#' * filled}{'.' * (width - filled)}] {step + 1}/{total}  loss {loss:.5f}  {rate:.0f} steps/s"
+    sys.stdout.write(f"\r{line}" if interactive else f"{line}\n")
     sys.stdout.flush()
 
 
@@ -51,7 +54,8 @@ def train_distributed(cluster: Cluster, reference: LayerList, args) -> tuple[dic
         model.zero_grad()
         losses.append(loss.item())
         progress(step, args.steps, losses[-1], started)
-    print()
+    if sys.stdout.isatty():
+        print()
     return model.state_dict(), losses
 
 

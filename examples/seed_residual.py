@@ -1,61 +1,21 @@
-"""The seed's residual model, exactly as the seed writes it, trained on 3 shards.
+"""The seed's residual model, unchanged, trained on 3 local shards with the plain PyTorch loop.
 
-Run: python examples/seed_residual.py
+    python examples/seed_residual.py
+
+TEST_RESIDUAL_SMALL is the seed's layer list, `(layer_class, kwargs, input_shape)` per layer:
+`out_variables` names a layer's saved output ("res_1"), `dependencies` hands saved outputs to a
+later layer's forward. client_sdk.seed_models holds it exactly as the seed wrote it, wrapped_linear
+included; a class like it defined in your own script works the same way (tests/integration/
+test_training.py trains one defined in __main__).
 """
 
 import torch
-import torch.nn as nn
 
-
-class wrapped_linear(nn.Module):  # noqa: N801 - the seed's name
-    def __init__(self, in_features=None, out_features=None, dependencies=[],  # noqa: B006 - as in the seed
-                 out_variables=[]):  # noqa: B006
-        super(wrapped_linear, self).__init__()
-        self.linear = nn.Linear(in_features, out_features)
-        self.dependencies = dependencies
-        self.forward_order = dependencies
-        self.out_variables = out_variables
-
-    def forward(self, x, noise=None):
-        if (len(self.dependencies) != 0):
-            if self.dependencies[0] == "random_noise":
-                x = x + noise
-                lin_out = self.linear(x)
-            elif self.dependencies[0] == "res_1":
-                lin_out = self.linear(x) + noise
-        else:
-            lin_out = self.linear(x)
-        if (len(self.out_variables) == 1):
-            return lin_out, [(self.out_variables[0], lin_out)]
-        return self.linear(x)
-
-
-TEST_RESIDUAL_SMALL = [
-        (nn.Linear, {'in_features': 1, 'out_features': 512}, (32, 1)),
-        (nn.ReLU, {}, (32, 512)),
-        (wrapped_linear, {
-            'in_features': 512,
-            'out_features': 512,
-            'out_variables': ["res_1"]
-            }, [(32, 512)]),
-        (nn.ReLU, {}, (32, 512)),
-        (nn.Linear, {'in_features': 512, 'out_features': 512}, (32, 512)),
-        (nn.ReLU, {}, (32, 512)),
-        (wrapped_linear, {
-            'in_features': 512,
-            'out_features': 512,
-            'dependencies': ["res_1"],
-            'out_variables': []
-        }, [(32, 512), (32, 512)]),
-        (nn.ReLU, {}, (32, 512)),
-        (nn.Linear, {'in_features': 512, 'out_features': 1}, (32, 512)),
-        (nn.Sigmoid, {}, (32, 1))
-    ]
+from client_sdk import Cluster
+from client_sdk.seed_models import TEST_RESIDUAL_SMALL
 
 
 def main() -> None:
-    from client_sdk import Cluster
-
     torch.manual_seed(0)
     x = torch.rand(32, 1) * 2 - 1
     y = (torch.sin(3 * x) + 1) / 2
