@@ -157,7 +157,7 @@ def _await_result(procs: list[mp.Process], results: mp.Queue, deadline: float) -
         except queue.Empty:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"process {dead[0].name} exited with {dead[0].exitcode}")
+                raise RuntimeError(f"process {dead[0].name} exited with {dead[0].exitcode}") from None
             continue
         if status == "error":
             raise RuntimeError(f"RPC baseline master failed:\n{payload}")

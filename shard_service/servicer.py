@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.stage import LayerSource, Stage
+from shard_service.streams import RequestReader
 from shardtrain import wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import OUTPUT, StageResiduals, Wiring
@@ -22,33 +22,6 @@ from shardtrain.v1 import shard_pb2, shard_pb2_grpc
 
 log = logging.getLogger("shardtrain.shard")
 INLINE_SECONDS = 1e-3
-
-
-class RequestReader:
-    """Reads a client stream whose first message carries a header and every message may carry a tensor chunk."""
-
-    def __init__(self, requests: AsyncIterator):
-        self._requests = requests.__aiter__()
-        self._first = None
-
-    async def header(self):
-        """The first message's header; InvalidArgument if the stream does not start with one."""
-        self._first = await anext(self._requests, None)
-        if self._first is None or not self._first.HasField("header"):
-            raise InvalidArgument("stream must start with a header message")
-        return self._first.header
-
-    async def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor in the stream, by name."""
-        return await wire.collect(self._chunks())
-
-    async def _chunks(self) -> AsyncIterator:
-        if self._first.HasField("tensor"):
-            yield self._first.tensor
-        async for message in self._requests:
-            if message.HasField("header"):
-                raise InvalidArgument("only the first message of a stream may carry a header")
-            yield message.tensor
 
 
 def _set_threads(threads: int) -> None:
@@ -68,7 +41,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._plan = shard_pb2.StagePlan()
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
-        self._pending: dict[tuple, list] = {}
+        self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
         self._order = StepOrder()
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
@@ -206,8 +179,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             for task in fetches.values():
                 task.cancel()
 
+    def _producer(self, name: str) -> shard_pb2.ResidualSource:
+        return next(r for r in self._plan.incoming_residuals if r.name == name)
+
     async def _fetch_residual(self, stage: Stage, key, name: str):
-        producer = next(r for r in self._plan.incoming_residuals if r.name == name)
+        producer = self._producer(name)
         request = shard_pb2.FetchTensorRequest(key=key, name=name)
         tensors = await wire.collect(self._peer(producer.producer_address).stream("FetchTensor", request))
         if name not in tensors:
@@ -261,7 +237,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         await asyncio.gather(*calls)
 
     async def _send_residual_grad(self, key, name: str, grad) -> None:
-        producer = next(r for r in self._plan.incoming_residuals if r.name == name)
+        producer = self._producer(name)
         header = shard_pb2.AccumulateGradientHeader(key=key, name=name, consumer_stage=self._plan.stage,
                                                     has_gradient=grad is not None)
         tensors = {name: grad} if grad is not None else {}
@@ -278,10 +254,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                                   f"it produces {sorted(stage.residuals.outgoing)}")
         grad = (await reader.tensors()).get(header.name) if header.has_gradient else None
         key = (header.key.step, header.key.microbatch, header.name)
-        received = self._pending.setdefault(key, [])
+        received = self._residual_grads.setdefault(key, [])
         received.append(grad)
         if len(received) == len(stage.residuals.outgoing[header.name]):
-            del self._pending[key]
+            del self._residual_grads[key]
             present = [g for g in received if g is not None]
             self._gradients.put(key, sum(present[1:], present[0]) if present else None)
         return shard_pb2.AccumulateGradientResponse()
@@ -312,8 +288,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
         self._outbox.discard_where(stale)
         self._gradients.discard_where(stale)
-        for key in [k for k in self._pending if stale(k)]:
-            del self._pending[key]
+        for key in [k for k in self._residual_grads if stale(k)]:
+            del self._residual_grads[key]
         self._order.forget(up_to_step)
 
     @boundary

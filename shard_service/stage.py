@@ -89,7 +89,7 @@ class Stage:
 
     def incoming_spec(self, name: str) -> InputSpec:
         """The dtype and shape the first consumer in this stage expects for residual `name`."""
-        for wiring, specs, index in zip(self._wirings, self._input_specs, self.layer_indexes):
+        for wiring, specs in zip(self._wirings, self._input_specs):
             if name in wiring.dependencies:
                 return specs[1 + wiring.dependencies.index(name)]
         raise NotFound(f"stage {self.index} does not consume residual {name!r}")
