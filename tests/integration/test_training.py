@@ -142,3 +142,11 @@ def test_gradient_accumulation_over_two_forwards(cluster4):
     local_total.backward()
     torch.optim.SGD(net.parameters(), lr=0.1).step()
     assert largest_difference(model.state_dict(), net.state_dict()) <= 1e-6
+
+
+def test_layers_per_stage_decides_the_cut(cluster4):
+    net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model = cluster4.deploy(net, layers_per_stage=[1, 3, 1])
+    assert [(p.first_layer, p.end_layer) for p in model.placements] == [(0, 1), (1, 4), (4, 5)]
+    assert len({p.shard_address for p in model.placements}) == 3
+    train_remotely(model, regression_batches(steps=2, batch=4, features=2))

@@ -1,0 +1,26 @@
+"""Shards on CUDA: the same training as on the CPU, within float tolerance. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import Cluster
+from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_sequential_on_cuda_shards_matches_one_process():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    batches = regression_batches(steps=20, batch=32, features=8)
+    adam = (torch.optim.Adam, {"lr": 1e-3})
+    with Cluster.local(num_shards=2, device="cuda") as cluster:
+        model = cluster.deploy(net, optimizer=adam)
+        assert all(report.device == "cuda" for report in model.describe())
+        train_remotely(model, batches)
+        trained = model.state_dict()
+    assert all(tensor.device.type == "cpu" for tensor in trained.values())
+    assert largest_difference(trained, train_locally(net, batches, adam)) <= 1e-4
