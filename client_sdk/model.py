@@ -172,6 +172,7 @@ class DistributedModel:
         backward_steps, self._backward_steps = self._backward_steps, []
         self._step_pending = self._clients.step_request(self._last_step, zero_grad, self._optimizer_steps,
                                                         backward_steps)
+        self._clients.forget(up_to_step=self._last_step)  # forwards that never ran backward won't now
         self._inflight.next_iteration()
         if wait:
             await self._synchronize()

@@ -16,7 +16,7 @@ from shard_service.streams import RequestReader
 from shardtrain import wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import OUTPUT, StageResiduals, Wiring
-from shardtrain.rpc import Peer, boundary
+from shardtrain.rpc import OpenedCall, Peer, boundary
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, shard_pb2_grpc
 
@@ -42,6 +42,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
+        self._backward_links: dict[tuple, OpenedCall] = {}  # Backward calls opened at forward time
         self._order = StepOrder()
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
@@ -105,6 +106,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
         self._order = StepOrder()
+        for link in self._backward_links.values():
+            link.abandon()
+        self._backward_links.clear()
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count)
@@ -145,6 +149,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             result, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad)
             for name, tensor in outgoing.items():
                 self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
+            if header.requires_grad and self._plan.previous_address:
+                self._backward_links[key] = self._open_backward(self._plan.previous_address, header.key)
             if downstream is None:
                 self._outbox.put((*key, OUTPUT), [result, 1])
             else:
@@ -178,6 +184,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         finally:
             for task in fetches.values():
                 task.cancel()
+
+    def _open_backward(self, address: str, key) -> OpenedCall:
+        """Opens the Backward call to `address` at forward time; the gradient follows when backward runs."""
+        return OpenedCall(self._peer(address), "Backward", shard_pb2.BackwardRequest,
+                          shard_pb2.BackwardHeader(key=key), self.settings.chunk_bytes,
+                          self.settings.timeouts.backward_link)
 
     def _producer(self, name: str) -> shard_pb2.ResidualSource:
         return next(r for r in self._plan.incoming_residuals if r.name == name)
@@ -231,9 +243,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         grad_input, incoming_grads = await self._run(stage.backward, key, grad_output, residual_grads)
         calls = [self._send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
         if self._plan.previous_address:
-            tensors = {"gradient": grad_input} if grad_input is not None else {}
-            stream = wire.framed(shard_pb2.BackwardRequest, header, tensors, self.settings.chunk_bytes)
-            calls.append(self._peer(self._plan.previous_address).call("Backward", stream))
+            link = self._backward_links.pop(key, None) or self._open_backward(self._plan.previous_address, header.key)
+            calls.append(link.send({"gradient": grad_input} if grad_input is not None else {}))
         await asyncio.gather(*calls)
 
     async def _send_residual_grad(self, key, name: str, grad) -> None:
@@ -290,6 +301,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._gradients.discard_where(stale)
         for key in [k for k in self._residual_grads if stale(k)]:
             del self._residual_grads[key]
+        for key in [k for k in self._backward_links if stale(k)]:
+            self._backward_links.pop(key).abandon()
         self._order.forget(up_to_step)
 
     @boundary

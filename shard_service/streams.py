@@ -35,3 +35,4 @@ class RequestReader:
             if message.HasField("header"):
                 raise InvalidArgument("only the first message of a stream may carry a header")
             yield message.tensor
+

@@ -37,6 +37,7 @@ class Timeouts:
     control: float = 30.0     # one control-plane call (register, deploy, describe)
     peer_wait: float = 120.0  # waiting for a residual or a residual gradient to arrive
     connect: float = 60.0     # a shard retrying registration until the coordinator answers
+    backward_link: float = 3600.0  # a Backward call opened at forward time, waiting for its gradient
 
 
 @dataclass(frozen=True)

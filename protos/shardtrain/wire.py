@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 from collections.abc import Iterable, Iterator
 
@@ -162,6 +163,15 @@ def framed(message_type, header, tensors: dict[str, torch.Tensor],
             first = False
     if first:
         yield message_type(header=header)
+
+
+async def framed_later(message_type, header, tensors: "asyncio.Future[dict[str, torch.Tensor]]",
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    """Like framed(), but the header goes at once and the tensors when the future resolves."""
+    yield message_type(header=header)
+    for name, tensor in (await tensors).items():
+        for chunk in tensor_chunks(tensor, name, chunk_bytes):
+            yield message_type(tensor=chunk)
 
 
 async def collect(chunks) -> dict[str, torch.Tensor]:
