@@ -10,7 +10,7 @@ import torch
 from shardtrain import wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import OUTPUT
-from shardtrain.rpc import OpenedCall, Peer
+from shardtrain.rpc import OpenedCall, OpenedCalls, Peer
 from shardtrain.settings import Security, Timeouts
 from shardtrain.v1 import shard_pb2, shard_pb2_grpc
 
@@ -23,7 +23,7 @@ class StageClients:
         self.stages = [Peer(f"shard at {address} (stage {index})", address, shard_pb2_grpc.ShardServiceStub,
                             security, timeouts.rpc) for index, address in enumerate(addresses)]
         self._timeouts = timeouts
-        self._backward_calls: dict[int, OpenedCall] = {}  # opened when a forward's output arrived
+        self._backward_calls = OpenedCalls()  # opened when a forward's output arrived
 
     def _key(self, step: int, microbatch: int = 0) -> shard_pb2.StepKey:
         return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
@@ -53,15 +53,15 @@ class StageClients:
             call.cancel()
             raise
         if requires_grad:
-            self._backward_calls[step] = OpenedCall(self.stages[-1], "Backward", shard_pb2.BackwardRequest,
-                                                    shard_pb2.BackwardHeader(key=key), wire.DEFAULT_CHUNK_BYTES,
-                                                    self._timeouts.backward_link)
+            self._backward_calls.add(step, OpenedCall(self.stages[-1], "Backward", shard_pb2.BackwardRequest,
+                                                      shard_pb2.BackwardHeader(key=key), wire.DEFAULT_CHUNK_BYTES,
+                                                      self._timeouts.backward_link))
         return output, call
 
     async def backward(self, step: int, grad: torch.Tensor | None) -> None:
         """Sends the gradient of the output into the last stage; returns once every stage has run backward."""
         tensors = {"gradient": grad} if grad is not None else {}
-        call = self._backward_calls.pop(step, None)
+        call = self._backward_calls.pop(step)
         if call is not None:
             await call.send(tensors)
         else:
@@ -70,8 +70,7 @@ class StageClients:
 
     def forget(self, up_to_step: int) -> None:
         """Abandons the Backward calls opened for steps up to `up_to_step` that never ran backward."""
-        for step in [s for s in self._backward_calls if s <= up_to_step]:
-            self._backward_calls.pop(step).abandon()
+        self._backward_calls.abandon_where(lambda step: step <= up_to_step)
 
     def step_request(self, step: int, zero_grad: bool, optimizer_step: int,
                      backward_steps: Sequence[int]) -> shard_pb2.StepRequest:
@@ -102,7 +101,7 @@ class StageClients:
 
     async def close(self) -> None:
         """Closes every channel."""
-        self.forget(up_to_step=2**62)
+        self._backward_calls.abandon_where(lambda step: True)
         await asyncio.gather(*(stage.close() for stage in self.stages))
 
 

@@ -16,7 +16,7 @@ from shard_service.streams import RequestReader
 from shardtrain import wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import OUTPUT, StageResiduals, Wiring
-from shardtrain.rpc import OpenedCall, Peer, boundary
+from shardtrain.rpc import OpenedCall, OpenedCalls, Peer, boundary
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, shard_pb2_grpc
 
@@ -42,7 +42,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
-        self._backward_links: dict[tuple, OpenedCall] = {}  # Backward calls opened at forward time
+        self._backward_links = OpenedCalls(settings.max_in_flight)  # Backward calls opened at forward time
         self._order = StepOrder()
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
@@ -106,9 +106,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
         self._order = StepOrder()
-        for link in self._backward_links.values():
-            link.abandon()
-        self._backward_links.clear()
+        self._backward_links.abandon_where(lambda key: True)
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count)
@@ -150,7 +148,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             for name, tensor in outgoing.items():
                 self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
             if header.requires_grad and self._plan.previous_address:
-                self._backward_links[key] = self._open_backward(self._plan.previous_address, header.key)
+                self._backward_links.add(key, self._open_backward(self._plan.previous_address, header.key))
             if downstream is None:
                 self._outbox.put((*key, OUTPUT), [result, 1])
             else:
@@ -243,7 +241,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         grad_input, incoming_grads = await self._run(stage.backward, key, grad_output, residual_grads)
         calls = [self._send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
         if self._plan.previous_address:
-            link = self._backward_links.pop(key, None) or self._open_backward(self._plan.previous_address, header.key)
+            link = self._backward_links.pop(key) or self._open_backward(self._plan.previous_address, header.key)
             calls.append(link.send({"gradient": grad_input} if grad_input is not None else {}))
         await asyncio.gather(*calls)
 
@@ -301,8 +299,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._gradients.discard_where(stale)
         for key in [k for k in self._residual_grads if stale(k)]:
             del self._residual_grads[key]
-        for key in [k for k in self._backward_links if stale(k)]:
-            self._backward_links.pop(key).abandon()
+        self._backward_links.abandon_where(stale)
         self._order.forget(up_to_step)
 
     @boundary

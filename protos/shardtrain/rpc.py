@@ -197,3 +197,27 @@ class OpenedCall:
         self._call.cancel()
         if self._call.done() and not self._call.cancelled():
             self._call.exception()  # it failed on its own before anyone sent; nobody will ask
+
+
+class OpenedCalls:
+    """OpenedCalls by step, oldest first, at most `limit` of them: forwards whose backward never comes
+    (inference under autograd, an abandoned loop) must not hold calls open without bound."""
+
+    def __init__(self, limit: int = 64):
+        self._calls: dict[Any, OpenedCall] = {}
+        self._limit = limit
+
+    def add(self, key: Any, call: OpenedCall) -> None:
+        """Keeps `call` under `key`, abandoning the oldest beyond the limit."""
+        self._calls[key] = call
+        while len(self._calls) > self._limit:
+            self._calls.pop(next(iter(self._calls))).abandon()
+
+    def pop(self, key: Any) -> OpenedCall | None:
+        """The call opened under `key`, if any, no longer kept here."""
+        return self._calls.pop(key, None)
+
+    def abandon_where(self, predicate: Callable[[Any], bool]) -> None:
+        """Abandons every call whose key satisfies `predicate`."""
+        for key in [k for k in self._calls if predicate(k)]:
+            self._calls.pop(key).abandon()

@@ -10,7 +10,7 @@ import pytest
 
 from shardtrain import errors
 from shardtrain.errors import ERRORS
-from shardtrain.rpc import TokenInterceptor, boundary, translate
+from shardtrain.rpc import OpenedCalls, TokenInterceptor, boundary, translate
 
 
 def rpc_error(code: grpc.StatusCode, details: str | None) -> grpc.aio.AioRpcError:
@@ -199,3 +199,21 @@ def test_interceptor_refuses_a_missing_or_wrong_token_naming_the_method(metadata
     code, message = aborted
     assert code == grpc.StatusCode.UNAUTHENTICATED
     assert "/shardtrain.v1.ShardService/Forward" in message and "authorization: Bearer <token>" in message
+
+
+def test_opened_calls_keep_at_most_their_limit_abandoning_the_oldest():
+    class Call:
+        def __init__(self):
+            self.abandoned = False
+
+        def abandon(self):
+            self.abandoned = True
+
+    calls = OpenedCalls(limit=2)
+    first, second, third = Call(), Call(), Call()
+    for key, call in enumerate((first, second, third)):
+        calls.add(key, call)
+    assert first.abandoned and not second.abandoned and not third.abandoned
+    assert calls.pop(0) is None and calls.pop(1) is second
+    calls.abandon_where(lambda key: key >= 2)
+    assert third.abandoned and calls.pop(2) is None
