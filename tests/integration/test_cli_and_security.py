@@ -39,6 +39,9 @@ def test_services_started_from_the_command_line_serve_a_client(tmp_path):
             assert [s.address for s in cluster.shards()] == [ready["address"]]
             model = cluster.deploy(nn.Sequential(nn.Linear(2, 1)))
             assert train_remotely(model, regression_batches(steps=2, batch=2, features=2))
+        assert coordinator.poll() is None and shard.poll() is None, "closing a connected client stopped services"
+        with Cluster.connect(f"127.0.0.1:{port}") as again:  # and they still serve the next client
+            assert len(again.shards()) == 1
     finally:
         for process in (shard, coordinator):
             if process is not None:
