@@ -14,7 +14,7 @@ from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
 from client_sdk.io_loop import IoLoop
 from client_sdk.transport import StageClients, split_state
-from shardtrain.errors import FailedPrecondition
+from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
@@ -75,6 +75,9 @@ class DistributedModel:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the model; under autograd the result backpropagates into the shards."""
         if torch.is_grad_enabled():
+            if x.requires_grad:  # refused rather than silently leaving x.grad empty
+                raise InvalidArgument("the model's input requires grad, but gradients do not flow back out of the "
+                                      "shards into the input yet; pass x.detach() (or put those layers in the model)")
             return RemoteStages.apply(self, self._anchor, x)
         return self._io.run(self._forward(self._begin_step(), x, requires_grad=False))
 
