@@ -13,9 +13,11 @@ class RemoteStages(torch.autograd.Function):
         # `anchor` is a scalar that requires grad, so the output does too even when x does not.
         ctx.model = model
         ctx.step = model._begin_step()
-        return model._remote_forward(ctx.step, x, requires_grad=True)
+        ctx.input_requires_grad = x.requires_grad
+        return model._remote_forward(ctx.step, x, requires_grad=True, input_requires_grad=x.requires_grad)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        ctx.model._remote_backward(ctx.step, grad_output)
-        return None, None, None
+        # Without an input gradient to return, backward only needs to be sent; with one, it must finish first.
+        grad_input = ctx.model._remote_backward(ctx.step, grad_output, ctx.input_requires_grad)
+        return None, None, grad_input

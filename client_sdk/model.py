@@ -14,7 +14,7 @@ from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
 from client_sdk.io_loop import IoLoop
 from client_sdk.transport import StageClients, split_state
-from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.errors import FailedPrecondition
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
@@ -75,9 +75,6 @@ class DistributedModel:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the model; under autograd the result backpropagates into the shards."""
         if torch.is_grad_enabled():
-            if x.requires_grad:  # refused rather than silently leaving x.grad empty
-                raise InvalidArgument("the model's input requires grad, but gradients do not flow back out of the "
-                                      "shards into the input yet; pass x.detach() (or put those layers in the model)")
             return RemoteStages.apply(self, self._anchor, x)
         return self._io.run(self._forward(self._begin_step(), x, requires_grad=False))
 
@@ -143,18 +140,23 @@ class DistributedModel:
         self._last_step = next(self._steps)
         return self._last_step
 
-    def _remote_forward(self, step: int, x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        return self._io.run(self._forward(step, x, requires_grad))
+    def _remote_forward(self, step: int, x: torch.Tensor, requires_grad: bool,
+                        input_requires_grad: bool = False) -> torch.Tensor:
+        return self._io.run(self._forward(step, x, requires_grad, input_requires_grad))
 
-    def _remote_backward(self, step: int, grad_output: torch.Tensor) -> None:
-        self._io.run(self._backward(step, grad_output, wait=False))
+    def _remote_backward(self, step: int, grad_output: torch.Tensor,
+                         input_requires_grad: bool = False) -> torch.Tensor | None:
+        self._io.run(self._backward(step, grad_output, wait=input_requires_grad))
+        return self._io.run(self._clients.input_gradient(step)) if input_requires_grad else None
 
-    async def _forward(self, step: int, x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    async def _forward(self, step: int, x: torch.Tensor, requires_grad: bool,
+                       input_requires_grad: bool = False) -> torch.Tensor:
         self._inflight.raise_failures()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         step_first, self._step_pending = self._step_pending, None
         output, acknowledgement = await self._clients.forward(step, x.detach(), requires_grad, zero_grad,
-                                                              self._settle_before_forward, step_first)
+                                                              self._settle_before_forward, step_first,
+                                                              input_requires_grad)
         self._inflight.add(acknowledgement)
         return output
 

@@ -9,7 +9,7 @@ import torch
 
 from shardtrain import wire
 from shardtrain.errors import InvalidArgument
-from shardtrain.residuals import OUTPUT
+from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
 from shardtrain.rpc import OpenedCall, OpenedCalls, Peer
 from shardtrain.settings import Security, Timeouts
 from shardtrain.v1 import shard_pb2, shard_pb2_grpc
@@ -30,7 +30,7 @@ class StageClients:
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
                       after_optimizer_step: int, step_first: shard_pb2.StepRequest | None = None,
-                      ) -> tuple[torch.Tensor, asyncio.Future]:
+                      input_requires_grad: bool = False) -> tuple[torch.Tensor, asyncio.Future]:
         """Sends x into the first stage and, at the same time, asks the last stage for the output.
 
         Returns as soon as the output arrives (which proves every stage ran), with the still-running
@@ -38,7 +38,8 @@ class StageClients:
         """
         key = self._key(step)
         header = shard_pb2.ForwardHeader(key=key, requires_grad=requires_grad, zero_grad=zero_grad,
-                                         after_optimizer_step=after_optimizer_step, step_first=step_first)
+                                         after_optimizer_step=after_optimizer_step, step_first=step_first,
+                                         input_requires_grad=input_requires_grad)
         fetch = asyncio.ensure_future(wire.collect(
             self.stages[-1].stream("FetchTensor", shard_pb2.FetchTensorRequest(key=key, name=OUTPUT))))
         call = asyncio.ensure_future(self.stages[0].call(
@@ -67,6 +68,11 @@ class StageClients:
         else:
             header = shard_pb2.BackwardHeader(key=self._key(step))
             await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, header, tensors))
+
+    async def input_gradient(self, step: int) -> torch.Tensor:
+        """The gradient of the model's input for a step whose backward has finished (asked for at forward)."""
+        request = shard_pb2.FetchTensorRequest(key=self._key(step), name=INPUT_GRADIENT)
+        return (await wire.collect(self.stages[0].stream("FetchTensor", request)))[INPUT_GRADIENT]
 
     def forget(self, up_to_step: int) -> None:
         """Abandons the Backward calls opened for steps up to `up_to_step` that never ran backward."""

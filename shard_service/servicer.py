@@ -15,7 +15,7 @@ from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
 from shardtrain import wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument
-from shardtrain.residuals import OUTPUT, StageResiduals, Wiring
+from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
 from shardtrain.rpc import OpenedCall, OpenedCalls, Peer, boundary
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, shard_pb2_grpc
@@ -144,7 +144,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             await self._order.after_optimizer_step(header.after_optimizer_step, self.settings.timeouts.peer_wait)
             if header.zero_grad:
                 await self._run(stage.zero_grad)
-            result, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad)
+            result, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad,
+                                               header.input_requires_grad)
             for name, tensor in outgoing.items():
                 self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
             if header.requires_grad and self._plan.previous_address:
@@ -240,6 +241,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             residual_grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
         grad_input, incoming_grads = await self._run(stage.backward, key, grad_output, residual_grads)
         calls = [self._send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
+        if not self._plan.previous_address and grad_input is not None:
+            self._outbox.put((*key, INPUT_GRADIENT), [grad_input, 1])
         if self._plan.previous_address:
             link = self._backward_links.pop(key) or self._open_backward(self._plan.previous_address, header.key)
             calls.append(link.send({"gradient": grad_input} if grad_input is not None else {}))

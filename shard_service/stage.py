@@ -94,13 +94,16 @@ class Stage:
                 return specs[1 + wiring.dependencies.index(name)]
         raise NotFound(f"stage {self.index} does not consume residual {name!r}")
 
-    def forward(self, key: StepKey, x: torch.Tensor, incoming: dict[str, torch.Tensor],
-                requires_grad: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Runs the stage; keeps autograd state under `key` when requires_grad. Returns output and outgoing residuals."""
+    def forward(self, key: StepKey, x: torch.Tensor, incoming: dict[str, torch.Tensor], requires_grad: bool,
+                input_requires_grad: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Runs the stage; keeps autograd state under `key` when requires_grad. Returns output and outgoing residuals.
+
+        A later stage always differentiates into its input; the first only when `input_requires_grad`.
+        """
         self._check_ready(key, requires_grad)
         self.check_input(x)
         # detach(): our own leaves, never the caller's tensors (to() returns the same object on the same device)
-        x = x.to(self.device).detach().requires_grad_(requires_grad and self.index > 0)
+        x = x.to(self.device).detach().requires_grad_(requires_grad and (self.index > 0 or input_requires_grad))
         leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
         with torch.set_grad_enabled(requires_grad):

@@ -11,6 +11,7 @@ import torch
 from shardtrain.errors import InvalidArgument
 
 OUTPUT = "@output"  # the FetchTensor name of the last stage's output; "@" keeps it apart from residual names
+INPUT_GRADIENT = "@input_grad"  # the FetchTensor name of the first stage's input gradient, when asked for
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
 

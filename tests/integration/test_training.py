@@ -150,3 +150,25 @@ def test_layers_per_stage_decides_the_cut(cluster4):
     assert [(p.first_layer, p.end_layer) for p in model.placements] == [(0, 1), (1, 4), (4, 5)]
     assert len({p.shard_address for p in model.placements}) == 3
     train_remotely(model, regression_batches(steps=2, batch=4, features=2))
+
+
+def test_gradients_flow_back_into_a_client_side_layer(cluster4):
+    torch.manual_seed(6)
+    front = nn.Linear(3, 4)                       # stays in this process
+    net = nn.Sequential(nn.Tanh(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    local_front, local_net = nn.Linear(3, 4), nn.Sequential(nn.Tanh(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    local_front.load_state_dict(front.state_dict())
+    local_net.load_state_dict(net.state_dict())
+    model = cluster4.deploy(net, optimizer=(torch.optim.SGD, {"lr": 0.1}), num_stages=2,
+                            example_input=torch.randn(2, 4))
+    front_opt = torch.optim.SGD(front.parameters(), lr=0.1)
+    local_opt = torch.optim.SGD([*local_front.parameters(), *local_net.parameters()], lr=0.1)
+    for x, y in regression_batches(steps=5, batch=4, features=3):
+        nn.functional.mse_loss(model(front(x)), y).backward()
+        front_opt.step(), model.step()
+        front_opt.zero_grad(), model.zero_grad()
+        nn.functional.mse_loss(local_net(local_front(x)), y).backward()
+        local_opt.step()
+        local_opt.zero_grad()
+    assert largest_difference(front.state_dict(), local_front.state_dict()) <= 1e-6
+    assert largest_difference(model.state_dict(), local_net.state_dict()) <= 1e-6

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shardtrain.v1 import tensor_pb2 as shardtrain_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shardtrain/v1/shard.proto\x12\rshardtrain.v1\x1a\x1ashardtrain/v1/tensor.proto\"\xa9\x01\n\rCapturedLayer\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0f\n\x07program\x18\x03 \x01(\x0c\x12\x14\n\x0c\x64\x65pendencies\x18\x04 \x03(\t\x12\x15\n\rout_variables\x18\x05 \x03(\t\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.shardtrain.v1.StateEntry\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x03\"2\n\nStateEntry\x12\x11\n\tgraph_key\x18\x01 \x01(\t\x12\x11\n\tmodel_key\x18\x02 \x01(\t\"P\n\x0eResidualSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0eproducer_stage\x18\x02 \x01(\x05\x12\x18\n\x10producer_address\x18\x03 \x01(\t\"5\n\x0cResidualSink\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x63onsumer_stages\x18\x02 \x03(\x05\"\xd2\x01\n\tStagePlan\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x18\n\x10previous_address\x18\x03 \x01(\t\x12\x14\n\x0cnext_address\x18\x04 \x01(\t\x12\x39\n\x12incoming_residuals\x18\x05 \x03(\x0b\x32\x1d.shardtrain.v1.ResidualSource\x12\x37\n\x12outgoing_residuals\x18\x06 \x03(\x0b\x32\x1b.shardtrain.v1.ResidualSink\"2\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bkwargs_json\x18\x02 \x01(\t\"\xb0\x01\n\x10LoadStageRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12&\n\x04plan\x18\x02 \x01(\x0b\x32\x18.shardtrain.v1.StagePlan\x12,\n\x06layers\x18\x03 \x03(\x0b\x32\x1c.shardtrain.v1.CapturedLayer\x12/\n\toptimizer\x18\x04 \x01(\x0b\x32\x1c.shardtrain.v1.OptimizerSpec\",\n\x11LoadStageResponse\x12\x17\n\x0fparameter_count\x18\x01 \x01(\x03\"(\n\x0fLoadStateHeader\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"n\n\x10LoadStateRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.shardtrain.v1.LoadStateHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"#\n\x11LoadStateResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\t\")\n\x10ReadStateRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"B\n\x07StepKey\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nmicrobatch\x18\x03 \x01(\x05\"\xac\x01\n\rForwardHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\x12\x15\n\rrequires_grad\x18\x02 \x01(\x08\x12\x11\n\tzero_grad\x18\x03 \x01(\x08\x12\x1c\n\x14\x61\x66ter_optimizer_step\x18\x04 \x01(\x03\x12.\n\nstep_first\x18\x05 \x01(\x0b\x32\x1a.shardtrain.v1.StepRequest\"j\n\x0e\x46orwardRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.shardtrain.v1.ForwardHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"\x11\n\x0f\x46orwardResponse\"5\n\x0e\x42\x61\x63kwardHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\"l\n\x0f\x42\x61\x63kwardRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1d.shardtrain.v1.BackwardHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"\x12\n\x10\x42\x61\x63kwardResponse\"{\n\x18\x41\x63\x63umulateGradientHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x63onsumer_stage\x18\x03 \x01(\x05\x12\x14\n\x0chas_gradient\x18\x04 \x01(\x08\"\x80\x01\n\x19\x41\x63\x63umulateGradientRequest\x12\x37\n\x06header\x18\x01 \x01(\x0b\x32\'.shardtrain.v1.AccumulateGradientHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"\x1c\n\x1a\x41\x63\x63umulateGradientResponse\"G\n\x12\x46\x65tchTensorRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\x12\x0c\n\x04name\x18\x02 \x01(\t\"u\n\x0bStepRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tzero_grad\x18\x03 \x01(\x08\x12\x16\n\x0eoptimizer_step\x18\x04 \x01(\x03\x12\x16\n\x0e\x62\x61\x63kward_steps\x18\x05 \x03(\x03\"\x0e\n\x0cStepResponse\"\x11\n\x0f\x44\x65scribeRequest\"\xa2\x01\n\x10\x44\x65scribeResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x15\n\rlayer_indexes\x18\x05 \x03(\x05\x12\x17\n\x0fin_flight_steps\x18\x06 \x03(\x03\x12\x17\n\x0fparameter_count\x18\x07 \x01(\x03\x32\xe2\x05\n\x0cShardService\x12N\n\tLoadStage\x12\x1f.shardtrain.v1.LoadStageRequest\x1a .shardtrain.v1.LoadStageResponse\x12P\n\tLoadState\x12\x1f.shardtrain.v1.LoadStateRequest\x1a .shardtrain.v1.LoadStateResponse(\x01\x12J\n\tReadState\x12\x1f.shardtrain.v1.ReadStateRequest\x1a\x1a.shardtrain.v1.TensorChunk0\x01\x12J\n\x07\x46orward\x12\x1d.shardtrain.v1.ForwardRequest\x1a\x1e.shardtrain.v1.ForwardResponse(\x01\x12M\n\x08\x42\x61\x63kward\x12\x1e.shardtrain.v1.BackwardRequest\x1a\x1f.shardtrain.v1.BackwardResponse(\x01\x12k\n\x12\x41\x63\x63umulateGradient\x12(.shardtrain.v1.AccumulateGradientRequest\x1a).shardtrain.v1.AccumulateGradientResponse(\x01\x12N\n\x0b\x46\x65tchTensor\x12!.shardtrain.v1.FetchTensorRequest\x1a\x1a.shardtrain.v1.TensorChunk0\x01\x12?\n\x04Step\x12\x1a.shardtrain.v1.StepRequest\x1a\x1b.shardtrain.v1.StepResponse\x12K\n\x08\x44\x65scribe\x12\x1e.shardtrain.v1.DescribeRequest\x1a\x1f.shardtrain.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shardtrain/v1/shard.proto\x12\rshardtrain.v1\x1a\x1ashardtrain/v1/tensor.proto\"\xa9\x01\n\rCapturedLayer\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0f\n\x07program\x18\x03 \x01(\x0c\x12\x14\n\x0c\x64\x65pendencies\x18\x04 \x03(\t\x12\x15\n\rout_variables\x18\x05 \x03(\t\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.shardtrain.v1.StateEntry\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x03\"2\n\nStateEntry\x12\x11\n\tgraph_key\x18\x01 \x01(\t\x12\x11\n\tmodel_key\x18\x02 \x01(\t\"P\n\x0eResidualSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0eproducer_stage\x18\x02 \x01(\x05\x12\x18\n\x10producer_address\x18\x03 \x01(\t\"5\n\x0cResidualSink\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x63onsumer_stages\x18\x02 \x03(\x05\"\xd2\x01\n\tStagePlan\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x18\n\x10previous_address\x18\x03 \x01(\t\x12\x14\n\x0cnext_address\x18\x04 \x01(\t\x12\x39\n\x12incoming_residuals\x18\x05 \x03(\x0b\x32\x1d.shardtrain.v1.ResidualSource\x12\x37\n\x12outgoing_residuals\x18\x06 \x03(\x0b\x32\x1b.shardtrain.v1.ResidualSink\"2\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bkwargs_json\x18\x02 \x01(\t\"\xb0\x01\n\x10LoadStageRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12&\n\x04plan\x18\x02 \x01(\x0b\x32\x18.shardtrain.v1.StagePlan\x12,\n\x06layers\x18\x03 \x03(\x0b\x32\x1c.shardtrain.v1.CapturedLayer\x12/\n\toptimizer\x18\x04 \x01(\x0b\x32\x1c.shardtrain.v1.OptimizerSpec\",\n\x11LoadStageResponse\x12\x17\n\x0fparameter_count\x18\x01 \x01(\x03\"(\n\x0fLoadStateHeader\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"n\n\x10LoadStateRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.shardtrain.v1.LoadStateHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"#\n\x11LoadStateResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\t\")\n\x10ReadStateRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"B\n\x07StepKey\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nmicrobatch\x18\x03 \x01(\x05\"\xc9\x01\n\rForwardHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\x12\x15\n\rrequires_grad\x18\x02 \x01(\x08\x12\x11\n\tzero_grad\x18\x03 \x01(\x08\x12\x1c\n\x14\x61\x66ter_optimizer_step\x18\x04 \x01(\x03\x12.\n\nstep_first\x18\x05 \x01(\x0b\x32\x1a.shardtrain.v1.StepRequest\x12\x1b\n\x13input_requires_grad\x18\x06 \x01(\x08\"j\n\x0e\x46orwardRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.shardtrain.v1.ForwardHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"\x11\n\x0f\x46orwardResponse\"5\n\x0e\x42\x61\x63kwardHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\"l\n\x0f\x42\x61\x63kwardRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1d.shardtrain.v1.BackwardHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"\x12\n\x10\x42\x61\x63kwardResponse\"{\n\x18\x41\x63\x63umulateGradientHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x63onsumer_stage\x18\x03 \x01(\x05\x12\x14\n\x0chas_gradient\x18\x04 \x01(\x08\"\x80\x01\n\x19\x41\x63\x63umulateGradientRequest\x12\x37\n\x06header\x18\x01 \x01(\x0b\x32\'.shardtrain.v1.AccumulateGradientHeader\x12*\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.shardtrain.v1.TensorChunk\"\x1c\n\x1a\x41\x63\x63umulateGradientResponse\"G\n\x12\x46\x65tchTensorRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.shardtrain.v1.StepKey\x12\x0c\n\x04name\x18\x02 \x01(\t\"u\n\x0bStepRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tzero_grad\x18\x03 \x01(\x08\x12\x16\n\x0eoptimizer_step\x18\x04 \x01(\x03\x12\x16\n\x0e\x62\x61\x63kward_steps\x18\x05 \x03(\x03\"\x0e\n\x0cStepResponse\"\x11\n\x0f\x44\x65scribeRequest\"\xa2\x01\n\x10\x44\x65scribeResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x15\n\rlayer_indexes\x18\x05 \x03(\x05\x12\x17\n\x0fin_flight_steps\x18\x06 \x03(\x03\x12\x17\n\x0fparameter_count\x18\x07 \x01(\x03\x32\xe2\x05\n\x0cShardService\x12N\n\tLoadStage\x12\x1f.shardtrain.v1.LoadStageRequest\x1a .shardtrain.v1.LoadStageResponse\x12P\n\tLoadState\x12\x1f.shardtrain.v1.LoadStateRequest\x1a .shardtrain.v1.LoadStateResponse(\x01\x12J\n\tReadState\x12\x1f.shardtrain.v1.ReadStateRequest\x1a\x1a.shardtrain.v1.TensorChunk0\x01\x12J\n\x07\x46orward\x12\x1d.shardtrain.v1.ForwardRequest\x1a\x1e.shardtrain.v1.ForwardResponse(\x01\x12M\n\x08\x42\x61\x63kward\x12\x1e.shardtrain.v1.BackwardRequest\x1a\x1f.shardtrain.v1.BackwardResponse(\x01\x12k\n\x12\x41\x63\x63umulateGradient\x12(.shardtrain.v1.AccumulateGradientRequest\x1a).shardtrain.v1.AccumulateGradientResponse(\x01\x12N\n\x0b\x46\x65tchTensor\x12!.shardtrain.v1.FetchTensorRequest\x1a\x1a.shardtrain.v1.TensorChunk0\x01\x12?\n\x04Step\x12\x1a.shardtrain.v1.StepRequest\x1a\x1b.shardtrain.v1.StepResponse\x12K\n\x08\x44\x65scribe\x12\x1e.shardtrain.v1.DescribeRequest\x1a\x1f.shardtrain.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,33 +59,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPKEY']._serialized_start=1157
   _globals['_STEPKEY']._serialized_end=1223
   _globals['_FORWARDHEADER']._serialized_start=1226
-  _globals['_FORWARDHEADER']._serialized_end=1398
-  _globals['_FORWARDREQUEST']._serialized_start=1400
-  _globals['_FORWARDREQUEST']._serialized_end=1506
-  _globals['_FORWARDRESPONSE']._serialized_start=1508
-  _globals['_FORWARDRESPONSE']._serialized_end=1525
-  _globals['_BACKWARDHEADER']._serialized_start=1527
-  _globals['_BACKWARDHEADER']._serialized_end=1580
-  _globals['_BACKWARDREQUEST']._serialized_start=1582
-  _globals['_BACKWARDREQUEST']._serialized_end=1690
-  _globals['_BACKWARDRESPONSE']._serialized_start=1692
-  _globals['_BACKWARDRESPONSE']._serialized_end=1710
-  _globals['_ACCUMULATEGRADIENTHEADER']._serialized_start=1712
-  _globals['_ACCUMULATEGRADIENTHEADER']._serialized_end=1835
-  _globals['_ACCUMULATEGRADIENTREQUEST']._serialized_start=1838
-  _globals['_ACCUMULATEGRADIENTREQUEST']._serialized_end=1966
-  _globals['_ACCUMULATEGRADIENTRESPONSE']._serialized_start=1968
-  _globals['_ACCUMULATEGRADIENTRESPONSE']._serialized_end=1996
-  _globals['_FETCHTENSORREQUEST']._serialized_start=1998
-  _globals['_FETCHTENSORREQUEST']._serialized_end=2069
-  _globals['_STEPREQUEST']._serialized_start=2071
-  _globals['_STEPREQUEST']._serialized_end=2188
-  _globals['_STEPRESPONSE']._serialized_start=2190
-  _globals['_STEPRESPONSE']._serialized_end=2204
-  _globals['_DESCRIBEREQUEST']._serialized_start=2206
-  _globals['_DESCRIBEREQUEST']._serialized_end=2223
-  _globals['_DESCRIBERESPONSE']._serialized_start=2226
-  _globals['_DESCRIBERESPONSE']._serialized_end=2388
-  _globals['_SHARDSERVICE']._serialized_start=2391
-  _globals['_SHARDSERVICE']._serialized_end=3129
+  _globals['_FORWARDHEADER']._serialized_end=1427
+  _globals['_FORWARDREQUEST']._serialized_start=1429
+  _globals['_FORWARDREQUEST']._serialized_end=1535
+  _globals['_FORWARDRESPONSE']._serialized_start=1537
+  _globals['_FORWARDRESPONSE']._serialized_end=1554
+  _globals['_BACKWARDHEADER']._serialized_start=1556
+  _globals['_BACKWARDHEADER']._serialized_end=1609
+  _globals['_BACKWARDREQUEST']._serialized_start=1611
+  _globals['_BACKWARDREQUEST']._serialized_end=1719
+  _globals['_BACKWARDRESPONSE']._serialized_start=1721
+  _globals['_BACKWARDRESPONSE']._serialized_end=1739
+  _globals['_ACCUMULATEGRADIENTHEADER']._serialized_start=1741
+  _globals['_ACCUMULATEGRADIENTHEADER']._serialized_end=1864
+  _globals['_ACCUMULATEGRADIENTREQUEST']._serialized_start=1867
+  _globals['_ACCUMULATEGRADIENTREQUEST']._serialized_end=1995
+  _globals['_ACCUMULATEGRADIENTRESPONSE']._serialized_start=1997
+  _globals['_ACCUMULATEGRADIENTRESPONSE']._serialized_end=2025
+  _globals['_FETCHTENSORREQUEST']._serialized_start=2027
+  _globals['_FETCHTENSORREQUEST']._serialized_end=2098
+  _globals['_STEPREQUEST']._serialized_start=2100
+  _globals['_STEPREQUEST']._serialized_end=2217
+  _globals['_STEPRESPONSE']._serialized_start=2219
+  _globals['_STEPRESPONSE']._serialized_end=2233
+  _globals['_DESCRIBEREQUEST']._serialized_start=2235
+  _globals['_DESCRIBEREQUEST']._serialized_end=2252
+  _globals['_DESCRIBERESPONSE']._serialized_start=2255
+  _globals['_DESCRIBERESPONSE']._serialized_end=2417
+  _globals['_SHARDSERVICE']._serialized_start=2420
+  _globals['_SHARDSERVICE']._serialized_end=3158
 # @@protoc_insertion_point(module_scope)

@@ -128,7 +128,7 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchTensor(self, request, context):
-        """Streams a saved tensor of a step: a residual, or "@output" of the last stage.
+        """Streams a saved tensor of a step: a residual, "@output" of the last stage, "@input_grad" of the first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
