@@ -131,10 +131,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         header = await reader.header()
         stage = self._stage_for(header.key.deployment_id)
         key = (header.key.step, header.key.microbatch)
-        output = asyncio.get_running_loop().create_future()
         # The header goes on at once, so later stages fetch their residuals and apply a deferred optimizer
         # step while this one computes.
-        downstream = self._pass_on(header, output) if self._plan.next_address else None
+        downstream = OpenedCall(self._peer(self._plan.next_address), "Forward", shard_pb2.ForwardRequest, header,
+                                self.settings.chunk_bytes, self.settings.timeouts.rpc) \
+            if self._plan.next_address else None
         stepping = asyncio.ensure_future(self._apply_step(stage, header.step_first)) \
             if header.HasField("step_first") else None
         try:
@@ -153,23 +154,15 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             if downstream is None:
                 self._outbox.put((*key, OUTPUT), [result, 1])
             else:
-                output.set_result(result)
-                await downstream
+                await downstream.send({"activation": result})
         finally:
-            if downstream is not None and not downstream.done():
-                downstream.cancel()
+            if downstream is not None:
+                downstream.abandon()  # a no-op once sent; otherwise later stages stop waiting
             if stepping is not None:
                 # Never cancelled: every stage applies the step whatever becomes of this forward, or the
                 # stages' weights would drift apart. Its own failure is reported through `await stepping`.
                 stepping.add_done_callback(lambda task: task.cancelled() or task.exception())
         return shard_pb2.ForwardResponse()
-
-    def _pass_on(self, header, output: asyncio.Future) -> asyncio.Future:
-        async def requests():
-            yield shard_pb2.ForwardRequest(header=header)
-            for chunk in wire.tensor_chunks(await output, "activation", self.settings.chunk_bytes):
-                yield shard_pb2.ForwardRequest(tensor=chunk)
-        return asyncio.ensure_future(self._peer(self._plan.next_address).call("Forward", requests()))
 
     async def _inputs(self, stage: Stage, key, reader: RequestReader):
         """The activation from the stream and every incoming residual, fetched concurrently."""
