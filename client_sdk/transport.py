@@ -10,7 +10,7 @@ import torch
 from shardtrain import wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
-from shardtrain.rpc import OpenedCall, OpenedCalls, Peer
+from shardtrain.rpc import OpenedCall, OpenedCalls, Peer, fetch_tensor
 from shardtrain.settings import Security, Timeouts
 from shardtrain.v1 import shard_pb2, shard_pb2_grpc
 
@@ -40,8 +40,7 @@ class StageClients:
         header = shard_pb2.ForwardHeader(key=key, requires_grad=requires_grad, zero_grad=zero_grad,
                                          after_optimizer_step=after_optimizer_step, step_first=step_first,
                                          input_requires_grad=input_requires_grad)
-        fetch = asyncio.ensure_future(wire.collect(
-            self.stages[-1].stream("FetchTensor", shard_pb2.FetchTensorRequest(key=key, name=OUTPUT))))
+        fetch = asyncio.ensure_future(fetch_tensor(self.stages[-1], key, OUTPUT))
         call = asyncio.ensure_future(self.stages[0].call(
             "Forward", wire.framed(shard_pb2.ForwardRequest, header, {"activation": x})))
         await asyncio.wait([fetch, call], return_when=asyncio.FIRST_COMPLETED)
@@ -49,7 +48,7 @@ class StageClients:
             fetch.cancel()
             raise call.exception()
         try:
-            output = (await fetch)[OUTPUT]
+            output = await fetch
         except BaseException:
             call.cancel()
             raise
@@ -71,8 +70,7 @@ class StageClients:
 
     async def input_gradient(self, step: int) -> torch.Tensor:
         """The gradient of the model's input for a step whose backward has finished (asked for at forward)."""
-        request = shard_pb2.FetchTensorRequest(key=self._key(step), name=INPUT_GRADIENT)
-        return (await wire.collect(self.stages[0].stream("FetchTensor", request)))[INPUT_GRADIENT]
+        return await fetch_tensor(self.stages[0], self._key(step), INPUT_GRADIENT)
 
     def forget(self, up_to_step: int) -> None:
         """Abandons the Backward calls opened for steps up to `up_to_step` that never ran backward."""

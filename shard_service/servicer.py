@@ -16,7 +16,7 @@ from shard_service.streams import RequestReader
 from shardtrain import wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
-from shardtrain.rpc import OpenedCall, OpenedCalls, Peer, boundary
+from shardtrain.rpc import OpenedCall, OpenedCalls, Peer, boundary, fetch_tensor
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, shard_pb2_grpc
 
@@ -188,11 +188,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def _fetch_residual(self, stage: Stage, key, name: str):
         producer = self._producer(name)
-        request = shard_pb2.FetchTensorRequest(key=key, name=name)
-        tensors = await wire.collect(self._peer(producer.producer_address).stream("FetchTensor", request))
-        if name not in tensors:
-            raise InvalidArgument(f"producer of residual {name!r} sent {sorted(tensors)} instead")
-        tensor = tensors[name]
+        tensor = await fetch_tensor(self._peer(producer.producer_address), key, name)
         stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {producer.producer_stage}")
         return tensor
 

@@ -15,6 +15,7 @@ import grpc
 
 from shardtrain import errors, wire
 from shardtrain.settings import Security
+from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.rpc")
 
@@ -172,6 +173,14 @@ class Peer:
     async def close(self) -> None:
         """Closes the channel."""
         await self.channel.close()
+
+
+async def fetch_tensor(peer: Peer, key, name: str) -> Any:
+    """One saved tensor of a step from a shard (FetchTensor); InvalidArgument if it sends something else."""
+    tensors = await wire.collect(peer.stream("FetchTensor", shard_pb2.FetchTensorRequest(key=key, name=name)))
+    if name not in tensors:
+        raise errors.InvalidArgument(f"{peer.name} sent {sorted(tensors)} instead of {name!r}")
+    return tensors[name]
 
 
 class OpenedCall:
