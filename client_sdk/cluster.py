@@ -12,11 +12,11 @@ from client_sdk.io_loop import shared_loop
 from client_sdk.model import DistributedModel, Placement
 from client_sdk.processes import LocalServices
 from client_sdk.transport import StageClients
-from shardtrain import optim
+from shardtrain import optim, wire
 from shardtrain.errors import Unavailable
-from shardtrain.rpc import Peer
+from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env
-from shardtrain.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2
+from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 
 class Cluster:
@@ -33,7 +33,7 @@ class Cluster:
         self._coordinator = self._io.run(self._open_coordinator())
 
     async def _open_coordinator(self) -> Peer:
-        return Peer(f"coordinator at {self.address}", self.address, coordinator_pb2_grpc.CoordinatorServiceStub,
+        return Peer(f"coordinator at {self.address}", self.address, COORDINATOR_SERVICE,
                     self.security, self.timeouts.control)
 
     @classmethod
@@ -77,13 +77,18 @@ class Cluster:
 
     def deploy(self, model, optimizer: tuple = (torch.optim.SGD, {"lr": 0.01}),
                example_input: torch.Tensor | None = None, split_points: Sequence[int] = (),
-               layers_per_stage: Sequence[int] = (), num_stages: int = 0) -> DistributedModel:
+               layers_per_stage: Sequence[int] = (), num_stages: int = 0,
+               compression: str | dict[str, str] = "none") -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: an nn.Sequential, a LayerList or a seed layer list [(layer_class, kwargs, input_shape), ...].
         optimizer: (torch.optim class or name, kwargs); each shard steps its own copy over its own weights.
         Partitioning: balanced by parameter count over `num_stages` (default: every shard), unless
         split_points (layer indexes where a stage starts) or layers_per_stage say otherwise.
+        compression: the wire encoding of the tensors that move between shards and this client:
+        "none" (exact, the default), "fp16", "bf16" (half the bytes of float32) or "int8" (blockwise,
+        about a quarter), for every kind, or a dict by kind: {"activations": ..., "gradients": ...,
+        "residuals": ...} (kinds left out stay exact). Only floating-point tensors are compressed.
         A deploy replaces the cluster's previous deployment; its handle stops working.
         """
         self._close_models()  # shards hold one deployment at a time: finish the previous one first
@@ -91,18 +96,20 @@ class Cluster:
         layers = layer_tools.layers_of(module)
         example = example_input if example_input is not None else layer_tools.example_input(module, layers)
         name, kwargs_json = optim.encode(*optimizer)
+        encodings = wire.wire_encodings(compression)
         request = coordinator_pb2.DeployRequest(
+            encodings=encodings,
             layers=layer_tools.capture(layers, example),
             optimizer=shard_pb2.OptimizerSpec(name=name, kwargs_json=kwargs_json),
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
                                                     layers_per_stage=layers_per_stage))
         response = self._io.run(self._coordinator.call("Deploy", request))
-        distributed = self._io.run(self._handle(response, request.layers))
+        distributed = self._io.run(self._handle(response, request.layers, encodings))
         distributed.load_state_dict(module.state_dict())
         self._models.append(distributed)
         return distributed
 
-    async def _handle(self, response, captured) -> DistributedModel:
+    async def _handle(self, response, captured, encodings) -> DistributedModel:
         owners, placements = {}, []
         for stage in response.stages:
             held = captured[stage.first_layer:stage.end_layer]
@@ -110,7 +117,8 @@ class Cluster:
             placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
                                         tuple(layer.description for layer in held)))
         clients = StageClients(response.deployment_id, [s.shard_address for s in response.stages],
-                               self.security, self.timeouts)
+                               self.security, self.timeouts, encodings)
+        await clients.probe()
         key_order = [entry.model_key for layer in captured for entry in layer.state]
         return DistributedModel(self._io, clients, placements, owners, key_order)
 

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+from shardtrain import shm
 from shardtrain.errors import Unavailable
 
 # Local shards share this host's cores and take turns computing. OpenMP threads that spin while
@@ -100,10 +101,11 @@ class LocalServices:
         return service
 
     def stop(self) -> None:
-        """Stops every process (shards first)."""
+        """Stops every process (shards first), then removes shared segments a killed one left behind."""
         for service in reversed(self.services):
             service.stop()
         self.services.clear()
+        shm.sweep()
 
     @property
     def pids(self) -> list[int]:

@@ -7,23 +7,38 @@ from collections.abc import Sequence
 
 import torch
 
-from shardtrain import wire
+from shardtrain import shm, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
-from shardtrain.rpc import OpenedCall, OpenedCalls, Peer, fetch_tensor
+from shardtrain.rpc import SHARD_SERVICE, OpenedCall, OpenedCalls, Peer, fetch_tensor
 from shardtrain.settings import Security, Timeouts
-from shardtrain.v1 import shard_pb2, shard_pb2_grpc
+from shardtrain.v1 import shard_pb2, tensor_pb2
 
 
 class StageClients:
     """One Peer per stage of a deployment, created on the IoLoop (grpc.aio channels belong to a loop)."""
 
-    def __init__(self, deployment_id: str, addresses: Sequence[str], security: Security, timeouts: Timeouts):
+    def __init__(self, deployment_id: str, addresses: Sequence[str], security: Security, timeouts: Timeouts,
+                 encodings: tensor_pb2.WireEncodings | None = None):
         self.deployment_id = deployment_id
-        self.stages = [Peer(f"shard at {address} (stage {index})", address, shard_pb2_grpc.ShardServiceStub,
+        self.stages = [Peer(f"shard at {address} (stage {index})", address, SHARD_SERVICE,
                             security, timeouts.rpc) for index, address in enumerate(addresses)]
         self._timeouts = timeouts
+        self._encodings = encodings or tensor_pb2.WireEncodings()
+        self._segments: shm.SegmentPool | None = None
         self._backward_calls = OpenedCalls()  # opened when a forward's output arrived
+
+    async def probe(self) -> None:
+        """Finds which stages share this host: tensors to and from them go through shared memory."""
+        if not shm.available():
+            return
+        await asyncio.gather(self.stages[0].probe(), self.stages[-1].probe())
+        if self.stages[0].same_host or self.stages[-1].same_host:
+            self._segments = shm.SegmentPool()
+
+    def _options(self, stage: Peer, kind: str) -> wire.SendOptions:
+        segments = self._segments if stage.same_host else None
+        return wire.SendOptions(encoding=getattr(self._encodings, kind), segments=segments)
 
     def _key(self, step: int, microbatch: int = 0) -> shard_pb2.StepKey:
         return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
@@ -41,8 +56,8 @@ class StageClients:
                                          after_optimizer_step=after_optimizer_step, step_first=step_first,
                                          input_requires_grad=input_requires_grad)
         fetch = asyncio.ensure_future(fetch_tensor(self.stages[-1], key, OUTPUT))
-        call = asyncio.ensure_future(self.stages[0].call(
-            "Forward", wire.framed(shard_pb2.ForwardRequest, header, {"activation": x})))
+        call = asyncio.ensure_future(self.stages[0].call("Forward", wire.framed(
+            shard_pb2.ForwardRequest, header, {"activation": x}, self._options(self.stages[0], "activations"))))
         await asyncio.wait([fetch, call], return_when=asyncio.FIRST_COMPLETED)
         if call.done() and call.exception() is not None:
             fetch.cancel()
@@ -54,7 +69,7 @@ class StageClients:
             raise
         if requires_grad:
             self._backward_calls.add(step, OpenedCall(self.stages[-1], "Backward", shard_pb2.BackwardRequest,
-                                                      shard_pb2.BackwardHeader(key=key), wire.DEFAULT_CHUNK_BYTES,
+                                                      shard_pb2.BackwardHeader(key=key),
                                                       self._timeouts.backward_link))
         return output, call
 
@@ -62,11 +77,12 @@ class StageClients:
         """Sends the gradient of the output into the last stage; returns once every stage has run backward."""
         tensors = {"gradient": grad} if grad is not None else {}
         call = self._backward_calls.pop(step)
+        options = self._options(self.stages[-1], "gradients")
         if call is not None:
-            await call.send(tensors)
+            await call.send(tensors, options)
         else:
             header = shard_pb2.BackwardHeader(key=self._key(step))
-            await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, header, tensors))
+            await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, header, tensors, options))
 
     async def input_gradient(self, step: int) -> torch.Tensor:
         """The gradient of the model's input for a step whose backward has finished (asked for at forward)."""
@@ -107,6 +123,8 @@ class StageClients:
         """Closes every channel."""
         self._backward_calls.abandon_where(lambda step: True)
         await asyncio.gather(*(stage.close() for stage in self.stages))
+        if self._segments is not None:
+            self._segments.close()
 
 
 def split_state(state: dict[str, torch.Tensor], owners: dict[str, int], num_stages: int,

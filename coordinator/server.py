@@ -10,11 +10,10 @@ import sys
 import grpc
 
 from coordinator.servicer import CoordinatorServicer
-from shardtrain import rpc
+from shardtrain import rpc, shm
 from shardtrain.lifecycle import die_with_parent
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
-from shardtrain.v1 import coordinator_pb2_grpc
 
 
 async def build_server(settings: CoordinatorSettings,
@@ -24,7 +23,7 @@ async def build_server(settings: CoordinatorSettings,
     address = bind or settings.bind
     port = rpc.bind(server, address, settings.security)
     servicer = CoordinatorServicer(settings, f"{address.rsplit(':', 1)[0]}:{port}")
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+    rpc.add_service(server, servicer, rpc.COORDINATOR_SERVICE)
     await server.start()
     return server, port, servicer
 
@@ -44,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = coordinator_settings(sys.argv[1:] if argv is None else argv)
     die_with_parent(settings.parent_pid)
+    shm.sweep()  # segments left by shardtrain processes that were killed
     try:
         asyncio.run(serve(settings))
     except ShardtrainError as error:

@@ -11,14 +11,14 @@ from coordinator.registry import ShardRegistry
 from shardtrain import optim, partition
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import Wiring, route
-from shardtrain.rpc import Peer, boundary
+from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
 from shardtrain.settings import CoordinatorSettings
-from shardtrain.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2, shard_pb2_grpc
+from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 log = logging.getLogger("shardtrain.coordinator")
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+class CoordinatorServicer:
     """The gRPC face of the coordinator."""
 
     def __init__(self, settings: CoordinatorSettings, address: str):
@@ -52,7 +52,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         routes = route([Wiring(tuple(l.dependencies), tuple(l.out_variables)) for l in layers], ranges)
         placements = place(ranges, routes, self.registry.take(len(ranges)))
         deployment_id = uuid.uuid4().hex[:12]
-        await asyncio.gather(*(self._ship(deployment_id, p, len(placements), layers, request.optimizer)
+        await asyncio.gather(*(self._ship(deployment_id, p, len(placements), layers, request)
                                for p in placements))
         log.info("deployed %s: %s", deployment_id,
                  [(p.shard.address, p.first_layer, p.end_layer) for p in placements])
@@ -61,7 +61,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                             first_layer=p.first_layer, end_layer=p.end_layer)
             for p in placements])
 
-    async def _ship(self, deployment_id: str, placement: StagePlacement, num_stages: int, layers, optimizer) -> None:
+    async def _ship(self, deployment_id: str, placement: StagePlacement, num_stages: int, layers, deploy) -> None:
         plan = shard_pb2.StagePlan(
             stage=placement.stage, num_stages=num_stages, previous_address=placement.previous_address,
             next_address=placement.next_address,
@@ -69,10 +69,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                 for n, (s, a) in placement.incoming.items()],
             outgoing_residuals=[shard_pb2.ResidualSink(name=n, consumer_stages=c)
                                 for n, c in placement.outgoing.items()])
-        request = shard_pb2.LoadStageRequest(deployment_id=deployment_id, plan=plan, optimizer=optimizer,
-                                             layers=layers[placement.first_layer:placement.end_layer])
+        request = shard_pb2.LoadStageRequest(deployment_id=deployment_id, plan=plan, optimizer=deploy.optimizer,
+                                             layers=layers[placement.first_layer:placement.end_layer],
+                                             encodings=deploy.encodings)
         shard = Peer(f"shard {placement.shard.shard_id} at {placement.shard.address}", placement.shard.address,
-                     shard_pb2_grpc.ShardServiceStub, self.settings.security, self.settings.timeouts.control)
+                     SHARD_SERVICE, self.settings.security, self.settings.timeouts.control)
         try:
             await shard.call("LoadStage", request)
         finally:

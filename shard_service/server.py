@@ -13,11 +13,11 @@ import grpc
 import torch
 
 from shard_service.servicer import ShardServicer
-from shardtrain import rpc
+from shardtrain import rpc, shm
 from shardtrain.lifecycle import die_with_parent
 from shardtrain.errors import ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
-from shardtrain.v1 import coordinator_pb2, coordinator_pb2_grpc, shard_pb2_grpc
+from shardtrain.v1 import coordinator_pb2
 
 log = logging.getLogger("shardtrain.shard")
 
@@ -27,7 +27,7 @@ async def build_server(settings: ShardSettings, bind: str | None = None) -> tupl
     server = rpc.new_server(settings.security)
     port = rpc.bind(server, bind or settings.bind, settings.security)
     servicer = ShardServicer(settings, settings.advertise or f"{_reachable_host(bind or settings.bind)}:{port}")
-    shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
+    rpc.add_service(server, servicer, rpc.SHARD_SERVICE)
     await server.start()
     return server, port, servicer
 
@@ -41,7 +41,7 @@ def _reachable_host(bind: str) -> str:
 async def register(settings: ShardSettings, address: str) -> str:
     """Registers with the coordinator, retrying until it answers or settings.timeouts.connect runs out."""
     coordinator = rpc.Peer(f"coordinator at {settings.coordinator}", settings.coordinator,
-                           coordinator_pb2_grpc.CoordinatorServiceStub, settings.security,
+                           rpc.COORDINATOR_SERVICE, settings.security,
                            settings.timeouts.control)
     deadline, delay = time.monotonic() + settings.timeouts.connect, 0.1
     try:
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
     die_with_parent(settings.parent_pid)
+    shm.sweep()  # segments left by shardtrain processes that were killed
     if settings.threads:
         torch.set_num_threads(settings.threads)  # for this thread; the compute thread sets its own
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,15 +14,16 @@ from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
-from shardtrain import wire
+from shardtrain import shm, wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
-from shardtrain.rpc import OpenedCall, OpenedCalls, Peer, boundary, fetch_tensor
+from shardtrain.rpc import SHARD_SERVICE, OpenedCall, OpenedCalls, Peer, boundary, fetch_tensor
 from shardtrain.settings import ShardSettings
-from shardtrain.v1 import shard_pb2, shard_pb2_grpc
+from shardtrain.v1 import shard_pb2, tensor_pb2
 
 log = logging.getLogger("shardtrain.shard")
 INLINE_SECONDS = 1e-3
+_FETCHED_KINDS = {OUTPUT: "activations", INPUT_GRADIENT: "gradients"}  # any other name is a residual
 
 
 def _set_threads(threads: int) -> None:
@@ -29,7 +31,7 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
+class ShardServicer:
     """The gRPC face of one shard; all model logic lives in Stage."""
 
     def __init__(self, settings: ShardSettings, address: str):
@@ -44,6 +46,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
         self._backward_links = OpenedCalls(settings.max_in_flight)  # Backward calls opened at forward time
         self._order = StepOrder()
+        self._encodings = tensor_pb2.WireEncodings()  # exact until a deployment asks otherwise
+        self._segments = shm.SegmentPool() if settings.shared_memory and shm.available() else None
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
         # One stage, one thread, in order. OpenMP thread counts are per thread, so the setting is
@@ -78,9 +82,21 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def _peer(self, address: str) -> Peer:
         if address not in self._peers:
-            self._peers[address] = Peer(f"shard at {address}", address, shard_pb2_grpc.ShardServiceStub,
+            self._peers[address] = Peer(f"shard at {address}", address, SHARD_SERVICE,
                                         self.settings.security, self.settings.timeouts.rpc)
         return self._peers[address]
+
+    def _options(self, peer_same_host: bool, kind: str) -> wire.SendOptions:
+        """How to send a tensor of `kind` ("activations", "gradients", "residuals") to a peer."""
+        segments = self._segments if peer_same_host else None
+        return wire.SendOptions(self.settings.chunk_bytes, getattr(self._encodings, kind), segments)
+
+    async def _probe_neighbours(self, plan: shard_pb2.StagePlan) -> None:
+        """Learns which peers this stage sends to share its host, so those sends go through shared memory."""
+        if self._segments is None:
+            return
+        addresses = {plan.previous_address, plan.next_address, *(r.producer_address for r in plan.incoming_residuals)}
+        await asyncio.gather(*(self._peer(address).probe() for address in addresses if address))
 
     def _stage_for(self, deployment_id: str) -> Stage:
         if self._stage is None:
@@ -102,7 +118,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         optimizer = (request.optimizer.name, request.optimizer.kwargs_json)
         stage = await self._run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
                                 self.settings.max_in_flight)
+        await self._probe_neighbours(plan)
         self._stage, self._plan, self._deployment_id = stage, plan, request.deployment_id
+        self._encodings = request.encodings
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
         self._order = StepOrder()
@@ -122,8 +140,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def ReadState(self, request, context):
         stage = self._stage_for(request.deployment_id)
         for name, tensor in (await self._run(stage.state)).items():
-            for chunk in wire.tensor_chunks(tensor, name, self.settings.chunk_bytes):
-                yield chunk
+            for frame in wire.tensor_frames(tensor, name, wire.SendOptions(self.settings.chunk_bytes)):
+                yield frame  # weights always travel exact
 
     @boundary
     async def Forward(self, request_iterator, context):
@@ -134,8 +152,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         # The header goes on at once, so later stages fetch their residuals and apply a deferred optimizer
         # step while this one computes.
         downstream = OpenedCall(self._peer(self._plan.next_address), "Forward", shard_pb2.ForwardRequest, header,
-                                self.settings.chunk_bytes, self.settings.timeouts.rpc) \
-            if self._plan.next_address else None
+                                self.settings.timeouts.rpc) if self._plan.next_address else None
         stepping = asyncio.ensure_future(self._apply_step(stage, header.step_first)) \
             if header.HasField("step_first") else None
         try:
@@ -154,7 +171,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             if downstream is None:
                 self._outbox.put((*key, OUTPUT), [result, 1])
             else:
-                await downstream.send({"activation": result})
+                same_host = self._peer(self._plan.next_address).same_host
+                await downstream.send({"activation": result}, self._options(same_host, "activations"))
         finally:
             if downstream is not None:
                 downstream.abandon()  # a no-op once sent; otherwise later stages stop waiting
@@ -180,8 +198,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def _open_backward(self, address: str, key) -> OpenedCall:
         """Opens the Backward call to `address` at forward time; the gradient follows when backward runs."""
         return OpenedCall(self._peer(address), "Backward", shard_pb2.BackwardRequest,
-                          shard_pb2.BackwardHeader(key=key), self.settings.chunk_bytes,
-                          self.settings.timeouts.backward_link)
+                          shard_pb2.BackwardHeader(key=key), self.settings.timeouts.backward_link)
 
     def _producer(self, name: str) -> shard_pb2.ResidualSource:
         return next(r for r in self._plan.incoming_residuals if r.name == name)
@@ -198,11 +215,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         key = (request.key.step, request.key.microbatch, request.name)
         what = f"tensor {request.name!r} of step {request.key.step} micro-batch {request.key.microbatch}"
         entry = await self._outbox.get(key, self.settings.timeouts.peer_wait, what)
+        kind = _FETCHED_KINDS.get(request.name, "residuals")
+        options = self._options(request.shared_memory, kind)
+        for frame in wire.tensor_frames(entry[0], request.name, options, start=request.offset):
+            yield frame
+        # Kept until a fetch got all of it, so a broken stream can resume; _forget drops the rest.
         entry[1] -= 1
         if entry[1] <= 0:
             self._outbox.discard(key)
-        for chunk in wire.tensor_chunks(entry[0], request.name, self.settings.chunk_bytes):
-            yield chunk
 
     @boundary
     async def Backward(self, request_iterator, context):
@@ -234,7 +254,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             self._outbox.put((*key, INPUT_GRADIENT), [grad_input, 1])
         if self._plan.previous_address:
             link = self._backward_links.pop(key) or self._open_backward(self._plan.previous_address, header.key)
-            calls.append(link.send({"gradient": grad_input} if grad_input is not None else {}))
+            same_host = self._peer(self._plan.previous_address).same_host
+            calls.append(link.send({"gradient": grad_input} if grad_input is not None else {},
+                                   self._options(same_host, "gradients")))
         await asyncio.gather(*calls)
 
     async def _send_residual_grad(self, key, name: str, grad) -> None:
@@ -242,8 +264,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         header = shard_pb2.AccumulateGradientHeader(key=key, name=name, consumer_stage=self._plan.stage,
                                                     has_gradient=grad is not None)
         tensors = {name: grad} if grad is not None else {}
-        stream = wire.framed(shard_pb2.AccumulateGradientRequest, header, tensors, self.settings.chunk_bytes)
-        await self._peer(producer.producer_address).call("AccumulateGradient", stream)
+        peer = self._peer(producer.producer_address)
+        stream = wire.framed(shard_pb2.AccumulateGradientRequest, header, tensors,
+                             self._options(peer.same_host, "residuals"))
+        await peer.call("AccumulateGradient", stream)
 
     @boundary
     async def AccumulateGradient(self, request_iterator, context):
@@ -303,8 +327,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
             parameter_count=stage.parameter_count if stage else 0)
 
+    @boundary
+    async def ProbeSharedMemory(self, request, context):
+        return shard_pb2.ProbeSharedMemoryResponse(token=shm.read_probe(request.path), uid=os.getuid())
+
     async def close(self) -> None:
-        """Closes peer channels and the compute thread."""
+        """Closes peer channels, the compute thread and this shard's shared segments."""
         for peer in self._peers.values():
             await peer.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
+        if self._segments is not None:
+            self._segments.close()

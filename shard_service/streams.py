@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 import torch
 
 from shardtrain import wire
+from shardtrain.codec import Frame
 from shardtrain.errors import InvalidArgument
 
 
 class RequestReader:
-    """Reads a client stream whose first message carries a header and every message may carry a tensor chunk."""
+    """Reads a client stream of Frames: a header on the first message, and any message may carry a tensor chunk."""
 
     def __init__(self, requests: AsyncIterator):
         self._requests = requests.__aiter__()
@@ -20,19 +21,18 @@ class RequestReader:
     async def header(self):
         """The first message's header; InvalidArgument if the stream does not start with one."""
         self._first = await anext(self._requests, None)
-        if self._first is None or not self._first.HasField("header"):
+        if self._first is None or not self._first.message.HasField("header"):
             raise InvalidArgument("stream must start with a header message")
-        return self._first.header
+        return self._first.message.header
 
     async def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor in the stream, by name."""
         return await wire.collect(self._chunks())
 
-    async def _chunks(self) -> AsyncIterator:
-        if self._first.HasField("tensor"):
-            yield self._first.tensor
-        async for message in self._requests:
-            if message.HasField("header"):
+    async def _chunks(self) -> AsyncIterator[Frame]:
+        yield self._first
+        async for frame in self._requests:
+            if frame.message.HasField("header"):
                 raise InvalidArgument("only the first message of a stream may carry a header")
-            yield message.tensor
+            yield frame
 

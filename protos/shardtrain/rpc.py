@@ -7,15 +7,21 @@ import functools
 import hmac
 import inspect
 import logging
+import os
 import pathlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from shardtrain import errors, wire
+from google.protobuf import message_factory
+
+from shardtrain import codec, errors, shm, wire
 from shardtrain.settings import Security
-from shardtrain.v1 import shard_pb2
+from shardtrain.v1 import coordinator_pb2, shard_pb2
+
+SHARD_SERVICE = shard_pb2.DESCRIPTOR.services_by_name["ShardService"]
+COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 
 log = logging.getLogger("shardtrain.rpc")
 
@@ -61,6 +67,43 @@ def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
     if port == 0:
         raise errors.Unavailable(f"could not bind {address}")
     return port
+
+
+def _coders(descriptor) -> tuple[Callable, Callable]:
+    """(serialize, deserialize) of a message type: Frames for tensor-carrying types, plain protobuf otherwise."""
+    message_type = message_factory.GetMessageClass(descriptor)
+    if codec.carries_chunks(message_type):
+        coder = codec.Codec(message_type)
+        return coder.serialize, coder.deserialize
+    return message_type.SerializeToString, message_type.FromString
+
+
+_CLIENT_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream",
+                 (True, False): "stream_unary", (True, True): "stream_stream"}
+
+
+class Stub:
+    """A client stub of a service, built from its descriptor, whose tensor-carrying messages travel as Frames."""
+
+    def __init__(self, channel: grpc.aio.Channel, service):
+        for method in service.methods:
+            serialize, _ = _coders(method.input_type)
+            _, deserialize = _coders(method.output_type)
+            make = getattr(channel, _CLIENT_KINDS[method.client_streaming, method.server_streaming])
+            setattr(self, method.name, make(f"/{service.full_name}/{method.name}", request_serializer=serialize,
+                                            response_deserializer=deserialize))
+
+
+def add_service(server: grpc.aio.Server, servicer: Any, service) -> None:
+    """Serves the methods of `service` that `servicer` has (others are UNIMPLEMENTED), with Stub's coders."""
+    handlers = {}
+    for method in (m for m in service.methods if hasattr(servicer, m.name)):
+        _, deserialize = _coders(method.input_type)
+        serialize, _ = _coders(method.output_type)
+        make = getattr(grpc, f"{_CLIENT_KINDS[method.client_streaming, method.server_streaming]}_rpc_method_handler")
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=deserialize,
+                                     response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -143,13 +186,29 @@ def translate(error: grpc.aio.AioRpcError, peer: str) -> errors.ShardtrainError:
 class Peer:
     """One remote service: its channel, a stub, the token and the deadline, with errors translated."""
 
-    def __init__(self, name: str, address: str, stub_class: type, security: Security, timeout: float):
+    def __init__(self, name: str, address: str, service, security: Security, timeout: float):
         self.name = name
         self.address = address
         self.channel = open_channel(address, security)
-        self.stub = stub_class(self.channel)
+        self.stub = Stub(self.channel, service)
         self._metadata = security.metadata
         self._timeout = timeout
+        self.same_host = False  # proved by probe(): this process and the peer can open each other's segments
+
+    async def probe(self) -> bool:
+        """Finds out (once) whether the peer shares this host's /dev/shm and user; False when in doubt."""
+        if self.same_host or not shm.available():
+            return self.same_host
+        path, token = shm.write_probe()
+        try:
+            response = await self.call("ProbeSharedMemory", shard_pb2.ProbeSharedMemoryRequest(path=path))
+        except errors.ShardtrainError as error:
+            log.info("%s: no shared-memory path (%s); tensors go by stream", self.name, error)
+            return False
+        finally:
+            shm.remove(path)
+        self.same_host = hmac.compare_digest(response.token, token) and response.uid == os.getuid()
+        return self.same_host
 
     async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """A unary-response call (the request may be an async iterator for client streaming)."""
@@ -175,9 +234,22 @@ class Peer:
         await self.channel.close()
 
 
+FETCH_ATTEMPTS = 4  # a FetchTensor stream that breaks is resumed this many times, each after some progress
+
+
 async def fetch_tensor(peer: Peer, key, name: str) -> Any:
-    """One saved tensor of a step from a shard (FetchTensor); InvalidArgument if it sends something else."""
-    tensors = await wire.collect(peer.stream("FetchTensor", shard_pb2.FetchTensorRequest(key=key, name=name)))
+    """One saved tensor of a step from a shard (FetchTensor), resumed where it broke if the stream fails."""
+    reader = wire.TensorStreamReader()
+    for attempt in range(FETCH_ATTEMPTS):
+        offset = reader.resume_offset
+        request = shard_pb2.FetchTensorRequest(key=key, name=name, offset=offset, shared_memory=peer.same_host)
+        try:
+            tensors = await wire.collect(peer.stream("FetchTensor", request), reader)
+            break
+        except errors.Unavailable:
+            if attempt + 1 == FETCH_ATTEMPTS or reader.resume_offset == offset:
+                raise  # nothing arrived this time: the peer is gone, not the stream interrupted
+            log.warning("fetch of %r from %s broke at byte %d; resuming", name, peer.name, reader.resume_offset)
     if name not in tensors:
         raise errors.InvalidArgument(f"{peer.name} sent {sorted(tensors)} instead of {name!r}")
     return tensors[name]
@@ -190,14 +262,14 @@ class OpenedCall:
     machine's loopback, a message on an open stream about 0.30 ms.
     """
 
-    def __init__(self, peer: Peer, method: str, message_type, header, chunk_bytes: int, timeout: float):
+    def __init__(self, peer: Peer, method: str, message_type, header, timeout: float):
         self._tensors: asyncio.Future = asyncio.get_running_loop().create_future()
-        requests = wire.framed_later(message_type, header, self._tensors, chunk_bytes)
+        requests = wire.framed_later(message_type, header, self._tensors)
         self._call = asyncio.ensure_future(peer.call(method, requests, timeout=timeout))
 
-    async def send(self, tensors: dict) -> Any:
+    async def send(self, tensors: dict, options: wire.SendOptions = wire.EXACT) -> Any:
         """Sends the tensors and waits for the answer."""
-        self._tensors.set_result(tensors)
+        self._tensors.set_result((tensors, options))
         return await self._call
 
     def abandon(self) -> None:

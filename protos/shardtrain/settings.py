@@ -52,6 +52,7 @@ class ShardSettings:
     max_in_flight: int = 64   # steps whose autograd state a stage keeps at once
     parent_pid: int = 0       # exit when this process dies (set by Cluster.local for its children)
     threads: int = 0          # torch intra-op threads; 0 keeps torch's default (one per core)
+    shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -133,13 +134,16 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                         help="torch intra-op threads (0: torch's default); set 1 when shards share a host's cores")
     parser.add_argument("--parent-pid", type=int, default=_env(env, "PARENT_PID", "0"),
                         help="exit when this process dies")
+    parser.add_argument("--shared-memory", choices=("on", "off"), default=_env(env, "SHARED_MEMORY", "on"),
+                        help="same-host peers exchange tensors through /dev/shm (default on; off: always stream)")
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
-                         parent_pid=args.parent_pid, security=security_from(args))
+                         parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
+                         security=security_from(args))
 
 
 def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:

@@ -1,19 +1,30 @@
-"""Tensor <-> header + data chunks: the only code that touches tensor bytes."""
+"""Tensor <-> header + data chunks: the only code that touches tensor bytes.
+
+Copies per chunk, sender: one (the join in codec.Frame serialization; CRC-32 reads the tensor in
+place), then grpc's own. Receiver: grpc's own, then one into the destination tensor, which is
+allocated once per tensor; the data arrives as a view of grpc's buffer (codec.Frame), never as a
+protobuf field. Same-host peers skip the stream: one copy into a reusable shared segment, which
+the receiver maps as the tensor's storage (shm.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-from collections.abc import Iterable, Iterator
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
+import numpy
 import torch
 
+from shardtrain import compression, shm
+from shardtrain.codec import Frame
 from shardtrain.errors import DataLoss, InvalidArgument
 from shardtrain.v1 import tensor_pb2
 
-# 1 MiB chunks: a loopback sweep of 64 MiB fp32 transfers (bench/wire_chunks.py) gave 0.37 GB/s at
-# 64 KiB, 0.62 GB/s at 256 KiB, 0.71 GB/s at 1 MiB and 0.70 GB/s at 3 MiB; per-message overhead
-# dominates below 256 KiB, and larger chunks only raise peak memory.
+# 1 MiB chunks: `python -m bench.transport --sizes 64M --chunk-sweep 64K 256K 3M` moved 64 MiB at
+# 0.20 GB/s in 64 KiB chunks, 0.46 at 256 KiB, 0.68 at 1 MiB and 0.42 at 3 MiB (one run): per-message
+# costs dominate small chunks, and big ones stall grpc's flow control and raise peak memory.
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Hard cap on one received tensor, checked against the header before anything is allocated.
 MAX_TENSOR_BYTES = 1 << 40
@@ -47,63 +58,173 @@ def torch_dtype(code: int) -> torch.dtype:
     return _TORCH_DTYPES[code]
 
 
-def _byte_view(flat: torch.Tensor) -> memoryview:
-    """A zero-copy view of a contiguous CPU uint8 tensor's bytes; the caller keeps `flat` alive."""
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_uint8 * flat.numel()).from_address(flat.data_ptr())).cast("B")
+ENCODINGS: dict[str, int] = {
+    "none": tensor_pb2.ENCODING_NONE,
+    "fp16": tensor_pb2.ENCODING_FLOAT16,
+    "bf16": tensor_pb2.ENCODING_BFLOAT16,
+    "int8": tensor_pb2.ENCODING_INT8_BLOCKWISE,
+}
+_ENCODING_NAMES = {code: name for name, code in ENCODINGS.items()}
 
 
-def tensor_chunks(tensor: torch.Tensor, name: str = "",
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
-    """Yields the tensor's bytes in chunks, the first carrying the header; device and layout are normalised first."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    header = tensor_pb2.TensorHeader(name=name, dtype=dtype_code(tensor.dtype),
-                                     shape=list(tensor.shape), nbytes=flat.numel())
-    view = _byte_view(flat)
-    # bytes() is the one copy per chunk that a protobuf bytes field demands.
-    yield tensor_pb2.TensorChunk(header=header, data=bytes(view[:chunk_bytes]))
-    for offset in range(chunk_bytes, len(view), chunk_bytes):
-        yield tensor_pb2.TensorChunk(data=bytes(view[offset:offset + chunk_bytes]))
+def encoding_code(name: str) -> int:
+    """The wire code of an encoding name ("none", "fp16", "bf16", "int8"); InvalidArgument otherwise."""
+    if name not in ENCODINGS:
+        raise InvalidArgument(f"unknown wire encoding {name!r}; expected one of {sorted(ENCODINGS)}")
+    return ENCODINGS[name]
+
+
+def encoding_name(code: int) -> str:
+    """The name of an encoding's wire code; InvalidArgument for unknown codes."""
+    if code not in _ENCODING_NAMES:
+        raise InvalidArgument(f"unknown encoding code {code}; expected one of {sorted(_ENCODING_NAMES)}")
+    return _ENCODING_NAMES[code]
+
+
+TENSOR_KINDS = ("activations", "gradients", "residuals")
+
+
+def wire_encodings(compression_spec: str | dict[str, str]) -> tensor_pb2.WireEncodings:
+    """A deployment's encodings from "none"/"fp16"/"bf16"/"int8" for every kind, or a dict by kind."""
+    spec = dict.fromkeys(TENSOR_KINDS, compression_spec) if isinstance(compression_spec, str) else compression_spec
+    unknown = sorted(set(spec) - set(TENSOR_KINDS))
+    if unknown:
+        raise InvalidArgument(f"compression names unknown tensor kinds {unknown}; expected some of {TENSOR_KINDS}")
+    return tensor_pb2.WireEncodings(**{kind: encoding_code(name) for kind, name in spec.items()})
+
+
+@dataclass(frozen=True)
+class SendOptions:
+    """How tensors go to one peer: chunk size, wire encoding, and segments when the peer shares this host."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    encoding: int = tensor_pb2.ENCODING_NONE
+    segments: shm.SegmentPool | None = None
+
+
+EXACT = SendOptions()
+
+
+def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat contiguous uint8 CPU tensor, staged through pinned memory from CUDA."""
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        staged.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        tensor = staged
+    return tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _payload(tensor: torch.Tensor, encoding: int) -> tuple[torch.Tensor, int]:
+    """(wire bytes, encoding actually used): lossy encodings only change floating-point tensors."""
+    name = encoding_name(encoding)
+    if encoding != tensor_pb2.ENCODING_NONE and compression.applies(name, tensor.dtype):
+        return _host_bytes(compression.encode(tensor.detach(), name)), encoding
+    return _host_bytes(tensor), tensor_pb2.ENCODING_NONE
+
+
+def _same(chunk: tensor_pb2.TensorChunk) -> tensor_pb2.TensorChunk:
+    return chunk
+
+
+def tensor_frames(tensor: torch.Tensor, name: str = "", options: SendOptions = EXACT,
+                  wrap: Callable[[tensor_pb2.TensorChunk], object] = _same, start: int = 0) -> Iterator[Frame]:
+    """The frames of one tensor, the first carrying its header: data chunks, or one shared segment.
+
+    `wrap` puts each chunk in the stream's message type; `start` resumes from a wire-byte offset.
+    """
+    payload, encoding = _payload(tensor, options.encoding)
+    header = tensor_pb2.TensorHeader(name=name, dtype=dtype_code(tensor.dtype), shape=list(tensor.shape),
+                                     nbytes=tensor.numel() * tensor.dtype.itemsize, encoding=encoding,
+                                     wire_nbytes=payload.numel())
+    shared = _share(payload, options.segments) if start == 0 else None
+    if shared is not None:
+        yield Frame(wrap(tensor_pb2.TensorChunk(header=header, shared=shared)))
+        return
+    # A numpy array's buffer keeps `payload` alive for as long as any frame's view of it exists.
+    view = memoryview(payload.numpy()) if payload.numel() else memoryview(b"")
+    for offset in range(start, len(view), options.chunk_bytes) or [start]:
+        data = view[offset:offset + options.chunk_bytes]
+        chunk = tensor_pb2.TensorChunk(offset=offset, crc32=zlib.crc32(data))
+        if offset == start:
+            chunk.header.CopyFrom(header)
+        yield Frame(wrap(chunk), data)
+
+
+def _share(payload: torch.Tensor, segments: shm.SegmentPool | None) -> tensor_pb2.SharedSegment | None:
+    if segments is None or payload.numel() < shm.MIN_BYTES:
+        return None
+    placed = segments.put(payload)
+    if placed is None:
+        return None
+    path, offset, generation = placed
+    return tensor_pb2.SharedSegment(path=path, offset=offset, generation=generation)
 
 
 class TensorAssembler:
-    """Builds one tensor from a header and data chunks, written straight into one preallocated buffer."""
+    """Builds one tensor from a header and its data: chunks written into one buffer, or a mapped segment."""
 
     def __init__(self, header: tensor_pb2.TensorHeader, max_bytes: int = MAX_TENSOR_BYTES):
+        self.header = header
         self.name = header.name
         self.dtype = torch_dtype(header.dtype)
         self.shape = tuple(header.shape)
+        self.encoding = encoding_name(header.encoding)
         if any(dim < 0 for dim in self.shape):
             raise InvalidArgument(f"tensor {self.name!r}: negative dimension in shape {list(self.shape)}")
-        expected = _numel(self.shape) * self.dtype.itemsize
+        numel = _numel(self.shape)
+        expected = numel * self.dtype.itemsize
         if header.nbytes != expected:
             raise InvalidArgument(f"tensor {self.name!r}: header says {header.nbytes} bytes but shape "
                                   f"{list(self.shape)} of {self.dtype} needs {expected}")
         if expected > max_bytes:
             raise InvalidArgument(f"tensor {self.name!r}: {expected} bytes exceeds the limit of {max_bytes}")
-        self._buffer = torch.empty(expected, dtype=torch.uint8)
-        self._filled = 0
+        self.wire_nbytes = compression.encoded_nbytes(self.encoding, self.dtype, numel)
+        if header.wire_nbytes != self.wire_nbytes:
+            raise InvalidArgument(f"tensor {self.name!r}: header says {header.wire_nbytes} wire bytes but "
+                                  f"{self.encoding} encoding of {list(self.shape)} {self.dtype} needs {self.wire_nbytes}")
+        self._buffer: torch.Tensor | None = None
+        self.filled = 0
 
     @property
     def complete(self) -> bool:
-        """True once every byte the header announced has arrived."""
-        return self._filled == self._buffer.numel()
+        """True once every wire byte the header announced has arrived."""
+        return self.filled == self.wire_nbytes
 
-    def add(self, data: bytes) -> None:
-        """Copies one chunk into place; DataLoss if it overruns the announced size."""
-        end = self._filled + len(data)
-        if end > self._buffer.numel():
-            raise DataLoss(f"tensor {self.name!r}: received {end} bytes, header announced {self._buffer.numel()}")
-        ctypes.memmove(self._buffer.data_ptr() + self._filled, data, len(data))
-        self._filled = end
+    def add(self, chunk: tensor_pb2.TensorChunk, data) -> None:
+        """Takes one chunk's data, or its shared segment; DataLoss if it is out of place, corrupt or too long."""
+        if chunk.HasField("shared"):
+            return self._map(chunk.shared)
+        if chunk.offset != self.filled:
+            raise DataLoss(f"tensor {self.name!r}: chunk at offset {chunk.offset}, expected {self.filled}")
+        if zlib.crc32(data) != chunk.crc32:
+            raise DataLoss(f"tensor {self.name!r}: chunk at offset {chunk.offset} ({len(data)} bytes) fails its "
+                           f"CRC-32 check (sent {chunk.crc32:#010x}, received {zlib.crc32(data):#010x})")
+        end = self.filled + len(data)
+        if end > self.wire_nbytes:
+            raise DataLoss(f"tensor {self.name!r}: received {end} bytes, header announced {self.wire_nbytes}")
+        if self._buffer is None:
+            self._buffer = torch.empty(self.wire_nbytes, dtype=torch.uint8)
+        if len(data):
+            self._buffer.numpy()[self.filled:end] = numpy.frombuffer(data, dtype=numpy.uint8)
+        self.filled = end
+
+    def _map(self, shared: tensor_pb2.SharedSegment) -> None:
+        if self.filled:
+            raise DataLoss(f"tensor {self.name!r}: a shared segment arrived after {self.filled} bytes of chunks")
+        self._buffer = shm.open_segment(shared.path, shared.offset, shared.generation, self.wire_nbytes)
+        self.filled = self.wire_nbytes
 
     def tensor(self) -> torch.Tensor:
         """The finished tensor; DataLoss if the stream ended early."""
         if not self.complete:
-            raise DataLoss(f"tensor {self.name!r}: stream ended after {self._filled} of "
-                           f"{self._buffer.numel()} bytes")
-        return self._buffer.view(self.dtype).reshape(self.shape)
+            raise DataLoss(f"tensor {self.name!r}: stream ended after {self.filled} of "
+                           f"{self.wire_nbytes} bytes")
+        buffer = self._buffer if self._buffer is not None else torch.empty(0, dtype=torch.uint8)
+        if self.encoding != "none" and compression.applies(self.encoding, self.dtype):
+            return compression.decode(buffer, self.encoding, self.dtype, self.shape)
+        return buffer.view(self.dtype).reshape(self.shape)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -114,22 +235,36 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class TensorStreamReader:
-    """Turns a sequence of TensorChunk messages into (name, tensor) pairs, one tensor at a time."""
+    """Turns a sequence of Frames into (name, tensor) pairs, one tensor at a time."""
 
     def __init__(self, max_bytes: int = MAX_TENSOR_BYTES):
         self._max_bytes = max_bytes
         self._assembler: TensorAssembler | None = None
 
-    def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
-        """Takes one message; returns a tensor as soon as its last byte has arrived."""
+    @property
+    def resume_offset(self) -> int:
+        """Wire bytes of the unfinished tensor already received: where a resumed stream must start."""
+        return self._assembler.filled if self._assembler is not None else 0
+
+    def feed(self, frame: Frame) -> tuple[str, torch.Tensor] | None:
+        """Takes one frame; returns a tensor as soon as its last byte has arrived."""
+        chunk = frame.chunk
+        if chunk is None:
+            return None
         if chunk.HasField("header"):
-            if self._assembler is not None:
-                raise DataLoss(f"tensor {self._assembler.name!r}: a new header arrived before its data was complete")
-            self._assembler = TensorAssembler(chunk.header, self._max_bytes)
+            self._open(chunk)
         elif self._assembler is None:
             raise InvalidArgument("tensor stream: data chunk before any header")
-        self._assembler.add(chunk.data)
+        self._assembler.add(chunk, frame.data)
         return self._take_if_complete()
+
+    def _open(self, chunk: tensor_pb2.TensorChunk) -> None:
+        current = self._assembler
+        if current is None:
+            self._assembler = TensorAssembler(chunk.header, self._max_bytes)
+        elif chunk.header != current.header or chunk.offset != current.filled:
+            # The same header again at the offset reached is a resumed stream; anything else is a new tensor.
+            raise DataLoss(f"tensor {current.name!r}: a new header arrived before its data was complete")
 
     def finish(self) -> None:
         """Checks that the stream did not stop in the middle of a tensor."""
@@ -143,42 +278,51 @@ class TensorStreamReader:
         return done.name, done.tensor()
 
 
-def read_tensors(chunks: Iterable[tensor_pb2.TensorChunk]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for each header-and-data run in a chunk sequence."""
+def read_tensors(frames: Iterable[Frame]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for each header-and-data run in a frame sequence."""
     reader = TensorStreamReader()
-    for chunk in chunks:
-        done = reader.feed(chunk)
+    for frame in frames:
+        done = reader.feed(frame)
         if done is not None:
             yield done
     reader.finish()
 
 
-def framed(message_type, header, tensors: dict[str, torch.Tensor],
-           chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
-    """A request stream of `message_type(header=..., tensor=...)`: the header rides on the first message."""
-    first = True
+def _wrapper(message_type, header) -> Callable:
+    """Wraps chunks in `message_type`, the request header riding on the first message only."""
+    first = [True]
+
+    def wrap(chunk):
+        if first[0]:
+            first[0] = False
+            return message_type(header=header, tensor=chunk)
+        return message_type(tensor=chunk)
+    return wrap
+
+
+def framed(message_type, header, tensors: dict[str, torch.Tensor], options: SendOptions = EXACT) -> Iterator[Frame]:
+    """A request stream of `message_type(header=..., tensor=...)` frames: the header rides on the first."""
+    wrap = _wrapper(message_type, header)
     for name, tensor in tensors.items():
-        for chunk in tensor_chunks(tensor, name, chunk_bytes):
-            yield message_type(header=header, tensor=chunk) if first else message_type(tensor=chunk)
-            first = False
-    if first:
-        yield message_type(header=header)
+        yield from tensor_frames(tensor, name, options, wrap)
+    if not tensors:
+        yield Frame(message_type(header=header))
 
 
-async def framed_later(message_type, header, tensors: "asyncio.Future[dict[str, torch.Tensor]]",
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-    """Like framed(), but the header goes at once and the tensors when the future resolves."""
-    yield message_type(header=header)
-    for name, tensor in (await tensors).items():
-        for chunk in tensor_chunks(tensor, name, chunk_bytes):
-            yield message_type(tensor=chunk)
+async def framed_later(message_type, header, later: "asyncio.Future[tuple[dict[str, torch.Tensor], SendOptions]]"):
+    """Like framed(), but the header goes at once and the tensors when the future resolves to (tensors, options)."""
+    yield Frame(message_type(header=header))
+    tensors, options = await later
+    for name, tensor in tensors.items():
+        for frame in tensor_frames(tensor, name, options, lambda chunk: message_type(tensor=chunk)):
+            yield frame
 
 
-async def collect(chunks) -> dict[str, torch.Tensor]:
-    """Every tensor of an async stream of TensorChunk messages, by name."""
-    reader, tensors = TensorStreamReader(), {}
-    async for chunk in chunks:
-        done = reader.feed(chunk)
+async def collect(frames, reader: TensorStreamReader | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of an async stream of Frames, by name; `reader` keeps a partial tensor for resuming."""
+    reader, tensors = reader or TensorStreamReader(), {}
+    async for frame in frames:
+        done = reader.feed(frame)
         if done is not None:
             tensors[done[0]] = done[1]
     reader.finish()

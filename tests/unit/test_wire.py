@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import pytest
 import torch
 
-from shardtrain import wire
+from shardtrain import shm, wire
+from shardtrain.codec import Codec, Frame
 from shardtrain.errors import DataLoss, InvalidArgument
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
@@ -41,8 +43,17 @@ def sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
     return values
 
 
+CHUNK_CODEC = Codec(tensor_pb2.TensorChunk)
+
+
+def tensor_frames(tensor: torch.Tensor, name: str = "", chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> list[Frame]:
+    """The frames of a tensor as a receiver sees them: serialized and parsed by the codec, as on the wire."""
+    sent = wire.tensor_frames(tensor, name, wire.SendOptions(chunk_bytes))
+    return [CHUNK_CODEC.deserialize(CHUNK_CODEC.serialize(frame)) for frame in sent]
+
+
 def round_trip(tensor: torch.Tensor, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, name: str = "t") -> torch.Tensor:
-    received = list(wire.read_tensors(wire.tensor_chunks(tensor, name, chunk_bytes)))
+    received = list(wire.read_tensors(tensor_frames(tensor, name, chunk_bytes)))
     assert [n for n, _ in received] == [name]
     return received[0][1]
 
@@ -53,13 +64,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-def header_chunk(dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,), nbytes=8, data=b"", name="t") -> tensor_pb2.TensorChunk:
-    return tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(name=name, dtype=dtype, shape=shape, nbytes=nbytes),
-                                  data=data)
+def header_chunk(dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,), nbytes=8, data=b"", name="t") -> Frame:
+    header = tensor_pb2.TensorHeader(name=name, dtype=dtype, shape=shape, nbytes=nbytes, wire_nbytes=nbytes)
+    return Frame(tensor_pb2.TensorChunk(header=header, crc32=zlib.crc32(data)), data)
 
 
-def data_chunk(data: bytes) -> tensor_pb2.TensorChunk:
-    return tensor_pb2.TensorChunk(data=data)
+def data_chunk(data: bytes, offset: int = 0) -> Frame:
+    return Frame(tensor_pb2.TensorChunk(offset=offset, crc32=zlib.crc32(data)), data)
 
 
 @pytest.mark.parametrize(("dtype", "code"), WIRE_CODES)
@@ -70,7 +81,7 @@ def test_dtype_table_maps_both_ways(dtype, code):
 
 def test_dtype_outside_the_table_cannot_be_sent():
     with pytest.raises(InvalidArgument, match="complex64"):
-        list(wire.tensor_chunks(torch.zeros(2, dtype=torch.complex64)))
+        tensor_frames(torch.zeros(2, dtype=torch.complex64))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,10 +105,10 @@ def test_non_contiguous_tensor_arrives_in_logical_order():
 
 
 def test_zero_element_tensor_is_one_header_only_chunk():
-    chunks = list(wire.tensor_chunks(torch.zeros(0, 3), "empty"))
+    chunks = (tensor_frames(torch.zeros(0, 3), "empty"))
     assert len(chunks) == 1
-    assert chunks[0].header.nbytes == 0 and list(chunks[0].header.shape) == [0, 3]
-    assert chunks[0].data == b""
+    assert chunks[0].chunk.header.nbytes == 0 and list(chunks[0].chunk.header.shape) == [0, 3]
+    assert bytes(chunks[0].data) == b""
     assert round_trip(torch.zeros(0, 3)).shape == (0, 3)
 
 
@@ -108,21 +119,22 @@ def test_zero_dim_scalar_keeps_its_empty_shape():
 
 
 def test_header_describes_the_tensor():
-    chunks = list(wire.tensor_chunks(torch.zeros(2, 3, dtype=torch.int16), "activation"))
-    header = chunks[0].header
-    assert (header.name, header.dtype, list(header.shape), header.nbytes) == (
-        "activation", tensor_pb2.DTYPE_INT16, [2, 3], 12)
+    chunks = (tensor_frames(torch.zeros(2, 3, dtype=torch.int16), "activation"))
+    header = chunks[0].chunk.header
+    assert (header.name, header.dtype, list(header.shape), header.nbytes, header.wire_nbytes) == (
+        "activation", tensor_pb2.DTYPE_INT16, [2, 3], 12, 12)
 
 
 def test_chunk_smaller_than_tensor_splits_data_and_only_first_has_header():
-    chunks = list(wire.tensor_chunks(torch.arange(10, dtype=torch.float32), "t", chunk_bytes=16))
+    chunks = (tensor_frames(torch.arange(10, dtype=torch.float32), "t", chunk_bytes=16))
     assert [len(c.data) for c in chunks] == [16, 16, 8]
-    assert [c.HasField("header") for c in chunks] == [True, False, False]
+    assert [c.chunk.offset for c in chunks] == [0, 16, 32]
+    assert [c.chunk.HasField("header") for c in chunks] == [True, False, False]
 
 
 def test_exact_multiple_of_chunk_size_has_no_trailing_empty_chunk():
     original = torch.arange(10, dtype=torch.float32)
-    chunks = list(wire.tensor_chunks(original, "t", chunk_bytes=8))
+    chunks = (tensor_frames(original, "t", chunk_bytes=8))
     assert [len(c.data) for c in chunks] == [8] * 5
     assert torch.equal(round_trip(original, chunk_bytes=8), original)
 
@@ -136,7 +148,7 @@ def test_gradient_tracking_tensor_is_sent_detached():
 
 def test_read_tensors_yields_each_tensor_of_a_stream_in_order():
     a, b = torch.arange(6, dtype=torch.int64), torch.ones(2, 2, dtype=torch.bool)
-    chunks = [*wire.tensor_chunks(a, "a", chunk_bytes=16), *wire.tensor_chunks(b, "b", chunk_bytes=16)]
+    chunks = [*tensor_frames(a, "a", chunk_bytes=16), *tensor_frames(b, "b", chunk_bytes=16)]
     received = list(wire.read_tensors(chunks))
     assert [name for name, _ in received] == ["a", "b"]
     assert torch.equal(received[0][1], a) and torch.equal(received[1][1], b)
@@ -154,18 +166,21 @@ def test_received_tensor_does_not_alias_the_sender():
 def test_framed_puts_header_on_first_message_only():
     header = shard_pb2.LoadStateHeader(deployment_id="d1")
     tensors = {"0.weight": torch.zeros(4), "0.bias": torch.ones(2)}
-    messages = list(wire.framed(shard_pb2.LoadStateRequest, header, tensors, chunk_bytes=8))
+    codec = Codec(shard_pb2.LoadStateRequest)
+    sent = wire.framed(shard_pb2.LoadStateRequest, header, tensors, wire.SendOptions(chunk_bytes=8))
+    frames = [codec.deserialize(codec.serialize(frame)) for frame in sent]
+    messages = [frame.message for frame in frames]
     assert [m.HasField("header") for m in messages] == [True, False, False]
     assert messages[0].header.deployment_id == "d1"
     assert all(m.HasField("tensor") for m in messages)
-    received = dict(wire.read_tensors(m.tensor for m in messages))
+    received = dict(wire.read_tensors(frames))
     assert set(received) == {"0.weight", "0.bias"}
     assert torch.equal(received["0.bias"], torch.ones(2))
 
 
 def test_framed_without_tensors_yields_one_header_only_message():
     header = shard_pb2.LoadStateHeader(deployment_id="d1")
-    messages = list(wire.framed(shard_pb2.LoadStateRequest, header, {}))
+    messages = [frame.message for frame in wire.framed(shard_pb2.LoadStateRequest, header, {})]
     assert len(messages) == 1
     assert messages[0].header.deployment_id == "d1"
     assert not messages[0].HasField("tensor")
@@ -182,7 +197,7 @@ def test_data_beyond_announced_size_is_data_loss():
     reader = wire.TensorStreamReader()
     reader.feed(header_chunk(shape=(2,), nbytes=8, data=b"\0" * 4))
     with pytest.raises(DataLoss, match=r"'t'.*received 12 bytes, header announced 8"):
-        reader.feed(data_chunk(b"\0" * 8))
+        reader.feed(data_chunk(b"\0" * 8, offset=4))
 
 
 def test_overrun_in_the_header_chunk_itself_is_data_loss():
@@ -205,7 +220,7 @@ def test_stream_ending_mid_tensor_is_data_loss_at_finish():
 
 
 def test_read_tensors_reports_a_truncated_stream():
-    chunks = list(wire.tensor_chunks(torch.zeros(10), "t", chunk_bytes=16))
+    chunks = (tensor_frames(torch.zeros(10), "t", chunk_bytes=16))
     with pytest.raises(DataLoss, match="after 32 of 40 bytes"):
         list(wire.read_tensors(chunks[:-1]))
 
@@ -264,7 +279,7 @@ async def as_stream(chunks):
 
 def test_collect_gathers_every_tensor_of_an_async_stream_by_name():
     a, b = torch.randn(3, 4), torch.arange(5, dtype=torch.int32)
-    chunks = [*wire.tensor_chunks(a, "a", chunk_bytes=10), *wire.tensor_chunks(b, "b", chunk_bytes=10)]
+    chunks = [*tensor_frames(a, "a", chunk_bytes=10), *tensor_frames(b, "b", chunk_bytes=10)]
     tensors = asyncio.run(wire.collect(as_stream(chunks)))
     assert set(tensors) == {"a", "b"}
     assert torch.equal(tensors["a"], a) and torch.equal(tensors["b"], b)
@@ -275,6 +290,120 @@ def test_collect_of_empty_stream_is_empty():
 
 
 def test_collect_reports_a_truncated_stream():
-    chunks = list(wire.tensor_chunks(torch.zeros(4), "t", chunk_bytes=8))
+    chunks = (tensor_frames(torch.zeros(4), "t", chunk_bytes=8))
     with pytest.raises(DataLoss, match="'t'"):
         asyncio.run(wire.collect(as_stream(chunks[:1])))
+
+
+# Integrity: every chunk carries its offset and CRC-32.
+
+def test_a_corrupted_chunk_is_data_loss_not_a_wrong_tensor():
+    frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64)
+    corrupted = bytearray(frames[1].data)
+    corrupted[5] ^= 0x01
+    frames[1] = Frame(frames[1].message, bytes(corrupted))
+    with pytest.raises(DataLoss, match=r"'t'.*offset 64.*CRC-32"):
+        list(wire.read_tensors(frames))
+
+
+def test_a_chunk_out_of_order_is_data_loss():
+    frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64)
+    with pytest.raises(DataLoss, match="chunk at offset 128, expected 64"):
+        list(wire.read_tensors([frames[0], frames[2]]))
+
+
+def test_a_resumed_stream_continues_the_tensor_from_the_offset_reached():
+    original = torch.randn(100)
+    reader = wire.TensorStreamReader()
+    for frame in tensor_frames(original, "t", chunk_bytes=64)[:3]:  # the stream breaks after 192 bytes
+        assert reader.feed(frame) is None
+    assert reader.resume_offset == 192
+    resumed = wire.tensor_frames(original, "t", wire.SendOptions(chunk_bytes=64), start=reader.resume_offset)
+    results = [reader.feed(CHUNK_CODEC.deserialize(CHUNK_CODEC.serialize(frame))) for frame in resumed]
+    assert results[-1][0] == "t" and torch.equal(results[-1][1], original)
+
+
+def test_a_resumed_stream_for_another_tensor_is_data_loss():
+    reader = wire.TensorStreamReader()
+    reader.feed(tensor_frames(torch.zeros(100), "t", chunk_bytes=64)[0])
+    other = wire.tensor_frames(torch.zeros(50), "t", wire.SendOptions(chunk_bytes=64), start=64)
+    with pytest.raises(DataLoss, match="new header"):
+        reader.feed(next(other))
+
+
+# Wire encodings: lossy for floating point, exact for everything else.
+
+@pytest.mark.parametrize(("name", "ratio", "tolerance"), [("fp16", 0.5, 1e-3), ("bf16", 0.5, 8e-3),
+                                                         ("int8", 0.26, 2e-2)])
+def test_lossy_encodings_shrink_floats_within_their_error(name, ratio, tolerance):
+    original = torch.randn(64, 64)
+    options = wire.SendOptions(encoding=wire.encoding_code(name))
+    frames = [CHUNK_CODEC.deserialize(CHUNK_CODEC.serialize(f)) for f in wire.tensor_frames(original, "t", options)]
+    header = frames[0].chunk.header
+    assert header.wire_nbytes <= ratio * header.nbytes + 1
+    _, received = next(wire.read_tensors(frames))
+    assert received.dtype == torch.float32 and received.shape == original.shape
+    assert (received - original).abs().max() <= tolerance * original.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8])
+def test_lossy_encoding_leaves_non_float_tensors_exact(dtype):
+    original = sample(dtype)
+    options = wire.SendOptions(encoding=wire.encoding_code("int8"))
+    frames = list(wire.tensor_frames(original, "t", options))
+    assert frames[0].chunk.header.encoding == tensor_pb2.ENCODING_NONE
+    assert same_bits(next(wire.read_tensors(frames))[1], original)
+
+
+def test_header_whose_wire_size_disagrees_with_its_encoding_is_invalid_argument():
+    frame = header_chunk(shape=(256,), nbytes=1024)
+    frame.message.header.encoding = tensor_pb2.ENCODING_FLOAT16
+    with pytest.raises(InvalidArgument, match="needs 512"):
+        wire.TensorStreamReader().feed(frame)
+
+
+def test_compression_spec_by_kind_and_bad_specs():
+    encodings = wire.wire_encodings({"gradients": "bf16"})
+    assert (encodings.activations, encodings.gradients) == (tensor_pb2.ENCODING_NONE, tensor_pb2.ENCODING_BFLOAT16)
+    assert wire.wire_encodings("int8").residuals == tensor_pb2.ENCODING_INT8_BLOCKWISE
+    with pytest.raises(InvalidArgument, match="unknown wire encoding 'fp8'"):
+        wire.wire_encodings("fp8")
+    with pytest.raises(InvalidArgument, match=r"unknown tensor kinds \['weights'\]"):
+        wire.wire_encodings({"weights": "fp16"})
+
+
+# The same-host path: one frame, the tensor's storage mapped from the sender's segment.
+
+@pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_segment_round_trip_is_exact(dtype):
+    original = sample(dtype, shape=(300, 300))  # at least shm.MIN_BYTES for every dtype
+    pool = shm.SegmentPool()
+    try:
+        frames = list(wire.tensor_frames(original, "t", wire.SendOptions(segments=pool)))
+        assert len(frames) == 1 and frames[0].chunk.HasField("shared") and len(frames[0].data) == 0
+        assert same_bits(next(wire.read_tensors(frames))[1], original)
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")
+def test_small_tensors_ride_in_the_message_even_with_segments():
+    pool = shm.SegmentPool()
+    try:
+        frames = list(wire.tensor_frames(torch.ones(8), "t", wire.SendOptions(segments=pool)))
+        assert not frames[0].chunk.HasField("shared") and len(frames[0].data) == 32
+    finally:
+        pool.close()
+
+
+def test_tensor_over_2_gib_round_trips():
+    original = torch.empty((1 << 31) + 8, dtype=torch.uint8)
+    original[:4096] = torch.arange(4096) % 251
+    original[-4096:] = torch.arange(4096) % 241
+    options = wire.SendOptions(chunk_bytes=64 << 20)
+    reader, received = wire.TensorStreamReader(), None
+    for frame in wire.tensor_frames(original, "big", options):  # frames go one at a time, as on the wire
+        received = reader.feed(frame) or received
+    assert received[1].numel() == original.numel()
+    assert torch.equal(received[1][:4096], original[:4096]) and torch.equal(received[1][-4096:], original[-4096:])

@@ -1,4 +1,5 @@
 from shardtrain.v1 import shard_pb2 as _shard_pb2
+from shardtrain.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -52,14 +53,16 @@ class PartitionSpec(_message.Message):
     def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("layers", "optimizer", "partition")
+    __slots__ = ("layers", "optimizer", "partition", "encodings")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[_shard_pb2.CapturedLayer]
     optimizer: _shard_pb2.OptimizerSpec
     partition: PartitionSpec
-    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ...) -> None: ...
+    encodings: _tensor_pb2.WireEncodings
+    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer")

@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProbeSharedMemoryRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ProbeSharedMemoryResponse(_message.Message):
+    __slots__ = ("token", "uid")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    uid: int
+    def __init__(self, token: _Optional[bytes] = ..., uid: _Optional[int] = ...) -> None: ...
+
 class CapturedLayer(_message.Message):
     __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost")
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -76,16 +90,18 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("deployment_id", "plan", "layers", "optimizer")
+    __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     plan: StagePlan
     layers: _containers.RepeatedCompositeFieldContainer[CapturedLayer]
     optimizer: OptimizerSpec
-    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    encodings: _tensor_pb2.WireEncodings
+    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("parameter_count",)
@@ -200,12 +216,16 @@ class AccumulateGradientResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchTensorRequest(_message.Message):
-    __slots__ = ("key", "name")
+    __slots__ = ("key", "name", "offset", "shared_memory")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     name: str
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    offset: int
+    shared_memory: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps")

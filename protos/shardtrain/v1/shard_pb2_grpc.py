@@ -80,6 +80,11 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.ProbeSharedMemory = channel.unary_unary(
+                '/shardtrain.v1.ShardService/ProbeSharedMemory',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -148,6 +153,13 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeSharedMemory(self, request, context):
+        """Opens a shared-memory segment the caller made and returns its token: proof that the two share a host.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +207,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.DescribeRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.DescribeResponse.SerializeToString,
+            ),
+            'ProbeSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeSharedMemory,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +457,33 @@ class ShardService:
             '/shardtrain.v1.ShardService/Describe',
             shardtrain_dot_v1_dot_shard__pb2.DescribeRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/ProbeSharedMemory',
+            shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,272 @@
+"""Issue-3 benchmark: moving one tensor between two processes, shardtrain's ways against torch.distributed's.
+
+    python -m bench.transport [--sizes 4K 1M 64M 256M] [--rounds 1] [--chunk-sweep] [--compression]
+
+One transfer moves a float32 tensor from a sender process to a receiver process, which builds a
+fresh tensor from it and acknowledges; latency is the sender's wall time from the start of the
+transfer to the acknowledgement (median of the repeats). Ways measured in the same run:
+
+- shardtrain gRPC: the shards' own path (wire.tensor_frames -> codec.Frame -> grpc.aio ->
+  TensorStreamReader), on a call opened beforehand, as a shard opens its downstream call while it
+  computes (`new call` rows add the call setup);
+- shardtrain gRPC, plain protobuf: the same, with the chunk data set as an ordinary protobuf field
+  (what the codec removes), for the before/after of the copies;
+- shardtrain same-host: the shared-memory segment path (shm.py);
+- torch.rpc echo (TensorPipe) and gloo send/recv + ack: bench/transport_baselines.py.
+
+Receiver peak RSS: the receiver resets its peak (/proc/self/clear_refs) before a size's timed
+transfers; extra = peak - RSS before - one destination tensor, reported per byte received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from bench.transport_baselines import TransferResult, default_repeats, run_gloo, run_torch_rpc  # noqa: E402
+from shardtrain import rpc, shm, wire  # noqa: E402
+from shardtrain.codec import Codec, Frame  # noqa: E402
+from shardtrain.settings import Security  # noqa: E402
+from shardtrain.v1 import tensor_pb2  # noqa: E402
+
+SERVICE = "shardtrain.bench.Transfer"
+CHUNK_CODEC = Codec(tensor_pb2.TensorChunk)
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'4K', '64M' -> bytes."""
+    return int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].upper() in UNITS else int(text)
+
+
+def _plain_serialize(frame: Frame) -> bytes:
+    """A chunk as naive code sends it: the data set as a protobuf field, then the message serialized."""
+    message = tensor_pb2.TensorChunk()
+    message.CopyFrom(frame.message)
+    message.data = bytes(frame.data)
+    return message.SerializeToString()
+
+
+def _plain_deserialize(raw: bytes) -> Frame:
+    message = tensor_pb2.TensorChunk.FromString(raw)
+    return Frame(message, message.data)
+
+
+# --- receiver -------------------------------------------------------------------------------
+
+class _Peak:
+    """Peak-RSS bookkeeping of this process."""
+
+    def __init__(self):
+        self.before = 0
+
+    def reset(self) -> None:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        self.before = _status_kib("VmRSS")
+
+    def extra(self) -> int:
+        return (_status_kib("VmHWM") - self.before) * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+async def _serve() -> None:
+    peak = _Peak()
+
+    async def put(frames, context):
+        received = await wire.collect(frames)
+        arrived = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of this host
+        del received  # the destination lives until the ack, like an activation until the stage ran
+        return struct.pack("<q", arrived)
+
+    async def control(request: bytes, context) -> bytes:
+        command = json.loads(request)
+        if command["op"] == "reset":
+            peak.reset()
+            return b"{}"
+        return json.dumps({"extra": peak.extra()}).encode()
+
+    server = rpc.new_server(Security())
+    handlers = {
+        "Put": grpc.stream_unary_rpc_method_handler(put, CHUNK_CODEC.deserialize, None),
+        "PutPlain": grpc.stream_unary_rpc_method_handler(put, _plain_deserialize, None),
+        "Control": grpc.unary_unary_rpc_method_handler(control),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = rpc.bind(server, "127.0.0.1:0", Security())
+    await server.start()
+    print(json.dumps({"port": port}), flush=True)
+    await server.wait_for_termination()
+
+
+# --- sender ---------------------------------------------------------------------------------
+
+@dataclass
+class Way:
+    """One shardtrain way of sending."""
+
+    name: str
+    method: str
+    serialize: object
+    shared: bool = False
+    encoding: int = tensor_pb2.ENCODING_NONE
+    preopened: bool = True
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+
+
+class Sender:
+    """The sending side, talking to one receiver process."""
+
+    def __init__(self, address: str):
+        self.channel = rpc.open_channel(address, Security())
+        self.segments = shm.SegmentPool()
+        self._control = self.channel.unary_unary(f"/{SERVICE}/Control")
+
+    async def transfer(self, way: Way, tensor: torch.Tensor) -> tuple[float, float]:
+        """Seconds from starting to send `tensor` until it was complete at the receiver, and until acknowledged."""
+        call = self.channel.stream_unary(f"/{SERVICE}/{way.method}", request_serializer=way.serialize)
+        options = wire.SendOptions(way.chunk_bytes, way.encoding, self.segments if way.shared else None)
+        later = asyncio.get_running_loop().create_future()
+
+        async def requests():
+            await later
+            for frame in wire.tensor_frames(tensor, "t", options):
+                yield frame
+        pending = call(requests())
+        if way.preopened:
+            await asyncio.sleep(0.002)  # let the call be set up, as a shard's downstream call is
+        start = time.monotonic_ns()
+        later.set_result(None)
+        arrived = struct.unpack("<q", await pending)[0]
+        return (arrived - start) / 1e9, (time.monotonic_ns() - start) / 1e9
+
+    async def measure(self, way: Way, nbytes: int, repeats: int) -> TransferResult:
+        """Median latency of `repeats` transfers of a float32 tensor of `nbytes`, and the receiver's extra RSS."""
+        tensor = torch.randn(max(nbytes // 4, 1))
+        for _ in range(2):
+            await self.transfer(way, tensor)
+        await self._control(json.dumps({"op": "reset"}).encode())
+        times = [await self.transfer(way, tensor) for _ in range(repeats)]
+        extra = json.loads(await self._control(json.dumps({"op": "peak"}).encode()))["extra"]
+        latency = statistics.median(acked for _, acked in times)
+        return TransferResult(way.name, nbytes, latency, nbytes / latency / 1e9, (extra - nbytes) / nbytes,
+                              statistics.median(hop for hop, _ in times))
+
+    async def close(self) -> None:
+        await self.channel.close()
+        self.segments.close()
+
+
+def _start_receiver() -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "bench.transport", "--serve"], stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = process.stdout.readline()
+    if not line:
+        process.kill()
+        raise RuntimeError("the receiver process did not start")
+    return process, f"127.0.0.1:{json.loads(line)['port']}"
+
+
+def shardtrain_ways(compression: bool, chunk_sweep: list[int]) -> list[Way]:
+    """The ways to measure: the shards' path, its variants, and the chunk sizes to sweep."""
+    ways = [Way("shardtrain gRPC", "Put", CHUNK_CODEC.serialize),
+            Way("shardtrain gRPC, new call", "Put", CHUNK_CODEC.serialize, preopened=False),
+            Way("shardtrain gRPC, plain protobuf", "PutPlain", _plain_serialize),
+            Way("shardtrain same-host", "Put", CHUNK_CODEC.serialize, shared=True)]
+    if compression:
+        ways += [Way(f"shardtrain gRPC, {name}", "Put", CHUNK_CODEC.serialize, encoding=wire.encoding_code(name))
+                 for name in ("fp16", "bf16", "int8")]
+    ways += [Way(f"shardtrain gRPC, {size >> 10} KiB chunks", "Put", CHUNK_CODEC.serialize, chunk_bytes=size)
+             for size in chunk_sweep]
+    return ways
+
+
+async def run_shardtrain(sizes: list[int], ways: list[Way], address: str) -> list[TransferResult]:
+    """Every shardtrain way at every size."""
+    sender = Sender(address)
+    try:
+        return [await sender.measure(way, size, default_repeats(size)) for size in sizes for way in ways]
+    finally:
+        await sender.close()
+
+
+def print_table(results: list[TransferResult]) -> None:
+    """Latency, GB/s and extra RSS per way and size, with ratios to torch.rpc and gloo of the same size."""
+    by_size: dict[int, list[TransferResult]] = {}
+    for result in results:
+        by_size.setdefault(result.nbytes, []).append(result)
+    print(f"{'size':>8}  {'transport':<36} {'latency':>11} {'one hop':>11} {'GB/s':>7} {'x rpc':>6} {'x gloo':>6} "
+          f"{'RSS/B':>6}")
+    for nbytes, rows in by_size.items():
+        base = {row.transport: row for row in rows}
+        rpc_row, gloo_row = base.get("torch.rpc echo"), base.get("gloo send/recv")
+        for row in rows:
+            versus_rpc = rpc_row.latency_s / row.latency_s if rpc_row else float("nan")
+            versus_gloo = gloo_row.latency_s / row.latency_s if gloo_row else float("nan")
+            print(f"{_size(nbytes):>8}  {row.transport:<36} {row.latency_s * 1e3:>8.3f} ms {row.hop_s * 1e3:>8.3f} ms "
+                  f"{row.gbps:>7.2f} "
+                  f"{versus_rpc:>6.2f} {versus_gloo:>6.2f} {row.rss_per_byte:>6.2f}")
+    print("latency: start of sending until the sender has the receiver's acknowledgement (torch.rpc: the echo's\n"
+          "round trip); one hop: until the tensor is complete in the receiver (same-host monotonic clock).\n"
+          "x rpc, x gloo: that baseline's latency / this latency (> 1: faster than the baseline).\n"
+          "RSS/B: the receiver's peak extra memory beyond the destination tensor, per byte received.")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}iB"
+    return f"{nbytes} B"
+
+
+def main() -> None:
+    if os.environ.get("BENCH_GRPC_OPTIONS"):  # EXPERIMENT
+        rpc.CHANNEL_OPTIONS[:] = rpc.CHANNEL_OPTIONS[:2] + [tuple(o) for o in json.loads(os.environ["BENCH_GRPC_OPTIONS"])]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", nargs="+", default=["4K", "1M", "64M", "256M"])
+    parser.add_argument("--compression", action="store_true", help="also fp16, bf16 and int8 wire encodings")
+    parser.add_argument("--chunk-sweep", nargs="*", default=[], help="chunk sizes to try, e.g. 64K 256K 1M 3M")
+    parser.add_argument("--skip-baselines", action="store_true")
+    args = parser.parse_args()
+    if args.serve:
+        torch.set_num_threads(1)
+        asyncio.run(_serve())
+        return
+    torch.set_num_threads(1)
+    sizes = [parse_size(size) for size in args.sizes]
+    ways = shardtrain_ways(args.compression, [parse_size(size) for size in args.chunk_sweep])
+    receiver, address = _start_receiver()
+    try:
+        results = asyncio.run(run_shardtrain(sizes, ways, address))
+    finally:
+        receiver.kill()
+        receiver.wait()
+    if not args.skip_baselines:
+        for size in sizes:
+            results += run_torch_rpc([size], default_repeats(size)) + run_gloo([size], default_repeats(size))
+    print_table(sorted(results, key=lambda r: r.nbytes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""shardtrain.shm: segments are reused only once the receiver let go, refused when stale, and always removed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardtrain import shm
+from shardtrain.errors import DataLoss, InvalidArgument
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")
+
+
+def own_segments() -> set[str]:
+    return {str(p) for p in pathlib.Path(shm.DIRECTORY).glob(f"shardtrain-{os.getpid()}-*")}
+
+
+@pytest.fixture
+def pool():
+    segments = shm.SegmentPool(max_segments=2)
+    yield segments
+    segments.close()
+    assert not own_segments()
+
+
+def put(pool: shm.SegmentPool, tensor: torch.Tensor):
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return pool.put(flat), flat.numel()
+
+
+def test_receiver_maps_the_bytes_the_sender_put(pool):
+    original = torch.randn(50_000)
+    (path, offset, generation), nbytes = put(pool, original)
+    received = shm.open_segment(path, offset, generation, nbytes).view(torch.float32)
+    assert torch.equal(received, original)
+
+
+def test_a_busy_segment_is_not_reused_until_the_receiver_drops_its_tensor(pool):
+    first, nbytes = put(pool, torch.ones(20_000))
+    received = shm.open_segment(*first, nbytes)
+    second, _ = put(pool, torch.zeros(20_000))
+    assert second[0] != first[0]  # the first is still in use: a second segment
+    assert torch.equal(received.view(torch.float32), torch.ones(20_000))
+    del received
+    gc.collect()
+    third, _ = put(pool, torch.full((20_000,), 2.0))
+    assert third[0] == first[0] and third[2] == first[2] + 1
+
+
+def test_when_every_segment_is_busy_put_says_so(pool):
+    put(pool, torch.ones(20_000))
+    put(pool, torch.ones(20_000))
+    assert put(pool, torch.ones(20_000))[0] is None  # the caller streams instead
+
+
+def test_a_stale_generation_is_data_loss(pool):
+    (path, offset, generation), nbytes = put(pool, torch.ones(20_000))
+    with pytest.raises(DataLoss, match="generation"):
+        shm.open_segment(path, offset, generation + 1, nbytes)
+
+
+def test_bytes_outside_the_segment_are_refused(pool):
+    (path, offset, generation), nbytes = put(pool, torch.ones(20_000))
+    with pytest.raises(InvalidArgument, match="outside"):
+        shm.open_segment(path, offset, generation, nbytes * 100)
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/shardtrain-1-xyz",
+                                  "/dev/shm/other-file"])
+def test_paths_that_are_not_segments_are_refused(path):
+    with pytest.raises(InvalidArgument, match="not a shardtrain segment"):
+        shm.open_segment(path, shm.DATA_OFFSET, 1, 4)
+    with pytest.raises(InvalidArgument):
+        shm.read_probe(path)
+
+
+def test_a_segment_that_is_gone_is_data_loss():
+    with pytest.raises(DataLoss, match="cannot be opened"):
+        shm.open_segment(f"{shm.DIRECTORY}/shardtrain-1-0123456789abcdef", shm.DATA_OFFSET, 1, 4)
+
+
+def test_probe_token_reads_back():
+    path, token = shm.write_probe()
+    try:
+        assert shm.read_probe(path) == token
+    finally:
+        shm.remove(path)
+
+
+def test_close_unlinks_but_the_receiver_keeps_its_tensor():
+    pool = shm.SegmentPool()
+    (path, offset, generation), nbytes = put(pool, torch.arange(30_000, dtype=torch.float32))
+    received = shm.open_segment(path, offset, generation, nbytes)
+    pool.close()
+    assert not os.path.exists(path)
+    assert torch.equal(received.view(torch.float32), torch.arange(30_000, dtype=torch.float32))
+
+
+def test_segments_of_a_sigkilled_process_are_swept():
+    script = ("import os, signal, torch; from shardtrain import shm; pool = shm.SegmentPool();"
+              "print(pool.put(torch.ones(100_000, dtype=torch.uint8))[0], flush=True);"
+              "os.kill(os.getpid(), signal.SIGKILL)")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    path = child.stdout.strip()
+    assert child.returncode == -9 and os.path.exists(path)  # SIGKILL skipped every cleanup
+    assert path in shm.sweep()
+    assert not os.path.exists(path)
+
+
+def test_sweep_leaves_live_processes_alone(pool):
+    put(pool, torch.ones(20_000))
+    shm.sweep()
+    assert len(own_segments()) == 1
