@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from bench.transport_baselines import TransferResult, default_repeats, run_gloo, run_torch_rpc  # noqa: E402
 from shardtrain import rpc, shm, wire  # noqa: E402
+from shardtrain.lifecycle import keep_freed_memory  # noqa: E402
 from shardtrain.codec import Codec, Frame  # noqa: E402
 from shardtrain.settings import Security  # noqa: E402
 from shardtrain.v1 import tensor_pb2  # noqa: E402
@@ -94,7 +95,7 @@ async def _serve() -> None:
     peak = _Peak()
 
     async def put(frames, context):
-        received = await wire.collect(frames)
+        received = await wire.collect(frames, count=1)  # as a shard's Forward reads its activation
         arrived = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of this host
         del received  # the destination lives until the ack, like an activation until the stage ran
         return struct.pack("<q", arrived)
@@ -240,20 +241,22 @@ def _size(nbytes: int) -> str:
 
 
 def main() -> None:
-    if os.environ.get("BENCH_GRPC_OPTIONS"):  # EXPERIMENT
-        rpc.CHANNEL_OPTIONS[:] = rpc.CHANNEL_OPTIONS[:2] + [tuple(o) for o in json.loads(os.environ["BENCH_GRPC_OPTIONS"])]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", nargs="+", default=["4K", "1M", "64M", "256M"])
     parser.add_argument("--compression", action="store_true", help="also fp16, bf16 and int8 wire encodings")
     parser.add_argument("--chunk-sweep", nargs="*", default=[], help="chunk sizes to try, e.g. 64K 256K 1M 3M")
     parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument("--tuned-baselines", action="store_true",
+                        help="give the torch.distributed processes the same malloc settings as shardtrain's")
     args = parser.parse_args()
+    keep_freed_memory()  # as shard processes do (lifecycle.py)
+    torch.set_num_threads(1)
     if args.serve:
-        torch.set_num_threads(1)
         asyncio.run(_serve())
         return
-    torch.set_num_threads(1)
+    if args.tuned_baselines:  # read by glibc when the baseline processes start
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
     sizes = [parse_size(size) for size in args.sizes]
     ways = shardtrain_ways(args.compression, [parse_size(size) for size in args.chunk_sweep])
     receiver, address = _start_receiver()

@@ -14,7 +14,7 @@ import torch
 
 from shard_service.servicer import ShardServicer
 from shardtrain import rpc, shm
-from shardtrain.lifecycle import die_with_parent
+from shardtrain.lifecycle import die_with_parent, keep_freed_memory
 from shardtrain.errors import ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
 from shardtrain.v1 import coordinator_pb2
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
     die_with_parent(settings.parent_pid)
+    keep_freed_memory()
     shm.sweep()  # segments left by shardtrain processes that were killed
     if settings.threads:
         torch.set_num_threads(settings.threads)  # for this thread; the compute thread sets its own

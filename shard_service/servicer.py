@@ -187,7 +187,7 @@ class ShardServicer:
         fetches = {name: asyncio.ensure_future(self._fetch_residual(stage, key, name))
                    for name in stage.residuals.incoming}
         try:
-            tensors = await reader.tensors()
+            tensors = await reader.tensors(count=1)  # not waiting for the sender to close its side
             if len(tensors) != 1:
                 raise InvalidArgument(f"Forward carries exactly one activation tensor, got {len(tensors)}")
             return next(iter(tensors.values())), {name: await task for name, task in fetches.items()}

@@ -25,9 +25,9 @@ class RequestReader:
             raise InvalidArgument("stream must start with a header message")
         return self._first.message.header
 
-    async def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor in the stream, by name."""
-        return await wire.collect(self._chunks())
+    async def tensors(self, count: int = 0) -> dict[str, torch.Tensor]:
+        """Every tensor in the stream by name, or the first `count` as soon as they are complete."""
+        return await wire.collect(self._chunks(), count=count)
 
     async def _chunks(self) -> AsyncIterator[Frame]:
         yield self._first

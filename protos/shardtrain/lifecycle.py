@@ -1,4 +1,4 @@
-"""Process lifetime for services that a client started: they end when that client ends."""
+"""Process set-up for services: they end when the client that started them ends, and keep their memory warm."""
 
 from __future__ import annotations
 
@@ -23,3 +23,25 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory(limit: int = 1 << 30) -> bool:
+    """Tells glibc malloc to reuse freed blocks up to `limit` bytes instead of returning them to the OS.
+
+    By default, blocks past a (dynamic) threshold are mmap'd fresh and unmapped on free, so every
+    new activation, received chunk and gRPC buffer is paid for again in page faults: on this 2-core
+    machine a first touch of fresh memory runs at about 2.7 GB/s, a reused block at 13 GB/s.
+    `python -m bench.transport --sizes 64M`, 64 MiB over gRPC: 122 ms with glibc's defaults, 77 ms
+    with both thresholds raised (one run each; the mmap threshold alone did not help: freed heap
+    blocks were still trimmed). The price: a shard's resident memory stays at its high-water mark.
+    Returns False where there is no glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    trim = min(2 * limit, 2**31 - 1)  # mallopt takes a C int
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, min(limit, 2**31 - 1)) and libc.mallopt(_M_TRIM_THRESHOLD, trim))

@@ -105,23 +105,40 @@ class SendOptions:
 EXACT = SendOptions()
 
 
-def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat contiguous uint8 CPU tensor, staged through pinned memory from CUDA."""
-    tensor = tensor.detach()
-    if tensor.is_cuda:
-        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        staged.copy_(tensor, non_blocking=True)
-        torch.cuda.current_stream(tensor.device).synchronize()
-        tensor = staged
-    return tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+class _HostBytes:
+    """A tensor's bytes as a flat uint8 CPU tensor; from CUDA, copied chunk by chunk into pinned memory
+    on a side stream, so the first chunks can be sent while later ones are still being copied."""
+
+    def __init__(self, tensor: torch.Tensor, chunk_bytes: int):
+        tensor = tensor.detach()
+        self._events: list = []
+        self._chunk_bytes = chunk_bytes
+        if not tensor.is_cuda:
+            self.flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+            return
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        self.flat = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        stream = torch.cuda.Stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor's producer first
+        with torch.cuda.stream(stream):
+            for offset in range(0, flat.numel(), chunk_bytes):
+                self.flat[offset:offset + chunk_bytes].copy_(flat[offset:offset + chunk_bytes], non_blocking=True)
+                self._events.append(torch.cuda.Event())
+                self._events[-1].record(stream)
+        flat.record_stream(stream)  # the caching allocator must not reuse it before the copies end
+
+    def wait(self, end: int) -> None:
+        """Blocks until bytes [0, end) are in host memory (at once on CPU)."""
+        if self._events and end > 0:
+            self._events[min(end - 1, self.flat.numel() - 1) // self._chunk_bytes].synchronize()
 
 
-def _payload(tensor: torch.Tensor, encoding: int) -> tuple[torch.Tensor, int]:
+def _payload(tensor: torch.Tensor, options: SendOptions) -> tuple[_HostBytes, int]:
     """(wire bytes, encoding actually used): lossy encodings only change floating-point tensors."""
-    name = encoding_name(encoding)
-    if encoding != tensor_pb2.ENCODING_NONE and compression.applies(name, tensor.dtype):
-        return _host_bytes(compression.encode(tensor.detach(), name)), encoding
-    return _host_bytes(tensor), tensor_pb2.ENCODING_NONE
+    name = encoding_name(options.encoding)
+    if options.encoding != tensor_pb2.ENCODING_NONE and compression.applies(name, tensor.dtype):
+        return _HostBytes(compression.encode(tensor.detach(), name), options.chunk_bytes), options.encoding
+    return _HostBytes(tensor, options.chunk_bytes), tensor_pb2.ENCODING_NONE
 
 
 def _same(chunk: tensor_pb2.TensorChunk) -> tensor_pb2.TensorChunk:
@@ -134,17 +151,21 @@ def tensor_frames(tensor: torch.Tensor, name: str = "", options: SendOptions = E
 
     `wrap` puts each chunk in the stream's message type; `start` resumes from a wire-byte offset.
     """
-    payload, encoding = _payload(tensor, options.encoding)
+    payload, encoding = _payload(tensor, options)
+    size = payload.flat.numel()
     header = tensor_pb2.TensorHeader(name=name, dtype=dtype_code(tensor.dtype), shape=list(tensor.shape),
                                      nbytes=tensor.numel() * tensor.dtype.itemsize, encoding=encoding,
-                                     wire_nbytes=payload.numel())
-    shared = _share(payload, options.segments) if start == 0 else None
-    if shared is not None:
-        yield Frame(wrap(tensor_pb2.TensorChunk(header=header, shared=shared)))
-        return
-    # A numpy array's buffer keeps `payload` alive for as long as any frame's view of it exists.
-    view = memoryview(payload.numpy()) if payload.numel() else memoryview(b"")
-    for offset in range(start, len(view), options.chunk_bytes) or [start]:
+                                     wire_nbytes=size)
+    if start == 0 and options.segments is not None and size >= shm.MIN_BYTES:
+        payload.wait(size)
+        shared = _share(payload.flat, options.segments)
+        if shared is not None:
+            yield Frame(wrap(tensor_pb2.TensorChunk(header=header, shared=shared)))
+            return
+    # A numpy array's buffer keeps `payload.flat` alive for as long as any frame's view of it exists.
+    view = memoryview(payload.flat.numpy()) if size else memoryview(b"")
+    for offset in range(start, size, options.chunk_bytes) or [start]:
+        payload.wait(offset + options.chunk_bytes)
         data = view[offset:offset + options.chunk_bytes]
         chunk = tensor_pb2.TensorChunk(offset=offset, crc32=zlib.crc32(data))
         if offset == start:
@@ -152,9 +173,7 @@ def tensor_frames(tensor: torch.Tensor, name: str = "", options: SendOptions = E
         yield Frame(wrap(chunk), data)
 
 
-def _share(payload: torch.Tensor, segments: shm.SegmentPool | None) -> tensor_pb2.SharedSegment | None:
-    if segments is None or payload.numel() < shm.MIN_BYTES:
-        return None
+def _share(payload: torch.Tensor, segments: shm.SegmentPool) -> tensor_pb2.SharedSegment | None:
     placed = segments.put(payload)
     if placed is None:
         return None
@@ -318,12 +337,15 @@ async def framed_later(message_type, header, later: "asyncio.Future[tuple[dict[s
             yield frame
 
 
-async def collect(frames, reader: TensorStreamReader | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of an async stream of Frames, by name; `reader` keeps a partial tensor for resuming."""
+async def collect(frames, reader: TensorStreamReader | None = None, count: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of an async stream of Frames, by name: all of them, or the first `count` as soon as they
+    are complete (without waiting for the sender to close its side). `reader` keeps a partial tensor."""
     reader, tensors = reader or TensorStreamReader(), {}
     async for frame in frames:
         done = reader.feed(frame)
         if done is not None:
             tensors[done[0]] = done[1]
+            if len(tensors) == count:
+                return tensors
     reader.finish()
     return tensors

@@ -145,3 +145,9 @@ def test_security_env_sets_only_what_is_configured():
 def test_security_env_round_trips_through_security_from_env():
     security = Security(token="tok", tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem", tls_server_name="n")
     assert security_from_env(security_env(security)) == security
+
+
+def test_shared_memory_can_be_turned_off_by_flag_or_variable():
+    assert shard_settings(["--coordinator", "c:1"], env={}).shared_memory
+    assert not shard_settings(["--coordinator", "c:1", "--shared-memory", "off"], env={}).shared_memory
+    assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_SHARED_MEMORY": "off"}).shared_memory

@@ -407,3 +407,14 @@ def test_tensor_over_2_gib_round_trips():
         received = reader.feed(frame) or received
     assert received[1].numel() == original.numel()
     assert torch.equal(received[1][:4096], original[:4096]) and torch.equal(received[1][-4096:], original[-4096:])
+
+
+def test_collect_with_a_count_returns_before_the_stream_ends():
+    frames = tensor_frames(torch.ones(3), "first") + tensor_frames(torch.zeros(2), "second")
+
+    async def never_ending():
+        for frame in frames:
+            yield frame
+        await asyncio.Event().wait()  # the sender has not closed its side
+    tensors = asyncio.run(asyncio.wait_for(wire.collect(never_ending(), count=1), timeout=5))
+    assert list(tensors) == ["first"]
