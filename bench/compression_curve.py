@@ -65,9 +65,9 @@ def main() -> None:
     print(f"{'encoding':>8} " + " ".join(f"{f'@{m}':>9}" for m in marks) + f" {'held-out':>9} {'max |dw|':>9}")
     exact_weights = runs["none"][1]
     for encoding, (losses, weights) in runs.items():
-        curve = " ".join(f"{sum(losses[m - args.every:m]) / args.every:9.5f}" for m in marks)
+        curve = " ".join(f"{sum(losses[m - args.every:m]) / args.every:9.2e}" for m in marks)
         drift = max((weights[k] - exact_weights[k]).abs().max().item() for k in weights)
-        print(f"{encoding:>8} {curve} {held_out_loss(weights):9.5f} {drift:9.2e}")
+        print(f"{encoding:>8} {curve} {held_out_loss(weights):9.2e} {drift:9.2e}")
 
 
 if __name__ == "__main__":

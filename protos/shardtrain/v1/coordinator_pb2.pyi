@@ -53,30 +53,34 @@ class PartitionSpec(_message.Message):
     def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("layers", "optimizer", "partition", "encodings")
+    __slots__ = ("layers", "optimizer", "partition", "encodings", "replicas")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[_shard_pb2.CapturedLayer]
     optimizer: _shard_pb2.OptimizerSpec
     partition: PartitionSpec
     encodings: _tensor_pb2.WireEncodings
-    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ...) -> None: ...
+    replicas: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer")
+    __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer", "replica")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     stage: int
     shard_id: str
     shard_address: str
     first_layer: int
     end_layer: int
-    def __init__(self, stage: _Optional[int] = ..., shard_id: _Optional[str] = ..., shard_address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ...) -> None: ...
+    replica: int
+    def __init__(self, stage: _Optional[int] = ..., shard_id: _Optional[str] = ..., shard_address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
 
 class DeployResponse(_message.Message):
     __slots__ = ("deployment_id", "stages")
@@ -85,3 +89,27 @@ class DeployResponse(_message.Message):
     deployment_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     def __init__(self, deployment_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
+
+class PlanScheduleRequest(_message.Message):
+    __slots__ = ("num_stages", "microbatches", "schedule")
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    num_stages: int
+    microbatches: int
+    schedule: str
+    def __init__(self, num_stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ...) -> None: ...
+
+class StageActions(_message.Message):
+    __slots__ = ("stage", "actions")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    actions: _containers.RepeatedCompositeFieldContainer[_shard_pb2.PipelineAction]
+    def __init__(self, stage: _Optional[int] = ..., actions: _Optional[_Iterable[_Union[_shard_pb2.PipelineAction, _Mapping]]] = ...) -> None: ...
+
+class PlanScheduleResponse(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageActions]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageActions, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class CoordinatorServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_coordinator__pb2.DeployRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.DeployResponse.FromString,
                 _registered_method=True)
+        self.PlanSchedule = channel.unary_unary(
+                '/shardtrain.v1.CoordinatorService/PlanSchedule',
+                request_serializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -75,6 +80,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlanSchedule(self, request, context):
+        """The order of work of every stage for a pipelined TrainStep ("gpipe" or "1f1b" over m micro-batches).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Deploy,
                     request_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.DeployRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_coordinator__pb2.DeployResponse.SerializeToString,
+            ),
+            'PlanSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanSchedule,
+                    request_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class CoordinatorService:
             '/shardtrain.v1.CoordinatorService/Deploy',
             shardtrain_dot_v1_dot_coordinator__pb2.DeployRequest.SerializeToString,
             shardtrain_dot_v1_dot_coordinator__pb2.DeployResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.CoordinatorService/PlanSchedule',
+            shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleRequest.SerializeToString,
+            shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,20 +66,26 @@ class ResidualSink(_message.Message):
     def __init__(self, name: _Optional[str] = ..., consumer_stages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StagePlan(_message.Message):
-    __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals")
+    __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals", "replica", "num_replicas", "rendezvous")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCOMING_RESIDUALS_FIELD_NUMBER: _ClassVar[int]
     OUTGOING_RESIDUALS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     previous_address: str
     next_address: str
     incoming_residuals: _containers.RepeatedCompositeFieldContainer[ResidualSource]
     outgoing_residuals: _containers.RepeatedCompositeFieldContainer[ResidualSink]
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ...) -> None: ...
+    replica: int
+    num_replicas: int
+    rendezvous: str
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "kwargs_json")
@@ -104,10 +110,12 @@ class LoadStageRequest(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
-    __slots__ = ("parameter_count",)
+    __slots__ = ("parameter_count", "rendezvous")
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     parameter_count: int
-    def __init__(self, parameter_count: _Optional[int] = ...) -> None: ...
+    rendezvous: str
+    def __init__(self, parameter_count: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
 
 class LoadStateHeader(_message.Message):
     __slots__ = ("deployment_id",)
@@ -146,20 +154,22 @@ class StepKey(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad")
+    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "scheduled")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
     AFTER_OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIRST_FIELD_NUMBER: _ClassVar[int]
     INPUT_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     requires_grad: bool
     zero_grad: bool
     after_optimizer_step: int
     step_first: StepRequest
     input_requires_grad: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ...) -> None: ...
+    scheduled: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., scheduled: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("header", "tensor")
@@ -174,10 +184,12 @@ class ForwardResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BackwardHeader(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "scheduled")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ...) -> None: ...
+    scheduled: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., scheduled: _Optional[bool] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("header", "tensor")
@@ -266,3 +278,75 @@ class DescribeResponse(_message.Message):
     in_flight_steps: _containers.RepeatedScalarFieldContainer[int]
     parameter_count: int
     def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ...) -> None: ...
+
+class LossSpec(_message.Message):
+    __slots__ = ("name", "kwargs_json", "program", "sums")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kwargs_json: str
+    program: CapturedLayer
+    sums: bool
+    def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., program: _Optional[_Union[CapturedLayer, _Mapping]] = ..., sums: _Optional[bool] = ...) -> None: ...
+
+class PipelineAction(_message.Message):
+    __slots__ = ("backward", "microbatch")
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    backward: bool
+    microbatch: int
+    def __init__(self, backward: _Optional[bool] = ..., microbatch: _Optional[int] = ...) -> None: ...
+
+class TrainStepHeader(_message.Message):
+    __slots__ = ("key", "microbatch_sizes", "batch_size", "actions", "loss")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    microbatch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    batch_size: int
+    actions: _containers.RepeatedCompositeFieldContainer[PipelineAction]
+    loss: LossSpec
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., microbatch_sizes: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., actions: _Optional[_Iterable[_Union[PipelineAction, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("header", "tensor")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    header: TrainStepHeader
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[TrainStepHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("stage", "replica", "forward_seconds", "backward_seconds", "allreduce_wait_seconds", "optimizer_seconds", "step_seconds", "peak_activation_bytes", "peak_in_flight")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    replica: int
+    forward_seconds: float
+    backward_seconds: float
+    allreduce_wait_seconds: float
+    optimizer_seconds: float
+    step_seconds: float
+    peak_activation_bytes: int
+    peak_in_flight: int
+    def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., allreduce_wait_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peak_in_flight: _Optional[int] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("loss", "stats")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    stats: StageStats
+    def __init__(self, loss: _Optional[float] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...

@@ -85,6 +85,11 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.TrainStep = channel.stream_unary(
+                '/shardtrain.v1.ShardService/TrainStep',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -160,6 +165,15 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TrainStep(self, request_iterator, context):
+        """Runs this stage's share of one pipelined training step: its planned forward and backward actions
+        over the micro-batches (activations and gradients go straight to the neighbouring shards), the
+        gradient all-reduce with the stage's other replicas, then the optimizer. Sent to every shard at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -212,6 +226,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ProbeSharedMemory,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.SerializeToString,
+            ),
+            'TrainStep': grpc.stream_unary_rpc_method_handler(
+                    servicer.TrainStep,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +503,33 @@ class ShardService:
             '/shardtrain.v1.ShardService/ProbeSharedMemory',
             shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainStep(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shardtrain.v1.ShardService/TrainStep',
+            shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

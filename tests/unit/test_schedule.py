@@ -1,0 +1,220 @@
+"""shardtrain.schedule: pipeline schedules against hand-worked tables, and their simulated timelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtrain import schedule
+from shardtrain.errors import InvalidArgument
+from shardtrain.schedule import (
+    SCHEDULES, Action, bubble_fraction, ideal_bubble_fraction, makespan, peak_in_flight, stage_actions, timeline,
+)
+
+# (p, m) pairs covering m > p, m == p, m < p, m == 1 and p == 1.
+GRID = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 5), (3, 4), (4, 1), (4, 2), (4, 4), (4, 8), (5, 3), (6, 11)]
+
+
+def fmt(actions: list[Action]) -> str:
+    """'F0 F1 B0 ...': the written-out form the tables below use."""
+    return " ".join(f"{'F' if a.op == 'forward' else 'B'}{a.microbatch}" for a in actions)
+
+
+def parse(text: str) -> list[Action]:
+    """The inverse of fmt, for hand-written sequences."""
+    return [Action("forward" if t[0] == "F" else "backward", int(t[1:])) for t in text.split()]
+
+
+# Worked out by hand from the definition: stage s runs min(p - s - 1, m) warmup forwards, then F/B pairs
+# while forwards remain, then the remaining backwards; backwards in increasing micro-batch order.
+ONE_F_ONE_B = {
+    (4, 8): [
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+    ],
+    (3, 4): [
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ],
+    (4, 2): [  # m < p: warmup is capped at m, so stages 0 and 1 never alternate; stage 2 is F0, F1 B0, B1
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 B0 F1 B1",
+    ],
+    (1, 3): ["F0 B0 F1 B1 F2 B2"],
+}
+
+GPIPE = {
+    (4, 8): ["F0 F1 F2 F3 F4 F5 F6 F7 B0 B1 B2 B3 B4 B5 B6 B7"] * 4,
+    (3, 4): ["F0 F1 F2 F3 B0 B1 B2 B3"] * 3,
+    (1, 1): ["F0 B0"],
+}
+
+
+@pytest.mark.parametrize(("shape", "expected"), ONE_F_ONE_B.items())
+def test_1f1b_table(shape, expected):
+    p, m = shape
+    assert [fmt(stage_actions("1f1b", s, p, m)) for s in range(p)] == expected
+
+
+@pytest.mark.parametrize(("shape", "expected"), GPIPE.items())
+def test_gpipe_table(shape, expected):
+    p, m = shape
+    assert [fmt(stage_actions("gpipe", s, p, m)) for s in range(p)] == expected
+
+
+def test_1f1b_timeline_p3_m4_by_hand():
+    # Start times worked out by hand with forward = backward = 1, in each stage's order from the table above.
+    expected_starts = [
+        [0, 1, 2, 5, 6, 7, 9, 11],
+        [1, 2, 4, 5, 6, 7, 8, 10],
+        [2, 3, 4, 5, 6, 7, 8, 9],
+    ]
+    lanes = timeline("1f1b", 3, 4)
+    assert [[start for start, _, _ in lanes[s]] for s in range(3)] == expected_starts
+    assert [fmt([a for _, _, a in lanes[s]]) for s in range(3)] == ONE_F_ONE_B[(3, 4)]
+    assert makespan("1f1b", 3, 4) == 12
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_every_action_once_and_forward_before_backward(name, p, m):
+    for s in range(p):
+        actions = stage_actions(name, s, p, m)
+        expected = {Action(op, k) for op in ("forward", "backward") for k in range(m)}
+        assert len(actions) == 2 * m and set(actions) == expected
+        for k in range(m):
+            assert actions.index(Action("forward", k)) < actions.index(Action("backward", k))
+
+
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_peak_in_flight(p, m):
+    for s in range(p):
+        assert peak_in_flight(stage_actions("1f1b", s, p, m)) == min(p - s, m) <= p
+        assert peak_in_flight(stage_actions("gpipe", s, p, m)) == m
+
+
+def test_peak_in_flight_of_written_sequences():
+    assert peak_in_flight([]) == 0
+    assert peak_in_flight(parse("F0 B0 F1 B1")) == 1
+    assert peak_in_flight(parse("F0 F1 B1 F2 F3 B0")) == 3
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("p", "m"), GRID)
+@pytest.mark.parametrize("t", [1.0, 0.5, 2.0])
+def test_equal_times_give_the_ideal_makespan_and_bubble(name, p, m, t):
+    # Powers of two keep every sum exact, so exact equality is fair.
+    assert makespan(name, p, m, t, t) == (m + p - 1) * 2 * t
+    assert bubble_fraction(name, p, m, t, t) == ideal_bubble_fraction(p, m)
+
+
+def test_ideal_bubble_fraction_values():
+    assert ideal_bubble_fraction(1, 5) == 0.0
+    assert ideal_bubble_fraction(4, 8) == 3 / 11
+    assert ideal_bubble_fraction(4, 1) == 3 / 4
+
+
+def dependencies(s: int, p: int, action: Action) -> list[tuple[int, Action]]:
+    """Written independently of the module: what must end before `action` on stage s may start."""
+    k = action.microbatch
+    if action.op == "forward":
+        return [(s - 1, Action("forward", k))] if s > 0 else []
+    deps = [(s, Action("forward", k))]
+    return deps + [(s + 1, Action("backward", k))] if s < p - 1 else deps
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("p", "m"), GRID)
+@pytest.mark.parametrize(("f", "b"), [(1.0, 2.0), (2.0, 1.0), (0.3, 0.7), (1.0, 3.0)])
+def test_uneven_times_respect_dependencies(name, p, m, f, b):
+    lanes = timeline(name, p, m, f, b)
+    ends = {(s, a): end for s, lane in lanes.items() for _, end, a in lane}
+    for s, lane in lanes.items():
+        assert [a for _, _, a in lane] == stage_actions(name, s, p, m)
+        previous_end = 0.0
+        for start, end, action in lane:
+            assert end - start == pytest.approx(f if action.op == "forward" else b)
+            assert start >= previous_end  # one action at a time per stage
+            assert all(start >= ends[dep] for dep in dependencies(s, p, action))
+            previous_end = end
+    assert lanes[0][0][0] == 0.0
+    assert 0.0 <= bubble_fraction(name, p, m, f, b) < 1.0
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_uneven_makespan(name, p, m):
+    # GPipe: forwards fill the pipe in (m + p - 1) f, then backwards drain it in (m + p - 1) b. 1F1B with
+    # equal stages has the same makespan (Narayanan et al. 2021); it only lowers the activations in flight.
+    assert makespan(name, p, m, 1.0, 2.0) == (m + p - 1) * 3.0
+
+
+def test_deadlocking_orders_raise(monkeypatch):
+    # Stage 0 wants B0 before F1, but stage 1 can only reach B0 after F1, which needs stage 0's F1.
+    orders = {0: parse("F0 B0 F1 B1"), 1: parse("F0 F1 B0 B1")}
+    monkeypatch.setattr(schedule, "stage_actions", lambda name, s, p, m: orders[s])
+    with pytest.raises(InvalidArgument, match="deadlock.*stage 0 waits at B0.*stage 1 waits at F1"):
+        timeline("1f1b", 2, 2)
+
+
+def test_backward_before_own_forward_deadlocks(monkeypatch):
+    monkeypatch.setattr(schedule, "stage_actions", lambda name, s, p, m: parse("B0 F0"))
+    with pytest.raises(InvalidArgument, match="stage 0 waits at B0"):
+        timeline("gpipe", 1, 1)
+
+
+BAD_SHAPES = [
+    # schedule, stage, num_stages, microbatches, words the message must contain
+    ("pipedream", 0, 2, 2, "'pipedream'.*gpipe, 1f1b"),
+    ("", 0, 2, 2, "''.*gpipe, 1f1b"),
+    ("1f1b", 2, 2, 2, r"stage 2.*\[0, 2\)"),
+    ("1f1b", -1, 2, 2, r"stage -1.*\[0, 2\)"),
+    ("gpipe", 0, 0, 2, "num_stages 0.*>= 1"),
+    ("gpipe", 0, 2, 0, "microbatches 0.*>= 1"),
+    ("gpipe", 0, 2, -3, "microbatches -3.*>= 1"),
+    ("gpipe", 0, 2, 2.0, "microbatches 2.0.*>= 1"),
+    ("gpipe", True, 2, 2, "stage True"),
+]
+
+
+@pytest.mark.parametrize(("name", "stage", "p", "m", "message"), BAD_SHAPES)
+def test_stage_actions_rejects(name, stage, p, m, message):
+    with pytest.raises(InvalidArgument, match=message):
+        stage_actions(name, stage, p, m)
+
+
+@pytest.mark.parametrize("function", [timeline, makespan, bubble_fraction])
+@pytest.mark.parametrize(("name", "p", "m", "message"), [
+    ("interleaved", 2, 2, "'interleaved'.*gpipe, 1f1b"),
+    ("gpipe", 0, 2, "num_stages 0"),
+    ("1f1b", 2, 0, "microbatches 0"),
+])
+def test_simulations_reject(function, name, p, m, message):
+    with pytest.raises(InvalidArgument, match=message):
+        function(name, p, m)
+
+
+@pytest.mark.parametrize(("f", "b", "message"), [
+    (0.0, 1.0, "forward_time 0.0.*> 0"),
+    (1.0, -1.0, "backward_time -1.0.*> 0"),
+    (float("inf"), 1.0, "forward_time inf"),
+    (1.0, float("nan"), "backward_time nan"),
+])
+def test_timeline_rejects_bad_times(f, b, message):
+    with pytest.raises(InvalidArgument, match=message):
+        timeline("1f1b", 2, 2, f, b)
+
+
+@pytest.mark.parametrize(("p", "m", "message"), [(0, 1, "num_stages 0"), (1, 0, "microbatches 0")])
+def test_ideal_bubble_fraction_rejects(p, m, message):
+    with pytest.raises(InvalidArgument, match=message):
+        ideal_bubble_fraction(p, m)
+
+
+def test_timeline_is_pure():
+    assert timeline("1f1b", 4, 8, 1.0, 2.0) == timeline("1f1b", 4, 8, 1.0, 2.0)
+    assert sorted(timeline("gpipe", 4, 8)) == [0, 1, 2, 3]
