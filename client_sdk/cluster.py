@@ -9,11 +9,13 @@ import torch
 
 from client_sdk import layers as layer_tools
 from client_sdk.io_loop import shared_loop
+from client_sdk.losses import LossSpecs
 from client_sdk.model import DistributedModel, Placement
+from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
 from client_sdk.transport import StageClients
 from shardtrain import optim, wire
-from shardtrain.errors import Unavailable
+from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env
 from shardtrain.v1 import coordinator_pb2, shard_pb2
@@ -78,7 +80,7 @@ class Cluster:
     def deploy(self, model, optimizer: tuple = (torch.optim.SGD, {"lr": 0.01}),
                example_input: torch.Tensor | None = None, split_points: Sequence[int] = (),
                layers_per_stage: Sequence[int] = (), num_stages: int = 0,
-               compression: str | dict[str, str] = "none") -> DistributedModel:
+               compression: str | dict[str, str] = "none", replicas: int = 1) -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: an nn.Sequential, a LayerList or a seed layer list [(layer_class, kwargs, input_shape), ...].
@@ -89,8 +91,12 @@ class Cluster:
         "none" (exact, the default), "fp16", "bf16" (half the bytes of float32) or "int8" (blockwise,
         about a quarter), for every kind, or a dict by kind: {"activations": ..., "gradients": ...,
         "residuals": ...} (kinds left out stay exact). Only floating-point tensors are compressed.
+        replicas: copies of the pipeline (replicas x stages shards) for data parallelism; they train
+        together through model.train_step, averaging gradients with gloo collectives.
         A deploy replaces the cluster's previous deployment; its handle stops working.
         """
+        if replicas < 1:
+            raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
         self._close_models()  # shards hold one deployment at a time: finish the previous one first
         module = layer_tools.as_module(model)
         layers = layer_tools.layers_of(module)
@@ -102,7 +108,8 @@ class Cluster:
             layers=layer_tools.capture(layers, example),
             optimizer=shard_pb2.OptimizerSpec(name=name, kwargs_json=kwargs_json),
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
-                                                    layers_per_stage=layers_per_stage))
+                                                    layers_per_stage=layers_per_stage),
+            replicas=replicas)
         response = self._io.run(self._coordinator.call("Deploy", request))
         distributed = self._io.run(self._handle(response, request.layers, encodings))
         distributed.load_state_dict(module.state_dict())
@@ -111,16 +118,28 @@ class Cluster:
 
     async def _handle(self, response, captured, encodings) -> DistributedModel:
         owners, placements = {}, []
-        for stage in response.stages:
+        for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
             owners.update({entry.model_key: stage.stage for layer in held for entry in layer.state})
             placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
                                         tuple(layer.description for layer in held)))
-        clients = StageClients(response.deployment_id, [s.shard_address for s in response.stages],
-                               self.security, self.timeouts, encodings)
-        await clients.probe()
+        replicas = []
+        for replica in range(max(s.replica for s in response.stages) + 1):
+            addresses = [s.shard_address for s in response.stages if s.replica == replica]
+            replicas.append(StageClients(response.deployment_id, addresses, self.security, self.timeouts, encodings))
+        await asyncio.gather(*(clients.probe() for clients in replicas))
+        trainer = PipelineTrainer(replicas, self._plan_schedule)
         key_order = [entry.model_key for layer in captured for entry in layer.state]
-        return DistributedModel(self._io, clients, placements, owners, key_order)
+        model = DistributedModel(self._io, replicas[0], placements, owners, key_order, trainer)
+        model._loss_specs = LossSpecs(model._predict)
+        return model
+
+    async def _plan_schedule(self, num_stages: int, microbatches: int, schedule: str) -> list:
+        """Every stage's actions for a pipelined step, as the coordinator plans them."""
+        request = coordinator_pb2.PlanScheduleRequest(num_stages=num_stages, microbatches=microbatches,
+                                                      schedule=schedule)
+        response = await self._coordinator.call("PlanSchedule", request)
+        return [list(stage.actions) for stage in response.stages]
 
     def _close_models(self) -> None:
         models, self._models = self._models, []

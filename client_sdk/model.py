@@ -13,6 +13,7 @@ import torch
 from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
 from client_sdk.io_loop import IoLoop
+from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import StageClients, split_state
 from shardtrain.errors import FailedPrecondition
 from shardtrain.v1 import shard_pb2
@@ -45,9 +46,12 @@ class DistributedModel:
     """
 
     def __init__(self, io: IoLoop, clients: StageClients, placements: Sequence[Placement],
-                 owners: dict[str, int], key_order: Sequence[str]):
+                 owners: dict[str, int], key_order: Sequence[str], trainer: PipelineTrainer | None = None,
+                 loss_specs=None):
         self._io = io
         self._clients = clients
+        self._trainer = trainer or PipelineTrainer([clients], None)
+        self._loss_specs = loss_specs  # turns a loss argument into a LossSpec (client_sdk/losses.py)
         self.placements = list(placements)
         self._owners = owners
         self._key_order = list(key_order)
@@ -75,6 +79,7 @@ class DistributedModel:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the model; under autograd the result backpropagates into the shards."""
         if torch.is_grad_enabled():
+            self._check_single_replica()
             return RemoteStages.apply(self, self._anchor, x)
         return self._io.run(self._forward(self._begin_step(), x, requires_grad=False))
 
@@ -106,6 +111,30 @@ class DistributedModel:
         """Each shard's own report: address, device, stage, layers, steps in flight."""
         return self._io.run(self._clients.describe())
 
+    @property
+    def replicas(self) -> int:
+        """How many copies of the pipeline train together (data parallel)."""
+        return len(self._trainer.replicas)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn="MSELoss", microbatches: int = 1,
+                   schedule: str = "1f1b") -> float:
+        """One pipelined training step on the shards: zero_grad, forward and backward of every micro-batch,
+        the replicas' gradient all-reduce, and the optimizer step. Returns the batch's loss.
+
+        The batch is split over the replicas, then into `microbatches` pieces (uneven sizes are fine);
+        stage i works on micro-batch k+1 while stage i+1 works on k, under `schedule` "1f1b" (at most
+        one micro-batch per stage in flight) or "gpipe" (all forwards, then all backwards). The loss
+        is computed on the last stage: a torch.nn loss by name ("MSELoss"), class or instance from
+        the allow-list, or a loss module of your own (captured like a layer). Mean-reducing losses
+        weigh each micro-batch by its share of the batch, so the result equals one full-batch step.
+        """
+        self._check_open()
+        return self._io.run(self._train_step(x, y, loss_fn, microbatches, schedule))
+
+    def stats(self) -> list[dict]:
+        """Per shard, what it did in the last train_step: compute seconds, busy fraction, peak activations."""
+        return list(self._trainer.stats)
+
     # -- the explicit asynchronous API ---------------------------------------------------------
     async def aforward(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the model; returns a leaf tensor that requires grad. Pass its .grad to abackward."""
@@ -135,6 +164,22 @@ class DistributedModel:
         return await self._io.wrap(self._read_state())
 
     # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
+    async def _train_step(self, x, y, loss_fn, microbatches: int, schedule: str) -> float:
+        await self._synchronize()
+        spec = await self._loss_specs(loss_fn, x, y)
+        self._zero_grad_pending = False  # a TrainStep starts from zero gradients anyway
+        return await self._trainer.run(self._begin_step(), x, y, spec, microbatches, schedule)
+
+    async def _predict(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output for `x` without autograd (an example for capturing a loss)."""
+        return await self._forward(self._begin_step(), x, requires_grad=False)
+
+    def _check_single_replica(self) -> None:
+        if self.replicas > 1:
+            raise FailedPrecondition(f"this deployment has {self.replicas} replicas: train it with "
+                                     "model.train_step(x, y, loss_fn, ...), which keeps them in step; "
+                                     "model(x) under torch.no_grad() still runs inference on replica 0")
+
     def _begin_step(self) -> int:
         self._check_open()
         self._last_step = next(self._steps)
@@ -205,7 +250,7 @@ class DistributedModel:
 
     async def _load_state(self, per_stage) -> None:
         await self._synchronize()
-        await self._clients.load_state(per_stage)
+        await asyncio.gather(*(clients.load_state(per_stage) for clients in self._trainer.replicas))
 
     async def _close(self) -> None:
         try:
@@ -213,7 +258,7 @@ class DistributedModel:
         except Exception as error:  # closing must not fail: a broken shard was already reported or is moot now
             log.warning("deployment %s: calls still in flight at close failed: %s", self.deployment_id, error)
         finally:
-            await self._clients.close()
+            await asyncio.gather(*(clients.close() for clients in self._trainer.replicas))
 
     def close(self) -> None:
         """Waits for calls still in flight, then closes the channels (the shards keep the model)."""

@@ -40,8 +40,18 @@ class StageClients:
         segments = self._segments if stage.same_host else None
         return wire.SendOptions(encoding=getattr(self._encodings, kind), segments=segments)
 
-    def _key(self, step: int, microbatch: int = 0) -> shard_pb2.StepKey:
+    def key(self, step: int, microbatch: int = 0) -> shard_pb2.StepKey:
+        """The wire key of a step of this deployment."""
         return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
+
+    _key = key
+
+    async def train_step(self, stage: int, header: shard_pb2.TrainStepHeader,
+                         tensors: dict[str, torch.Tensor]) -> shard_pb2.TrainStepResponse:
+        """One stage's TrainStep, with its inputs (first stage) or targets (last stage)."""
+        peer = self.stages[stage]
+        requests = wire.framed(shard_pb2.TrainStepRequest, header, tensors, self._options(peer, "activations"))
+        return await peer.call("TrainStep", requests)
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
                       after_optimizer_step: int, step_first: shard_pb2.StepRequest | None = None,

@@ -8,8 +8,8 @@ import uuid
 
 from coordinator.placement import StagePlacement, place
 from coordinator.registry import ShardRegistry
-from shardtrain import optim, partition
-from shardtrain.errors import InvalidArgument
+from shardtrain import optim, partition, schedule
+from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import Wiring, route
 from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
 from shardtrain.settings import CoordinatorSettings
@@ -44,27 +44,48 @@ class CoordinatorServicer:
         _check_layers(layers)
         if request.optimizer.name not in optim.ALLOWED:
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
-        spec = request.partition
-        available = len(self.registry.shards())
-        # By default one stage per shard, but never an empty stage when there are fewer layers than shards.
+        spec, replicas = request.partition, max(request.replicas, 1)
+        available = len(self.registry.shards()) // replicas
+        if available < 1:
+            raise FailedPrecondition(f"{replicas} replicas need at least {replicas} shards; "
+                                     f"{len(self.registry.shards())} have registered")
+        # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
         ranges = partition.plan([layer.cost for layer in layers], spec.num_stages or min(available, len(layers)),
                                 spec.split_points, spec.layers_per_stage)
         routes = route([Wiring(tuple(l.dependencies), tuple(l.out_variables)) for l in layers], ranges)
-        placements = place(ranges, routes, self.registry.take(len(ranges)))
+        shards = self.registry.take(len(ranges) * replicas)
+        pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)]) for r in range(replicas)]
         deployment_id = uuid.uuid4().hex[:12]
-        await asyncio.gather(*(self._ship(deployment_id, p, len(placements), layers, request)
-                               for p in placements))
+        await self._ship_all(deployment_id, pipelines, layers, request)
         log.info("deployed %s: %s", deployment_id,
-                 [(p.shard.address, p.first_layer, p.end_layer) for p in placements])
+                 [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines])
         return coordinator_pb2.DeployResponse(deployment_id=deployment_id, stages=[
             coordinator_pb2.StageAssignment(stage=p.stage, shard_id=p.shard.shard_id, shard_address=p.shard.address,
-                                            first_layer=p.first_layer, end_layer=p.end_layer)
-            for p in placements])
+                                            first_layer=p.first_layer, end_layer=p.end_layer, replica=replica)
+            for replica, pipeline in enumerate(pipelines) for p in pipeline])
 
-    async def _ship(self, deployment_id: str, placement: StagePlacement, num_stages: int, layers, deploy) -> None:
+    async def _ship_all(self, deployment_id: str, pipelines, layers, request) -> None:
+        """Replica 0 first: its shards host the rendezvous where each stage's other replicas meet."""
+        first = await asyncio.gather(*(self._ship(deployment_id, p, len(pipelines[0]), layers, request,
+                                                  0, len(pipelines), "") for p in pipelines[0]))
+        await asyncio.gather(*(self._ship(deployment_id, p, len(pipeline), layers, request, replica, len(pipelines),
+                                          first[p.stage].rendezvous)
+                               for replica, pipeline in enumerate(pipelines) if replica for p in pipeline))
+
+    @boundary
+    async def PlanSchedule(self, request, context):
+        plans = [schedule.stage_actions(request.schedule, stage, request.num_stages, request.microbatches)
+                 for stage in range(max(request.num_stages, 1))]
+        return coordinator_pb2.PlanScheduleResponse(stages=[
+            coordinator_pb2.StageActions(stage=stage, actions=[
+                shard_pb2.PipelineAction(backward=a.op == schedule.BACKWARD, microbatch=a.microbatch) for a in plan])
+            for stage, plan in enumerate(plans)])
+
+    async def _ship(self, deployment_id: str, placement: StagePlacement, num_stages: int, layers, deploy,
+                    replica: int, num_replicas: int, rendezvous: str) -> shard_pb2.LoadStageResponse:
         plan = shard_pb2.StagePlan(
             stage=placement.stage, num_stages=num_stages, previous_address=placement.previous_address,
-            next_address=placement.next_address,
+            next_address=placement.next_address, replica=replica, num_replicas=num_replicas, rendezvous=rendezvous,
             incoming_residuals=[shard_pb2.ResidualSource(name=n, producer_stage=s, producer_address=a)
                                 for n, (s, a) in placement.incoming.items()],
             outgoing_residuals=[shard_pb2.ResidualSink(name=n, consumer_stages=c)
@@ -75,7 +96,7 @@ class CoordinatorServicer:
         shard = Peer(f"shard {placement.shard.shard_id} at {placement.shard.address}", placement.shard.address,
                      SHARD_SERVICE, self.settings.security, self.settings.timeouts.control)
         try:
-            await shard.call("LoadStage", request)
+            return await shard.call("LoadStage", request)
         finally:
             await shard.close()
 

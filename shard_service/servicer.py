@@ -12,9 +12,12 @@ import torch
 
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
+from shard_service.pipeline import PipelineRun
+from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
-from shardtrain import shm, wire
+from shardtrain import losses, shm, wire
+from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
 from shardtrain.rpc import SHARD_SERVICE, OpenedCall, OpenedCalls, Peer, boundary, fetch_tensor
@@ -43,6 +46,9 @@ class ShardServicer:
         self._plan = shard_pb2.StagePlan()
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
+        self._inbox = Mailbox()         # a TrainStep's activations and gradients, waiting for their turn
+        self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
+        self._losses: dict[bytes, tuple] = {}
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
         self._backward_links = OpenedCalls(settings.max_in_flight)  # Backward calls opened at forward time
         self._order = StepOrder()
@@ -123,11 +129,16 @@ class ShardServicer:
         self._encodings = request.encodings
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
+        self._inbox.discard_where(lambda key: True)
+        if self._averager is not None:
+            self._averager.close()
+        self._averager = GradientAverager.for_plan(plan, stage, self.address, self.settings.timeouts.peer_wait)
         self._order = StepOrder()
         self._backward_links.abandon_where(lambda key: True)
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
-        return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count)
+        return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,
+                                           rendezvous=self._averager.hosted if self._averager else "")
 
     @boundary
     async def LoadState(self, request_iterator, context):
@@ -148,6 +159,9 @@ class ShardServicer:
         reader = RequestReader(request_iterator)
         header = await reader.header()
         stage = self._stage_for(header.key.deployment_id)
+        if header.scheduled:
+            await self._deliver(header.key, "activation", reader)
+            return shard_pb2.ForwardResponse()
         key = (header.key.step, header.key.microbatch)
         # The header goes on at once, so later stages fetch their residuals and apply a deferred optimizer
         # step while this one computes.
@@ -229,6 +243,9 @@ class ShardServicer:
         reader = RequestReader(request_iterator)
         header = await reader.header()
         stage = self._stage_for(header.key.deployment_id)
+        if header.scheduled:
+            await self._deliver(header.key, "gradient", reader)
+            return shard_pb2.BackwardResponse()
         failure = "cancelled"
         try:
             await self._backward(stage, header, reader)
@@ -313,10 +330,111 @@ class ShardServicer:
         stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
         self._outbox.discard_where(stale)
         self._gradients.discard_where(stale)
+        self._inbox.discard_where(stale)
         for key in [k for k in self._residual_grads if stale(k)]:
             del self._residual_grads[key]
         self._backward_links.abandon_where(stale)
         self._order.forget(up_to_step)
+
+    # --- pipelined training steps (shard_service/pipeline.py runs the actions) ---------------------
+
+    @boundary
+    async def TrainStep(self, request_iterator, context):
+        started = time.perf_counter()
+        reader = RequestReader(request_iterator)
+        header = await reader.header()
+        stage = self._stage_for(header.key.deployment_id)
+        loss = self._loss(header.loss) if self._plan.stage == self._plan.num_stages - 1 else None
+        run = PipelineRun(self, stage, header, await reader.tensors(), loss)
+        if self._averager is not None:
+            await self._run(self._averager.connect)
+        await self._run(stage.zero_grad)
+        try:
+            figures = await run.execute()
+            averaging = time.perf_counter()
+            if self._averager is not None:
+                await self._run(self._averager.finish)
+            stepping = time.perf_counter()
+            await self._run(stage.step)
+        finally:
+            await self._forget(stage, header.key.step)
+        done = time.perf_counter()
+        return shard_pb2.TrainStepResponse(loss=sum(figures.losses), stats=shard_pb2.StageStats(
+            stage=self._plan.stage, replica=self._plan.replica, forward_seconds=figures.forward_seconds,
+            backward_seconds=figures.backward_seconds, allreduce_wait_seconds=stepping - averaging,
+            optimizer_seconds=done - stepping, step_seconds=done - started,
+            peak_activation_bytes=figures.peak_activation_bytes, peak_in_flight=figures.peak_in_flight))
+
+    def _loss(self, spec: shard_pb2.LossSpec) -> tuple:
+        """The loss function of a LossSpec and whether it sums, built once per distinct spec."""
+        cache_key = spec.SerializeToString(deterministic=True)
+        if cache_key not in self._losses:
+            if spec.name:
+                self._losses[cache_key] = losses.build(spec.name, spec.kwargs_json)
+            elif spec.program.program:
+                self._losses[cache_key] = (CapturedProgram(spec.program.program).load({}), spec.sums)
+            else:
+                raise InvalidArgument("a TrainStep's last stage needs a loss: a name or a captured program")
+        return self._losses[cache_key]
+
+    @property
+    def plan(self) -> shard_pb2.StagePlan:
+        """Where this shard's stage sits in the pipeline."""
+        return self._plan
+
+    async def run(self, function, *args):
+        """Stage work, one piece at a time (for PipelineRun)."""
+        return await self._run(function, *args)
+
+    async def _deliver(self, key: shard_pb2.StepKey, kind: str, reader: RequestReader) -> None:
+        tensors = await reader.tensors(count=1) if kind == "activation" else await reader.tensors()
+        self._inbox.put((key.step, key.microbatch, kind), tensors.get(kind))
+
+    async def scheduled_input(self, key: shard_pb2.StepKey, kind: str):
+        """The activation or gradient of a micro-batch, once its neighbour has sent it."""
+        what = f"{kind} of step {key.step} micro-batch {key.microbatch}"
+        return await self._inbox.get((key.step, key.microbatch, kind), self.settings.timeouts.peer_wait, what)
+
+    async def send_scheduled(self, key: shard_pb2.StepKey, kind: str, tensor) -> None:
+        """Sends a micro-batch's activation to the next stage, or its input gradient to the previous one."""
+        if kind == "activation":
+            address, method, request, header = self._plan.next_address, "Forward", shard_pb2.ForwardRequest, \
+                shard_pb2.ForwardHeader(key=key, scheduled=True)
+        else:
+            address, method, request, header = self._plan.previous_address, "Backward", shard_pb2.BackwardRequest, \
+                shard_pb2.BackwardHeader(key=key, scheduled=True)
+        peer = self._peer(address)
+        tensors = {kind: tensor} if tensor is not None else {}
+        options = self._options(peer.same_host, "activations" if kind == "activation" else "gradients")
+        await peer.call(method, wire.framed(request, header, tensors, options))
+
+    async def fetch_residuals(self, stage: Stage, key: shard_pb2.StepKey) -> dict:
+        """Every residual this stage consumes for a micro-batch, fetched from their producers at once."""
+        names = list(stage.residuals.incoming)
+        fetched = await asyncio.gather(*(self._fetch_residual(stage, key, name) for name in names))
+        return dict(zip(names, fetched))
+
+    def offer_residuals(self, stage: Stage, key, outgoing: dict) -> None:
+        """Leaves a micro-batch's residuals for the stages that consume them."""
+        for name, tensor in outgoing.items():
+            self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
+
+    async def residual_gradients(self, stage: Stage, key) -> dict:
+        """The gradients of the residuals this stage produced, once every consumer has sent its own."""
+        grads = {}
+        for name in stage.residuals.outgoing:
+            what = f"gradient of residual {name!r} for step {key[0]} micro-batch {key[1]}"
+            grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
+        return grads
+
+    async def send_residual_grad(self, key, name: str, grad) -> None:
+        """Pushes a consumed residual's gradient to its producer."""
+        await self._send_residual_grad(key, name, grad)
+
+    def averager_arm(self, last_microbatch: bool) -> None:
+        """Before a backward: on the last micro-batch, gradients are final and all-reduce as they appear."""
+        if self._averager is not None:
+            self._averager.arm(last_microbatch)
 
     @boundary
     async def Describe(self, request, context):
@@ -338,3 +456,5 @@ class ShardServicer:
         self._compute.shutdown(wait=False, cancel_futures=True)
         if self._segments is not None:
             self._segments.close()
+        if self._averager is not None:
+            self._averager.close()

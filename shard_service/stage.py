@@ -38,6 +38,7 @@ class InFlight:
     incoming: dict[str, torch.Tensor]
     output: torch.Tensor
     outgoing: dict[str, torch.Tensor] = field(default_factory=dict)
+    saved_bytes: int = 0  # what autograd saved for backward: the step's activation memory
 
 
 class Stage:
@@ -74,6 +75,11 @@ class Stage:
         return layers, state, inputs
 
     @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The stage's trainable tensors, in layer order."""
+        return [t for t in self._state.values() if isinstance(t, torch.nn.Parameter)]
+
+    @property
     def parameter_count(self) -> int:
         """Number of trainable scalars in the stage."""
         return sum(t.numel() for t in self._state.values() if isinstance(t, torch.nn.Parameter))
@@ -82,6 +88,25 @@ class Stage:
     def in_flight_steps(self) -> list[StepKey]:
         """Steps whose forward ran and whose backward has not."""
         return list(self._in_flight)
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Bytes autograd holds for the steps in flight (each saved tensor counted once per save)."""
+        return sum(state.saved_bytes for state in self._in_flight.values())
+
+    def attach_loss(self, key: StepKey, loss_fn, target: torch.Tensor, weight: float) -> float:
+        """Computes `weight * loss_fn(output, target)` of an in-flight step; its backward then starts there."""
+        state = self._in_flight_state(key)
+        with torch.enable_grad():
+            try:
+                loss = loss_fn(state.output, target.to(self.device)) * weight
+            except Exception as error:  # a target that does not fit the output, a loss that fails on its data
+                raise InvalidArgument(f"stage {self.index}: the loss failed on micro-batch {key[1]}: "
+                                      f"{type(error).__name__}: {error}") from None
+        if loss.dim() != 0:
+            raise InvalidArgument(f"stage {self.index}: the loss must be a scalar, got shape {list(loss.shape)}")
+        state.output = loss
+        return loss.item()
 
     def check_input(self, x: torch.Tensor) -> None:
         """InvalidArgument unless `x` fits the first layer's main input."""
@@ -106,11 +131,12 @@ class Stage:
         x = x.to(self.device).detach().requires_grad_(requires_grad and (self.index > 0 or input_requires_grad))
         leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
-        with torch.set_grad_enabled(requires_grad):
+        counter = _SavedBytes()
+        with torch.set_grad_enabled(requires_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
             output = self._run(x, saved)
         outgoing = {name: saved[name] for name in self.residuals.outgoing}
         if requires_grad:
-            self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing))
+            self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing, counter.total))
         return output.detach(), {name: t.detach() for name, t in outgoing.items()}
 
     def _run(self, x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -137,10 +163,7 @@ class Stage:
     def backward(self, key: StepKey, grad_output: torch.Tensor | None,
                  residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
         """Backpropagates one step; returns the gradient of the input and of each fetched residual. Frees the step."""
-        if key not in self._in_flight:
-            raise NotFound(f"stage {self.index} has no step {key[0]} micro-batch {key[1]} in flight "
-                           f"(in flight: {[k[0] for k in self._in_flight]}); run forward first")
-        state = self._in_flight[key]
+        state = self._in_flight_state(key)
         if grad_output is not None:
             _check_like(grad_output, state.output, f"stage {self.index} output gradient")
         roots, grads = self._roots(state, grad_output, residual_grads)
@@ -149,6 +172,12 @@ class Stage:
         del self._in_flight[key]
         grad_input = state.inputs.grad if state.inputs is not None else None
         return grad_input, {name: leaf.grad for name, leaf in state.incoming.items()}
+
+    def _in_flight_state(self, key: StepKey) -> InFlight:
+        if key not in self._in_flight:
+            raise NotFound(f"stage {self.index} has no step {key[0]} micro-batch {key[1]} in flight "
+                           f"(in flight: {[k[0] for k in self._in_flight]}); run forward first")
+        return self._in_flight[key]
 
     def _roots(self, state: InFlight, grad_output: torch.Tensor | None, residual_grads: dict[str, torch.Tensor]):
         pairs = [(state.output, grad_output)] + [(state.outgoing[n], g) for n, g in residual_grads.items()]
@@ -187,6 +216,21 @@ class Stage:
     def state(self) -> dict[str, torch.Tensor]:
         """The stage's weights under the user's state-dict keys."""
         return {key: tensor.detach() for key, tensor in self._state.items()}
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward (a saved-tensors hook that keeps the tensor as it is)."""
+
+    def __init__(self):
+        self.total = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.total += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _check_like(value: torch.Tensor, reference: torch.Tensor, what: str) -> None:
