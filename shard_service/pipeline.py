@@ -45,6 +45,10 @@ class PipelineRun:
         self.figures = Figures()
         self._sends: list[asyncio.Task] = []
         self._check()
+        # One call per neighbour and direction for the whole step: a message on an open stream costs
+        # far less than a call per micro-batch.
+        self._activations = None if self.last else _Outgoing(shard, "activation", self._key(0))
+        self._gradients = None if self.first else _Outgoing(shard, "gradient", self._key(0))
 
     def _check(self) -> None:
         actions = [(a.backward, a.microbatch) for a in self.header.actions]
@@ -73,16 +77,20 @@ class PipelineRun:
                 else:
                     await self._forward(action.microbatch)
                 self.figures.peak_in_flight = max(self.figures.peak_in_flight, len(self.stage.in_flight_steps))
-            await asyncio.gather(*self._sends)
+            streams = [s.close() for s in (self._activations, self._gradients) if s is not None]
+            await asyncio.gather(*self._sends, *streams)
         finally:
             for task in self._sends:
                 task.cancel()
+            for stream in (self._activations, self._gradients):
+                if stream is not None:
+                    stream.abandon()
         return self.figures
 
-    async def _timed(self, function, *args):
+    async def _timed(self, function, *args, simulated: bool = True):
         start = time.perf_counter()
         result = await self.shard.run(function, *args)
-        if self.shard.settings.simulate_compute:  # stands for device work (benchmarks on small machines)
+        if simulated and self.shard.settings.simulate_compute:  # stands for device work (benchmarks)
             await asyncio.sleep(self.shard.settings.simulate_compute)
         return result, time.perf_counter() - start
 
@@ -97,11 +105,11 @@ class PipelineRun:
         if self.last:
             weight = self._weight(k)
             loss, seconds = await self._timed(self.stage.attach_loss, key, self.loss_fn, self.tensors[f"target/{k}"],
-                                              weight)
+                                              weight, simulated=False)  # part of the forward's simulated time
             self.figures.forward_seconds += seconds
             self.figures.losses.append(loss)
         else:
-            self._sends.append(asyncio.ensure_future(self.shard.send_scheduled(self._key(k), "activation", output)))
+            self._activations.send(k, output)
 
     def _weight(self, k: int) -> float:
         """A micro-batch's share of the batch's loss: its rows over the whole batch's, for averaging losses."""
@@ -117,7 +125,34 @@ class PipelineRun:
         for name, residual_grad in incoming_grads.items():
             self._sends.append(asyncio.ensure_future(self.shard.send_residual_grad(self._key(k), name, residual_grad)))
         if not self.first:
-            self._sends.append(asyncio.ensure_future(self.shard.send_scheduled(self._key(k), "gradient", grad_input)))
+            if grad_input is None:
+                raise InvalidArgument(f"stage {self.plan.stage}: micro-batch {k} produced no input gradient")
+            self._gradients.send(k, grad_input)
 
     def _last_backward(self) -> int:
         return [a.microbatch for a in self.header.actions if a.backward][-1]
+
+
+class _Outgoing:
+    """A step's stream of activations (or input gradients) to one neighbour, fed as micro-batches finish."""
+
+    def __init__(self, shard, kind: str, key: shard_pb2.StepKey):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._call = asyncio.ensure_future(shard.send_scheduled(key, kind, self._tensors()))
+
+    async def _tensors(self):
+        while (item := await self._queue.get()) is not None:
+            yield item
+
+    def send(self, microbatch: int, tensor: torch.Tensor) -> None:
+        """Queues one micro-batch's tensor; the call sends it as soon as the stream can take it."""
+        self._queue.put_nowait((microbatch, tensor))
+
+    async def close(self) -> None:
+        """Ends the stream and waits for the neighbour's answer."""
+        self._queue.put_nowait(None)
+        await self._call
+
+    def abandon(self) -> None:
+        """Cancels the call (a no-op once it finished)."""
+        self._call.cancel()

@@ -17,6 +17,7 @@ from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
 from shardtrain import losses, shm, wire
+from shardtrain.codec import Frame
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
@@ -387,26 +388,38 @@ class ShardServicer:
         return await self._run(function, *args)
 
     async def _deliver(self, key: shard_pb2.StepKey, kind: str, reader: RequestReader) -> None:
-        tensors = await reader.tensors(count=1) if kind == "activation" else await reader.tensors()
-        self._inbox.put((key.step, key.microbatch, kind), tensors.get(kind))
+        """Puts each micro-batch's tensor of a scheduled stream into the inbox as soon as it is complete."""
+        async for name, tensor in reader.each_tensor():
+            prefix, _, microbatch = name.partition("/")
+            if prefix != kind or not microbatch.isdigit():
+                raise InvalidArgument(f"a scheduled {kind} stream carries tensors named '{kind}/<microbatch>', "
+                                      f"got {name!r}")
+            self._inbox.put((key.step, int(microbatch), kind), tensor)
 
     async def scheduled_input(self, key: shard_pb2.StepKey, kind: str):
         """The activation or gradient of a micro-batch, once its neighbour has sent it."""
         what = f"{kind} of step {key.step} micro-batch {key.microbatch}"
         return await self._inbox.get((key.step, key.microbatch, kind), self.settings.timeouts.peer_wait, what)
 
-    async def send_scheduled(self, key: shard_pb2.StepKey, kind: str, tensor) -> None:
-        """Sends a micro-batch's activation to the next stage, or its input gradient to the previous one."""
+    async def send_scheduled(self, key: shard_pb2.StepKey, kind: str, tensors) -> None:
+        """One call for a whole step: each micro-batch's activation (to the next stage) or input gradient
+        (to the previous one) goes on it as `tensors`, an async iterator of (microbatch, tensor), yields it."""
         if kind == "activation":
-            address, method, request, header = self._plan.next_address, "Forward", shard_pb2.ForwardRequest, \
-                shard_pb2.ForwardHeader(key=key, scheduled=True)
+            address, method, message = self._plan.next_address, "Forward", shard_pb2.ForwardRequest
+            header = shard_pb2.ForwardHeader(key=key, scheduled=True)
         else:
-            address, method, request, header = self._plan.previous_address, "Backward", shard_pb2.BackwardRequest, \
-                shard_pb2.BackwardHeader(key=key, scheduled=True)
+            address, method, message = self._plan.previous_address, "Backward", shard_pb2.BackwardRequest
+            header = shard_pb2.BackwardHeader(key=key, scheduled=True)
         peer = self._peer(address)
-        tensors = {kind: tensor} if tensor is not None else {}
         options = self._options(peer.same_host, "activations" if kind == "activation" else "gradients")
-        await peer.call(method, wire.framed(request, header, tensors, options))
+
+        async def requests():
+            yield Frame(message(header=header))
+            async for microbatch, tensor in tensors:
+                for frame in wire.tensor_frames(tensor, f"{kind}/{microbatch}", options,
+                                                lambda chunk: message(tensor=chunk)):
+                    yield frame
+        await peer.call(method, requests())
 
     async def fetch_residuals(self, stage: Stage, key: shard_pb2.StepKey) -> dict:
         """Every residual this stage consumes for a micro-batch, fetched from their producers at once."""

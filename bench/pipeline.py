@@ -1,0 +1,108 @@
+"""Issue-4 benchmark: pipeline bubbles of GPipe and 1F1B, data-parallel scaling, activation memory.
+
+    python -m bench.pipeline [--delay-ms 40] [--steps 3]
+
+Every shard adds a fixed delay to each pipelined forward and backward (`--simulate-compute-ms`),
+standing for GPU work, so this 2-core machine does not limit how many stages work at once; the
+layers themselves are real (small) and run as usual. Printed, with the ideal beside each figure:
+
+1. p = 4 stages, m = 8 micro-batches: median step time against (m + p - 1) x (t_forward +
+   t_backward), and the measured bubble (1 - a stage's busy time / the step time, mean over the
+   stages) against (p - 1) / (m + p - 1); for both schedules.
+2. data parallel, p = 1: samples per second with R = 4 replicas against R = 1, each replica
+   taking the same batch per step (weak scaling).
+3. the peak saved-activation bytes per stage, 1F1B against GPipe, for m = 16 (real layers, no delay
+   needed: autograd's saved tensors are counted as they are saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from client_sdk import Cluster  # noqa: E402
+
+FEATURES = 64
+
+
+def stage_model(stages: int) -> nn.Sequential:
+    """`stages` equal blocks of Linear + Tanh."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[layer for _ in range(stages) for layer in (nn.Linear(FEATURES, FEATURES), nn.Tanh())])
+
+
+def timed_steps(model, batch: int, microbatches: int, schedule: str, steps: int) -> tuple[float, list[dict]]:
+    """Median step time of `steps` train_steps after one warm-up, and the last step's per-shard stats."""
+    x, y = torch.randn(batch, FEATURES), torch.randn(batch, FEATURES)
+    model.train_step(x, y, "MSELoss", microbatches=microbatches, schedule=schedule)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.train_step(x, y, "MSELoss", microbatches=microbatches, schedule=schedule)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), model.stats()
+
+
+def bubbles(cluster: Cluster, delay: float, steps: int) -> None:
+    """Part 1: p = 4, m = 8, both schedules."""
+    p, m = 4, 8
+    model = cluster.deploy(stage_model(p), optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=p)
+    ideal = (m + p - 1) * 2 * delay
+    print(f"1. p={p} stages, m={m} micro-batches, {delay * 1e3:.0f} ms per forward and per backward")
+    print(f"   {'schedule':>8} {'step':>9} {'ideal':>9} {'ratio':>6} {'bubble':>7} {'theory':>7}")
+    for schedule in ("gpipe", "1f1b"):
+        step, stats = timed_steps(model, 8 * m, m, schedule, steps)
+        bubble = statistics.mean(1 - (s["forward_s"] + s["backward_s"]) / step for s in stats)
+        print(f"   {schedule:>8} {step * 1e3:7.1f}ms {ideal * 1e3:7.1f}ms {step / ideal:6.3f} "
+              f"{bubble:7.3f} {(p - 1) / (m + p - 1):7.3f}")
+
+
+def data_parallel(cluster: Cluster, steps: int, per_replica: int = 64) -> None:
+    """Part 2: R = 1 against R = 4 replicas of a one-stage model, the same batch per replica."""
+    throughput = {}
+    for replicas in (1, 4):
+        model = cluster.deploy(stage_model(2), optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=1,
+                               replicas=replicas)
+        step, _ = timed_steps(model, per_replica * replicas, 1, "1f1b", steps)
+        throughput[replicas] = per_replica * replicas / step
+        print(f"   R={replicas}: {step * 1e3:7.1f} ms a step, {throughput[replicas]:8.0f} samples/s")
+    print(f"   R=4 / R=1 throughput: {throughput[4] / throughput[1]:.2f}x (ideal 4.00x)")
+
+
+def activation_memory(cluster: Cluster) -> None:
+    """Part 3: peak saved-activation bytes per stage for m = 16."""
+    p, m = 4, 16
+    model = cluster.deploy(stage_model(p), optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=p)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        _, stats = timed_steps(model, 64 * m, m, schedule, 1)
+        peaks[schedule] = {s["stage"]: s["peak_activation_bytes"] for s in stats}
+    print(f"3. peak saved activations per stage, p={p}, m={m}, {64} rows per micro-batch")
+    for stage in range(p):
+        gpipe, one = peaks["gpipe"][stage], peaks["1f1b"][stage]
+        print(f"   stage {stage}: gpipe {gpipe / 1024:8.1f} KiB   1f1b {one / 1024:8.1f} KiB   "
+              f"1f1b/gpipe {one / gpipe:.3f} (in flight: {min(p - stage, m)} of {m})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--delay-ms", type=float, default=40.0)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["SHARDTRAIN_SIMULATE_COMPUTE_MS"] = str(args.delay_ms)  # read by the shards Cluster.local starts
+    with Cluster.local(num_shards=4) as cluster:
+        bubbles(cluster, args.delay_ms / 1e3, args.steps)
+        print("2. data parallel, p=1, 64 rows per replica")
+        data_parallel(cluster, args.steps)
+        activation_memory(cluster)
+
+
+if __name__ == "__main__":
+    main()
