@@ -3,7 +3,8 @@
     python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3]
 
 1. one process (the baseline; its best of 1 and 2 torch threads),
-2. shardtrain on 3 local shard processes,
+2. shardtrain on 3 local shard processes: the PyTorch-shaped loop, and model.train_step
+   (--microbatches micro-batches pipelined under 1F1B, the loss on the last stage),
 3. torch.distributed.rpc + distributed autograd + DistributedOptimizer on 3 worker processes.
 The three take turns for --rounds rounds (this machine is shared and noisy); each figure is the
 median of every timed step of its rounds. Prints the medians and the ratios
@@ -73,13 +74,21 @@ def shardtrain(model, batch: int, steps: int, warmup: int) -> list[float]:
     return timed_steps(step, steps, warmup)
 
 
+def shardtrain_pipelined(model, batch: int, steps: int, warmup: int, microbatches: int) -> list[float]:
+    """Step times of model.train_step: micro-batches pipelined over the stages, loss on the last stage."""
+    x, y = _make_data(batch, 0)
+    return timed_steps(lambda: model.train_step(x, y, "MSELoss", microbatches=microbatches), steps, warmup)
+
+
 def measure(cluster: Cluster, batch: int, args) -> dict[str, float]:
     """Median step time of each way, the ways taking turns for args.rounds rounds."""
     torch.manual_seed(0)
     model = cluster.deploy(TEST_RESIDUAL_SMALL, optimizer=(torch.optim.Adam, {"lr": LR}))
-    times: dict[str, list[float]] = {"shardtrain": [], "1 thread": [], "2 threads": [], "torch.rpc": []}
+    times: dict[str, list[float]] = {"shardtrain": [], "train_step": [], "1 thread": [], "2 threads": [],
+                                     "torch.rpc": []}
     for _ in range(args.rounds):
         times["shardtrain"] += shardtrain(model, batch, args.steps, args.warmup)
+        times["train_step"] += shardtrain_pipelined(model, batch, args.steps, args.warmup, args.microbatches)
         times["1 thread"] += single_process(batch, args.steps, args.warmup, 1)
         times["2 threads"] += single_process(batch, args.steps, args.warmup, 2)
         # Same intra-op threads as the shards get (torch's default: one per core), same OpenMP policy.
@@ -94,16 +103,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=4, help="for the model.train_step row")
     args = parser.parse_args()
     with Cluster.local(num_shards=3) as cluster:
         results = [(batch, measure(cluster, batch, args)) for batch in args.batches]
-    print(f"{'batch':>5} {'1 process':>10} {'(1 thr / 2 thr)':>16} {'shardtrain':>11} {'torch.rpc':>10} "
-          f"{'st/1proc':>9} {'st/rpc':>7}")
+    print(f"{'batch':>5} {'1 process':>10} {'(1 thr / 2 thr)':>16} {'shardtrain':>11} {'train_step':>11} "
+          f"{'torch.rpc':>10} {'st/1proc':>9} {'st/rpc':>7} {'ts/1proc':>9} {'ts/rpc':>7}")
     for batch, m in results:
         single = min(m["1 thread"], m["2 threads"])
         print(f"{batch:5d} {single * 1e3:8.2f}ms {m['1 thread'] * 1e3:7.2f}/{m['2 threads'] * 1e3:.2f}ms "
-              f"{m['shardtrain'] * 1e3:9.2f}ms {m['torch.rpc'] * 1e3:8.2f}ms "
-              f"{m['shardtrain'] / single:8.2f}x {m['shardtrain'] / m['torch.rpc']:6.2f}x")
+              f"{m['shardtrain'] * 1e3:9.2f}ms {m['train_step'] * 1e3:9.2f}ms {m['torch.rpc'] * 1e3:8.2f}ms "
+              f"{m['shardtrain'] / single:8.2f}x {m['shardtrain'] / m['torch.rpc']:6.2f}x "
+              f"{m['train_step'] / single:8.2f}x {m['train_step'] / m['torch.rpc']:6.2f}x")
+    print(f"shardtrain: the PyTorch-shaped loop (model(x), loss.backward(), model.step()); train_step: "
+          f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
 
 
 if __name__ == "__main__":

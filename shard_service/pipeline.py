@@ -36,7 +36,7 @@ class PipelineRun:
     def __init__(self, shard, stage: Stage, header: shard_pb2.TrainStepHeader, tensors: dict[str, torch.Tensor],
                  loss=None):
         self.shard, self.stage, self.header = shard, stage, header
-        self.plan = shard.plan
+        self.plan = shard.links.plan
         self.first = self.plan.stage == 0
         self.last = self.plan.stage == self.plan.num_stages - 1
         self.microbatches = len(header.microbatch_sizes)
@@ -123,7 +123,7 @@ class PipelineRun:
         (grad_input, incoming_grads), seconds = await self._timed(self.stage.backward, key, grad, residual_grads)
         self.figures.backward_seconds += seconds
         for name, residual_grad in incoming_grads.items():
-            self._sends.append(asyncio.ensure_future(self.shard.send_residual_grad(self._key(k), name, residual_grad)))
+            self._sends.append(asyncio.ensure_future(self.shard.links.send_residual_grad(self._key(k), name, residual_grad)))
         if not self.first:
             if grad_input is None:
                 raise InvalidArgument(f"stage {self.plan.stage}: micro-batch {k} produced no input gradient")
@@ -138,7 +138,7 @@ class _Outgoing:
 
     def __init__(self, shard, kind: str, key: shard_pb2.StepKey):
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._call = asyncio.ensure_future(shard.send_scheduled(key, kind, self._tensors()))
+        self._call = asyncio.ensure_future(shard.links.send_scheduled(key, kind, self._tensors()))
 
     async def _tensors(self):
         while (item := await self._queue.get()) is not None:

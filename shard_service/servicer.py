@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from shard_service.links import Links
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.pipeline import PipelineRun
@@ -17,13 +18,12 @@ from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
 from shardtrain import losses, shm, wire
-from shardtrain.codec import Frame
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
-from shardtrain.rpc import SHARD_SERVICE, OpenedCall, OpenedCalls, Peer, boundary, fetch_tensor
+from shardtrain.rpc import OpenedCalls, boundary
 from shardtrain.settings import ShardSettings
-from shardtrain.v1 import shard_pb2, tensor_pb2
+from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard")
 INLINE_SECONDS = 1e-3
@@ -43,8 +43,7 @@ class ShardServicer:
         self.address = address
         self._deployment_id = ""
         self._stage: Stage | None = None
-        self._peers: dict[str, Peer] = {}
-        self._plan = shard_pb2.StagePlan()
+        self.links = Links(settings)
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._inbox = Mailbox()         # a TrainStep's activations and gradients, waiting for their turn
@@ -53,8 +52,6 @@ class ShardServicer:
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
         self._backward_links = OpenedCalls(settings.max_in_flight)  # Backward calls opened at forward time
         self._order = StepOrder()
-        self._encodings = tensor_pb2.WireEncodings()  # exact until a deployment asks otherwise
-        self._segments = shm.SegmentPool() if settings.shared_memory and shm.available() else None
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
         # One stage, one thread, in order. OpenMP thread counts are per thread, so the setting is
@@ -87,24 +84,6 @@ class ShardServicer:
             self._durations[name] = time.perf_counter() - start
             return result
 
-    def _peer(self, address: str) -> Peer:
-        if address not in self._peers:
-            self._peers[address] = Peer(f"shard at {address}", address, SHARD_SERVICE,
-                                        self.settings.security, self.settings.timeouts.rpc)
-        return self._peers[address]
-
-    def _options(self, peer_same_host: bool, kind: str) -> wire.SendOptions:
-        """How to send a tensor of `kind` ("activations", "gradients", "residuals") to a peer."""
-        segments = self._segments if peer_same_host else None
-        return wire.SendOptions(self.settings.chunk_bytes, getattr(self._encodings, kind), segments)
-
-    async def _probe_neighbours(self, plan: shard_pb2.StagePlan) -> None:
-        """Learns which peers this stage sends to share its host, so those sends go through shared memory."""
-        if self._segments is None:
-            return
-        addresses = {plan.previous_address, plan.next_address, *(r.producer_address for r in plan.incoming_residuals)}
-        await asyncio.gather(*(self._peer(address).probe() for address in addresses if address))
-
     def _stage_for(self, deployment_id: str) -> Stage:
         if self._stage is None:
             raise FailedPrecondition("no stage is loaded here; deploy a model first")
@@ -125,9 +104,8 @@ class ShardServicer:
         optimizer = (request.optimizer.name, request.optimizer.kwargs_json)
         stage = await self._run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
                                 self.settings.max_in_flight)
-        await self._probe_neighbours(plan)
-        self._stage, self._plan, self._deployment_id = stage, plan, request.deployment_id
-        self._encodings = request.encodings
+        await self.links.adopt(plan, request.encodings)
+        self._stage, self._deployment_id = stage, request.deployment_id
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
         self._inbox.discard_where(lambda key: True)
@@ -166,8 +144,7 @@ class ShardServicer:
         key = (header.key.step, header.key.microbatch)
         # The header goes on at once, so later stages fetch their residuals and apply a deferred optimizer
         # step while this one computes.
-        downstream = OpenedCall(self._peer(self._plan.next_address), "Forward", shard_pb2.ForwardRequest, header,
-                                self.settings.timeouts.rpc) if self._plan.next_address else None
+        downstream = self.links.open_forward(header) if self._plan.next_address else None
         stepping = asyncio.ensure_future(self._apply_step(stage, header.step_first)) \
             if header.HasField("step_first") else None
         try:
@@ -182,12 +159,12 @@ class ShardServicer:
             for name, tensor in outgoing.items():
                 self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
             if header.requires_grad and self._plan.previous_address:
-                self._backward_links.add(key, self._open_backward(self._plan.previous_address, header.key))
+                self._backward_links.add(key, self.links.open_backward(header.key))
             if downstream is None:
                 self._outbox.put((*key, OUTPUT), [result, 1])
             else:
-                same_host = self._peer(self._plan.next_address).same_host
-                await downstream.send({"activation": result}, self._options(same_host, "activations"))
+                same_host = self.links.peer(self._plan.next_address).same_host
+                await downstream.send({"activation": result}, self.links.options(same_host, "activations"))
         finally:
             if downstream is not None:
                 downstream.abandon()  # a no-op once sent; otherwise later stages stop waiting
@@ -210,18 +187,9 @@ class ShardServicer:
             for task in fetches.values():
                 task.cancel()
 
-    def _open_backward(self, address: str, key) -> OpenedCall:
-        """Opens the Backward call to `address` at forward time; the gradient follows when backward runs."""
-        return OpenedCall(self._peer(address), "Backward", shard_pb2.BackwardRequest,
-                          shard_pb2.BackwardHeader(key=key), self.settings.timeouts.backward_link)
-
-    def _producer(self, name: str) -> shard_pb2.ResidualSource:
-        return next(r for r in self._plan.incoming_residuals if r.name == name)
-
     async def _fetch_residual(self, stage: Stage, key, name: str):
-        producer = self._producer(name)
-        tensor = await fetch_tensor(self._peer(producer.producer_address), key, name)
-        stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {producer.producer_stage}")
+        tensor = await self.links.fetch_residual(key, name)
+        stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {self.links.producer(name).producer_stage}")
         return tensor
 
     @boundary
@@ -231,7 +199,7 @@ class ShardServicer:
         what = f"tensor {request.name!r} of step {request.key.step} micro-batch {request.key.microbatch}"
         entry = await self._outbox.get(key, self.settings.timeouts.peer_wait, what)
         kind = _FETCHED_KINDS.get(request.name, "residuals")
-        options = self._options(request.shared_memory, kind)
+        options = self.links.options(request.shared_memory, kind)
         for frame in wire.tensor_frames(entry[0], request.name, options, start=request.offset):
             yield frame
         # Kept until a fetch got all of it, so a broken stream can resume; _forget drops the rest.
@@ -267,25 +235,15 @@ class ShardServicer:
             what = f"gradient of residual {name!r} for step {key[0]}"
             residual_grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
         grad_input, incoming_grads = await self._run(stage.backward, key, grad_output, residual_grads)
-        calls = [self._send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
+        calls = [self.links.send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
         if not self._plan.previous_address and grad_input is not None:
             self._outbox.put((*key, INPUT_GRADIENT), [grad_input, 1])
         if self._plan.previous_address:
-            link = self._backward_links.pop(key) or self._open_backward(self._plan.previous_address, header.key)
-            same_host = self._peer(self._plan.previous_address).same_host
+            link = self._backward_links.pop(key) or self.links.open_backward(header.key)
+            same_host = self.links.peer(self._plan.previous_address).same_host
             calls.append(link.send({"gradient": grad_input} if grad_input is not None else {},
-                                   self._options(same_host, "gradients")))
+                                   self.links.options(same_host, "gradients")))
         await asyncio.gather(*calls)
-
-    async def _send_residual_grad(self, key, name: str, grad) -> None:
-        producer = self._producer(name)
-        header = shard_pb2.AccumulateGradientHeader(key=key, name=name, consumer_stage=self._plan.stage,
-                                                    has_gradient=grad is not None)
-        tensors = {name: grad} if grad is not None else {}
-        peer = self._peer(producer.producer_address)
-        stream = wire.framed(shard_pb2.AccumulateGradientRequest, header, tensors,
-                             self._options(peer.same_host, "residuals"))
-        await peer.call("AccumulateGradient", stream)
 
     @boundary
     async def AccumulateGradient(self, request_iterator, context):
@@ -379,9 +337,8 @@ class ShardServicer:
         return self._losses[cache_key]
 
     @property
-    def plan(self) -> shard_pb2.StagePlan:
-        """Where this shard's stage sits in the pipeline."""
-        return self._plan
+    def _plan(self) -> shard_pb2.StagePlan:
+        return self.links.plan
 
     async def run(self, function, *args):
         """Stage work, one piece at a time (for PipelineRun)."""
@@ -401,26 +358,6 @@ class ShardServicer:
         what = f"{kind} of step {key.step} micro-batch {key.microbatch}"
         return await self._inbox.get((key.step, key.microbatch, kind), self.settings.timeouts.peer_wait, what)
 
-    async def send_scheduled(self, key: shard_pb2.StepKey, kind: str, tensors) -> None:
-        """One call for a whole step: each micro-batch's activation (to the next stage) or input gradient
-        (to the previous one) goes on it as `tensors`, an async iterator of (microbatch, tensor), yields it."""
-        if kind == "activation":
-            address, method, message = self._plan.next_address, "Forward", shard_pb2.ForwardRequest
-            header = shard_pb2.ForwardHeader(key=key, scheduled=True)
-        else:
-            address, method, message = self._plan.previous_address, "Backward", shard_pb2.BackwardRequest
-            header = shard_pb2.BackwardHeader(key=key, scheduled=True)
-        peer = self._peer(address)
-        options = self._options(peer.same_host, "activations" if kind == "activation" else "gradients")
-
-        async def requests():
-            yield Frame(message(header=header))
-            async for microbatch, tensor in tensors:
-                for frame in wire.tensor_frames(tensor, f"{kind}/{microbatch}", options,
-                                                lambda chunk: message(tensor=chunk)):
-                    yield frame
-        await peer.call(method, requests())
-
     async def fetch_residuals(self, stage: Stage, key: shard_pb2.StepKey) -> dict:
         """Every residual this stage consumes for a micro-batch, fetched from their producers at once."""
         names = list(stage.residuals.incoming)
@@ -439,10 +376,6 @@ class ShardServicer:
             what = f"gradient of residual {name!r} for step {key[0]} micro-batch {key[1]}"
             grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
         return grads
-
-    async def send_residual_grad(self, key, name: str, grad) -> None:
-        """Pushes a consumed residual's gradient to its producer."""
-        await self._send_residual_grad(key, name, grad)
 
     def averager_arm(self, last_microbatch: bool) -> None:
         """Before a backward: on the last micro-batch, gradients are final and all-reduce as they appear."""
@@ -464,10 +397,7 @@ class ShardServicer:
 
     async def close(self) -> None:
         """Closes peer channels, the compute thread and this shard's shared segments."""
-        for peer in self._peers.values():
-            await peer.close()
+        await self.links.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
-        if self._segments is not None:
-            self._segments.close()
         if self._averager is not None:
             self._averager.close()

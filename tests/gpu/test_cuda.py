@@ -24,3 +24,25 @@ def test_sequential_on_cuda_shards_matches_one_process():
         trained = model.state_dict()
     assert all(tensor.device.type == "cpu" for tensor in trained.values())
     assert largest_difference(trained, train_locally(net, batches, adam)) <= 1e-4
+
+
+def test_cuda_tensors_are_staged_through_pinned_memory_chunk_by_chunk():
+    from shardtrain import wire
+    original = torch.randn(3 << 20, device="cuda")  # 12 MiB: 12 chunks of 1 MiB
+    frames = list(wire.tensor_frames(original, "t"))
+    assert len(frames) == 12
+    received = next(wire.read_tensors(frames))[1]
+    assert received.device.type == "cpu" and torch.equal(received, original.cpu())
+
+
+def test_pipelined_train_step_on_cuda_shards_matches_one_process():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    batches = regression_batches(steps=10, batch=32, features=8)
+    sgd = (torch.optim.SGD, {"lr": 0.05})
+    with Cluster.local(num_shards=2, device="cuda") as cluster:
+        model = cluster.deploy(net, optimizer=sgd)
+        for x, y in batches:
+            model.train_step(x, y, "MSELoss", microbatches=4)
+        trained = model.state_dict()
+    assert largest_difference(trained, train_locally(net, batches, sgd)) <= 1e-4

@@ -1,0 +1,104 @@
+"""A shard's connections to other shards: who its peers are, how tensors reach each, and the sends themselves.
+
+The servicer answers calls; Links makes them: residual fetches, residual-gradient pushes, the
+Backward calls opened at forward time, and a TrainStep's streams to the neighbouring stages. It
+decides per peer whether tensors go through shared memory (a peer that proved it shares this host)
+and in which wire encoding (the deployment's choice per tensor kind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shardtrain import shm, wire
+from shardtrain.codec import Frame
+from shardtrain.rpc import SHARD_SERVICE, OpenedCall, Peer, fetch_tensor
+from shardtrain.settings import ShardSettings
+from shardtrain.v1 import shard_pb2, tensor_pb2
+
+
+class Links:
+    """Peers by address for one shard, with the current stage's plan and wire encodings."""
+
+    def __init__(self, settings: ShardSettings):
+        self.settings = settings
+        self.plan = shard_pb2.StagePlan()
+        self.encodings = tensor_pb2.WireEncodings()  # exact until a deployment asks otherwise
+        self.segments = shm.SegmentPool() if settings.shared_memory and shm.available() else None
+        self._peers: dict[str, Peer] = {}
+
+    def peer(self, address: str) -> Peer:
+        """The Peer at `address`, opened on first use."""
+        if address not in self._peers:
+            self._peers[address] = Peer(f"shard at {address}", address, SHARD_SERVICE,
+                                        self.settings.security, self.settings.timeouts.rpc)
+        return self._peers[address]
+
+    def options(self, same_host: bool, kind: str) -> wire.SendOptions:
+        """How to send a tensor of `kind` ("activations", "gradients", "residuals") to a peer."""
+        segments = self.segments if same_host else None
+        return wire.SendOptions(self.settings.chunk_bytes, getattr(self.encodings, kind), segments)
+
+    async def adopt(self, plan: shard_pb2.StagePlan, encodings: tensor_pb2.WireEncodings) -> None:
+        """Takes a new stage's plan; learns which of the peers it sends to share this host."""
+        if self.segments is not None:
+            addresses = {plan.previous_address, plan.next_address,
+                         *(r.producer_address for r in plan.incoming_residuals)}
+            await asyncio.gather(*(self.peer(address).probe() for address in addresses if address))
+        self.plan, self.encodings = plan, encodings
+
+    def producer(self, name: str) -> shard_pb2.ResidualSource:
+        """Where residual `name` comes from."""
+        return next(r for r in self.plan.incoming_residuals if r.name == name)
+
+    async def fetch_residual(self, key: shard_pb2.StepKey, name: str):
+        """A residual of one micro-batch, from the stage that produced it."""
+        return await fetch_tensor(self.peer(self.producer(name).producer_address), key, name)
+
+    async def send_residual_grad(self, key: shard_pb2.StepKey, name: str, grad) -> None:
+        """Pushes a consumed residual's gradient (or the news that it has none) to its producer."""
+        header = shard_pb2.AccumulateGradientHeader(key=key, name=name, consumer_stage=self.plan.stage,
+                                                    has_gradient=grad is not None)
+        peer = self.peer(self.producer(name).producer_address)
+        tensors = {name: grad} if grad is not None else {}
+        stream = wire.framed(shard_pb2.AccumulateGradientRequest, header, tensors,
+                             self.options(peer.same_host, "residuals"))
+        await peer.call("AccumulateGradient", stream)
+
+    def open_backward(self, key: shard_pb2.StepKey) -> OpenedCall:
+        """Opens the Backward call to the previous stage at forward time; the gradient follows later."""
+        return OpenedCall(self.peer(self.plan.previous_address), "Backward", shard_pb2.BackwardRequest,
+                          shard_pb2.BackwardHeader(key=key), self.settings.timeouts.backward_link)
+
+    def open_forward(self, header: shard_pb2.ForwardHeader) -> OpenedCall:
+        """Opens the Forward call to the next stage, its header going on at once."""
+        return OpenedCall(self.peer(self.plan.next_address), "Forward", shard_pb2.ForwardRequest, header,
+                          self.settings.timeouts.rpc)
+
+    async def send_scheduled(self, key: shard_pb2.StepKey, kind: str, tensors) -> None:
+        """One call for a whole TrainStep: each micro-batch's activation (to the next stage) or input
+        gradient (to the previous one) goes on it as `tensors`, an async iterator of (microbatch, tensor),
+        yields it."""
+        if kind == "activation":
+            address, method, message = self.plan.next_address, "Forward", shard_pb2.ForwardRequest
+            header = shard_pb2.ForwardHeader(key=key, scheduled=True)
+        else:
+            address, method, message = self.plan.previous_address, "Backward", shard_pb2.BackwardRequest
+            header = shard_pb2.BackwardHeader(key=key, scheduled=True)
+        peer = self.peer(address)
+        options = self.options(peer.same_host, "activations" if kind == "activation" else "gradients")
+
+        async def requests():
+            yield Frame(message(header=header))
+            async for microbatch, tensor in tensors:
+                for frame in wire.tensor_frames(tensor, f"{kind}/{microbatch}", options,
+                                                lambda chunk: message(tensor=chunk)):
+                    yield frame
+        await peer.call(method, requests())
+
+    async def close(self) -> None:
+        """Closes every channel and unlinks this shard's shared segments."""
+        for peer in self._peers.values():
+            await peer.close()
+        if self.segments is not None:
+            self.segments.close()

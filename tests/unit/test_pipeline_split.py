@@ -1,0 +1,32 @@
+"""client_sdk.pipeline.split_batch: a batch over replicas, then micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client_sdk.pipeline import split_batch
+from shardtrain.errors import InvalidArgument
+
+
+def test_rows_go_to_replicas_then_micro_batches_in_order():
+    x, y = torch.arange(10).reshape(10, 1), torch.arange(10)
+    shares = split_batch(x, y, replicas=2, microbatches=2)
+    assert [[len(mx) for mx, _ in share] for share in shares] == [[3, 2], [3, 2]]
+    assert torch.equal(torch.cat([mx for share in shares for mx, _ in share]), x)
+    assert all(torch.equal(mx.reshape(-1), my) for share in shares for mx, my in share)
+
+
+def test_too_few_rows_is_invalid():
+    with pytest.raises(InvalidArgument, match="3 rows cannot feed 2 replica"):
+        split_batch(torch.zeros(3, 1), torch.zeros(3), replicas=2, microbatches=2)
+
+
+def test_inputs_and_targets_must_share_the_batch():
+    with pytest.raises(InvalidArgument, match="same batch dimension"):
+        split_batch(torch.zeros(4, 1), torch.zeros(5), replicas=1, microbatches=1)
+
+
+def test_microbatches_must_be_positive():
+    with pytest.raises(InvalidArgument, match="at least 1"):
+        split_batch(torch.zeros(4, 1), torch.zeros(4), replicas=1, microbatches=0)
