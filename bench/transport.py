@@ -1,6 +1,7 @@
 """Issue-3 benchmark: moving one tensor between two processes, shardtrain's ways against torch.distributed's.
 
-    python -m bench.transport [--sizes 4K 1M 64M 256M] [--rounds 1] [--chunk-sweep] [--compression]
+    python -m bench.transport [--sizes 4K 1M 64M 256M] [--compression] [--chunk-sweep 256K 4M]
+                              [--repeats N] [--tuned-baselines] [--device cuda]
 
 One transfer moves a float32 tensor from a sender process to a receiver process, which builds a
 fresh tensor from it and acknowledges; latency is the sender's wall time from the start of the
@@ -91,11 +92,14 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-async def _serve() -> None:
+async def _serve(device: str) -> None:
     peak = _Peak()
 
     async def put(frames, context):
         received = await wire.collect(frames, count=1)  # as a shard's Forward reads its activation
+        if device != "cpu":  # a CUDA shard moves what it received onto its device before using it
+            received = {name: tensor.to(device, non_blocking=True) for name, tensor in received.items()}
+            torch.cuda.synchronize()
         arrived = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of this host
         del received  # the destination lives until the ack, like an activation until the stage ran
         return struct.pack("<q", arrived)
@@ -138,7 +142,8 @@ class Way:
 class Sender:
     """The sending side, talking to one receiver process."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, device: str = "cpu"):
+        self.device = device
         self.channel = rpc.open_channel(address, Security())
         self.segments = shm.SegmentPool()
         self._control = self.channel.unary_unary(f"/{SERVICE}/Control")
@@ -163,7 +168,7 @@ class Sender:
 
     async def measure(self, way: Way, nbytes: int, repeats: int) -> TransferResult:
         """Median latency of `repeats` transfers of a float32 tensor of `nbytes`, and the receiver's extra RSS."""
-        tensor = torch.randn(max(nbytes // 4, 1))
+        tensor = torch.randn(max(nbytes // 4, 1), device=self.device)  # on CUDA: staged through pinned memory
         for _ in range(2):
             await self.transfer(way, tensor)
         await self._control(json.dumps({"op": "reset"}).encode())
@@ -178,8 +183,9 @@ class Sender:
         self.segments.close()
 
 
-def _start_receiver() -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", "bench.transport", "--serve"], stdout=subprocess.PIPE,
+def _start_receiver(device: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "bench.transport", "--serve", "--device", device],
+                               stdout=subprocess.PIPE,
                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = process.stdout.readline()
     if not line:
@@ -202,11 +208,12 @@ def shardtrain_ways(compression: bool, chunk_sweep: list[int]) -> list[Way]:
     return ways
 
 
-async def run_shardtrain(sizes: list[int], ways: list[Way], address: str) -> list[TransferResult]:
+async def run_shardtrain(sizes: list[int], ways: list[Way], address: str, device: str,
+                         repeats: int) -> list[TransferResult]:
     """Every shardtrain way at every size."""
-    sender = Sender(address)
+    sender = Sender(address, device)
     try:
-        return [await sender.measure(way, size, default_repeats(size)) for size in sizes for way in ways]
+        return [await sender.measure(way, size, repeats or default_repeats(size)) for size in sizes for way in ways]
     finally:
         await sender.close()
 
@@ -247,27 +254,31 @@ def main() -> None:
     parser.add_argument("--compression", action="store_true", help="also fp16, bf16 and int8 wire encodings")
     parser.add_argument("--chunk-sweep", nargs="*", default=[], help="chunk sizes to try, e.g. 64K 256K 1M 3M")
     parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument("--repeats", type=int, default=0, help="timed transfers per size (default: by size)")
+    parser.add_argument("--device", default="cpu", help="cuda: the sender's tensors live on the GPU and the "
+                        "receiver moves them there (the CUDA variant; baselines stay on the CPU)")
     parser.add_argument("--tuned-baselines", action="store_true",
                         help="give the torch.distributed processes the same malloc settings as shardtrain's")
     args = parser.parse_args()
     keep_freed_memory()  # as shard processes do (lifecycle.py)
     torch.set_num_threads(1)
     if args.serve:
-        asyncio.run(_serve())
+        asyncio.run(_serve(args.device))
         return
     if args.tuned_baselines:  # read by glibc when the baseline processes start
         os.environ.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
     sizes = [parse_size(size) for size in args.sizes]
     ways = shardtrain_ways(args.compression, [parse_size(size) for size in args.chunk_sweep])
-    receiver, address = _start_receiver()
+    receiver, address = _start_receiver(args.device)
     try:
-        results = asyncio.run(run_shardtrain(sizes, ways, address))
+        results = asyncio.run(run_shardtrain(sizes, ways, address, args.device, args.repeats))
     finally:
         receiver.kill()
         receiver.wait()
     if not args.skip_baselines:
         for size in sizes:
-            results += run_torch_rpc([size], default_repeats(size)) + run_gloo([size], default_repeats(size))
+            repeats = args.repeats or default_repeats(size)
+            results += run_torch_rpc([size], repeats) + run_gloo([size], repeats)
     print_table(sorted(results, key=lambda r: r.nbytes))
 
 
