@@ -137,34 +137,45 @@ class Way:
     encoding: int = tensor_pb2.ENCODING_NONE
     preopened: bool = True
     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+    channels: int = 1  # >1: the tensor is cut into that many parts, each on its own channel at once
+
+
+async def _requests(tensor: torch.Tensor, options: wire.SendOptions, start: asyncio.Future):
+    await start
+    for frame in wire.tensor_frames(tensor, "t", options):
+        yield frame
 
 
 class Sender:
     """The sending side, talking to one receiver process."""
 
     def __init__(self, address: str, device: str = "cpu"):
-        self.device = device
+        self.device, self.address = device, address
         self.channel = rpc.open_channel(address, Security())
+        self.channels = [self.channel]
         self.segments = shm.SegmentPool()
         self._control = self.channel.unary_unary(f"/{SERVICE}/Control")
 
     async def transfer(self, way: Way, tensor: torch.Tensor) -> tuple[float, float]:
         """Seconds from starting to send `tensor` until it was complete at the receiver, and until acknowledged."""
-        call = self.channel.stream_unary(f"/{SERVICE}/{way.method}", request_serializer=way.serialize)
         options = wire.SendOptions(way.chunk_bytes, way.encoding, self.segments if way.shared else None)
         later = asyncio.get_running_loop().create_future()
-
-        async def requests():
-            await later
-            for frame in wire.tensor_frames(tensor, "t", options):
-                yield frame
-        pending = call(requests())
+        parts = torch.tensor_split(tensor, way.channels)
+        pending = [self._channel(index).stream_unary(f"/{SERVICE}/{way.method}", request_serializer=way.serialize)(
+            _requests(part, options, later)) for index, part in enumerate(parts)]
         if way.preopened:
             await asyncio.sleep(0.002)  # let the call be set up, as a shard's downstream call is
         start = time.monotonic_ns()
         later.set_result(None)
-        arrived = struct.unpack("<q", await pending)[0]
+        arrived = max(struct.unpack("<q", answer)[0] for answer in await asyncio.gather(*pending))
         return (arrived - start) / 1e9, (time.monotonic_ns() - start) / 1e9
+
+    def _channel(self, index: int) -> grpc.aio.Channel:
+        """Channel `index`: each its own TCP connection (a distinct option keeps grpc from sharing one)."""
+        while len(self.channels) <= index:
+            options = [*rpc.CHANNEL_OPTIONS, ("shardtrain.bench.channel", len(self.channels))]
+            self.channels.append(grpc.aio.insecure_channel(self.address, options=options))
+        return self.channels[index]
 
     async def measure(self, way: Way, nbytes: int, repeats: int) -> TransferResult:
         """Median latency of `repeats` transfers of a float32 tensor of `nbytes`, and the receiver's extra RSS."""
@@ -179,7 +190,8 @@ class Sender:
                               statistics.median(hop for hop, _ in times))
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
         self.segments.close()
 
 
@@ -200,6 +212,7 @@ def shardtrain_ways(compression: bool, chunk_sweep: list[int]) -> list[Way]:
             Way("shardtrain gRPC, new call", "Put", CHUNK_CODEC.serialize, preopened=False),
             Way("shardtrain gRPC, plain protobuf", "PutPlain", _plain_serialize),
             Way("shardtrain same-host", "Put", CHUNK_CODEC.serialize, shared=True)]
+    ways += [Way("shardtrain gRPC, 2 channels", "Put", CHUNK_CODEC.serialize, channels=2)]
     if compression:
         ways += [Way(f"shardtrain gRPC, {name}", "Put", CHUNK_CODEC.serialize, encoding=wire.encoding_code(name))
                  for name in ("fp16", "bf16", "int8")]
