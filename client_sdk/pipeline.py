@@ -51,14 +51,14 @@ class PipelineTrainer:
         """One training step; returns the batch's loss (the mean loss for averaging losses)."""
         plan = await self._plan(microbatches, schedule)
         shares = split_batch(x.detach(), y.detach(), len(self.replicas), microbatches)
-        calls = [self._replica_step(clients, step, share, x.shape[0], plan, loss)
-                 for clients, share in zip(self.replicas, shares)]
-        responses = [r for replica in await asyncio.gather(*calls) for r in replica]
+        calls = [call for clients, share in zip(self.replicas, shares)
+                 for call in self._replica_calls(clients, step, share, x.shape[0], plan, loss)]
+        responses = await _all_or_nothing(calls)
         self.stats = [_stats_dict(response.stats) for response in responses]
         return sum(response.loss for response in responses)
 
-    async def _replica_step(self, clients: StageClients, step: int, share: list[tuple], batch_size: int,
-                            plan: list, loss: shard_pb2.LossSpec) -> list:
+    def _replica_calls(self, clients: StageClients, step: int, share: list[tuple], batch_size: int,
+                       plan: list, loss: shard_pb2.LossSpec) -> list:
         last = len(clients.stages) - 1
         calls = []
         for stage, actions in enumerate(plan):
@@ -68,7 +68,22 @@ class PipelineTrainer:
             tensors = {f"input/{k}": mx for k, (mx, _) in enumerate(share)} if stage == 0 else {}
             tensors.update({f"target/{k}": my for k, (_, my) in enumerate(share)} if stage == last else {})
             calls.append(clients.train_step(stage, header, tensors))
-        return await asyncio.gather(*calls)
+        return calls
+
+
+async def _all_or_nothing(calls: list) -> list:
+    """Every call's result; on the first failure the others are cancelled (their shards stop waiting for
+    tensors that will never come and drop the step) and that failure is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+        if failed is not None:
+            raise failed.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _stats_dict(stats: shard_pb2.StageStats) -> dict:

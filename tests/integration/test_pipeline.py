@@ -170,3 +170,16 @@ def test_a_dead_replica_fails_the_step_instead_of_hanging(own_cluster):
     with pytest.raises((errors.Unavailable, errors.DeadlineExceeded), match="unavailable|replica"):
         model.train_step(x, y, "MSELoss")
     assert time.monotonic() - started < 60
+
+
+def test_a_failing_stage_cancels_the_step_on_every_shard(cluster4):
+    model = cluster4.deploy(classifier(), optimizer=ADAM, num_stages=3)
+    x, y = regression_batches(steps=1, batch=8, features=6, outputs=5)[0]
+    started = time.monotonic()
+    with pytest.raises(errors.InvalidArgument, match="the loss failed"):
+        model.train_step(x, y[:, :2], "MSELoss", microbatches=2)
+    # The other shards were told to stop (the cancellation reaches them asynchronously): none keeps the step.
+    while any(report.in_flight_steps for report in model.describe()):
+        assert time.monotonic() - started < 30, "a shard still holds the failed step"
+        time.sleep(0.05)
+    assert model.train_step(x, y, "MSELoss", microbatches=2) > 0
