@@ -117,13 +117,15 @@ class PipelineRun:
 
     async def _backward(self, k: int) -> None:
         key = (self.header.key.step, k)
-        grad = torch.ones(()) if self.last else await self.shard.scheduled_input(self._key(k), "gradient")
+        # The last stage starts from its loss (Stage.backward seeds it with ones); the others from their inbox.
+        grad = None if self.last else await self.shard.scheduled_input(self._key(k), "gradient")
         residual_grads = await self.shard.residual_gradients(self.stage, key)
         self.shard.averager_arm(k == self._last_backward())
         (grad_input, incoming_grads), seconds = await self._timed(self.stage.backward, key, grad, residual_grads)
         self.figures.backward_seconds += seconds
         for name, residual_grad in incoming_grads.items():
-            self._sends.append(asyncio.ensure_future(self.shard.links.send_residual_grad(self._key(k), name, residual_grad)))
+            push = self.shard.links.send_residual_grad(self._key(k), name, residual_grad)
+            self._sends.append(asyncio.ensure_future(push))
         if not self.first:
             if grad_input is None:
                 raise InvalidArgument(f"stage {self.plan.stage}: micro-batch {k} produced no input gradient")

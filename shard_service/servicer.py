@@ -189,7 +189,8 @@ class ShardServicer:
 
     async def _fetch_residual(self, stage: Stage, key, name: str):
         tensor = await self.links.fetch_residual(key, name)
-        stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {self.links.producer(name).producer_stage}")
+        producer = self.links.producer(name).producer_stage
+        stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {producer}")
         return tensor
 
     @boundary

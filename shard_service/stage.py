@@ -39,6 +39,7 @@ class InFlight:
     output: torch.Tensor
     outgoing: dict[str, torch.Tensor] = field(default_factory=dict)
     saved_bytes: int = 0  # what autograd saved for backward: the step's activation memory
+    is_loss: bool = False  # output is a scalar loss (a TrainStep's last stage): backward starts from ones
 
 
 class Stage:
@@ -105,7 +106,7 @@ class Stage:
                                       f"{type(error).__name__}: {error}") from None
         if loss.dim() != 0:
             raise InvalidArgument(f"stage {self.index}: the loss must be a scalar, got shape {list(loss.shape)}")
-        state.output = loss
+        state.output, state.is_loss = loss, True
         return loss.item()
 
     def check_input(self, x: torch.Tensor) -> None:
@@ -164,6 +165,8 @@ class Stage:
                  residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
         """Backpropagates one step; returns the gradient of the input and of each fetched residual. Frees the step."""
         state = self._in_flight_state(key)
+        if grad_output is None and state.is_loss:
+            grad_output = torch.ones_like(state.output)
         if grad_output is not None:
             _check_like(grad_output, state.output, f"stage {self.index} output gradient")
         roots, grads = self._roots(state, grad_output, residual_grads)

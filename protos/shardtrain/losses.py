@@ -29,7 +29,8 @@ def encode(loss) -> tuple[str, str]:
         return _checked(loss), "{}"
     if isinstance(loss, type) and issubclass(loss, torch.nn.Module):
         return _checked(loss.__name__), "{}"
-    if isinstance(loss, torch.nn.Module) and type(loss).__name__ in ALLOWED and type(loss).__module__.startswith("torch."):
+    allowed_instance = type(loss).__name__ in ALLOWED and type(loss).__module__.startswith("torch.")
+    if isinstance(loss, torch.nn.Module) and allowed_instance:
         if getattr(loss, "weight", None) is not None or getattr(loss, "pos_weight", None) is not None:
             raise InvalidArgument(f"{type(loss).__name__} with class weights cannot be shipped by name; "
                                   "give a loss module of your own instead")

@@ -138,7 +138,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--shared-memory", choices=("on", "off"), default=_env(env, "SHARED_MEMORY", "on"),
                         help="same-host peers exchange tensors through /dev/shm (default on; off: always stream)")
     parser.add_argument("--simulate-compute-ms", type=float, default=_env(env, "SIMULATE_COMPUTE_MS", "0"),
-                        help="add this much time to each pipelined forward and backward (benchmarks: stands for GPU work)")
+                        help="add this much time to each pipelined forward and backward "
+                             "(benchmarks: it stands for GPU work)")
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
     if not args.coordinator:

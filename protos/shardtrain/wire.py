@@ -202,7 +202,8 @@ class TensorAssembler:
         self.wire_nbytes = compression.encoded_nbytes(self.encoding, self.dtype, numel)
         if header.wire_nbytes != self.wire_nbytes:
             raise InvalidArgument(f"tensor {self.name!r}: header says {header.wire_nbytes} wire bytes but "
-                                  f"{self.encoding} encoding of {list(self.shape)} {self.dtype} needs {self.wire_nbytes}")
+                                  f"{self.encoding} encoding of {list(self.shape)} {self.dtype} needs "
+                                  f"{self.wire_nbytes}")
         self._buffer: torch.Tensor | None = None
         self.filled = 0
 
