@@ -12,8 +12,7 @@ from torch import nn
 from client_sdk import LayerList
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL
 from shardtrain import errors
-from tests.integration.test_training import SkipAdd
-from tests.integration.training import largest_difference, regression_batches
+from tests.integration.training import SKIP_A_STAGE, largest_difference, regression_batches
 
 ADAM = (torch.optim.Adam, {"lr": 3e-3})
 # Summing micro-batch gradients rounds differently from one full-batch backward (~1e-7 relative), and
@@ -56,15 +55,7 @@ def test_pipelined_seed_model_equals_full_batch_training(cluster4, schedule, mic
 
 def test_residual_skipping_a_stage_under_1f1b(cluster4):
     torch.manual_seed(1)
-    spec = [
-        (nn.Linear, {"in_features": 3, "out_features": 8, "out_variables": ["skip"]}, (4, 3)),
-        (nn.Tanh, {}, (4, 8)),
-        (nn.Linear, {"in_features": 8, "out_features": 8}, (4, 8)),
-        (nn.Tanh, {}, (4, 8)),
-        (SkipAdd, {"features": 8, "dependencies": ["skip"]}, [(4, 8), (4, 8)]),
-        (nn.Linear, {"in_features": 8, "out_features": 1}, (4, 8)),
-    ]
-    reference = LayerList(spec)
+    reference = LayerList(SKIP_A_STAGE)
     batches = regression_batches(steps=10, batch=16, features=3)
     model = cluster4.deploy(reference, optimizer=(torch.optim.SGD, {"lr": 0.1}), split_points=[2, 4])
     train_pipelined(model, batches, microbatches=4, schedule="1f1b")

@@ -13,7 +13,8 @@ from torch import nn
 
 from client_sdk import LayerList
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL
-from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+from tests.integration.training import (SKIP_A_STAGE, largest_difference, regression_batches, train_locally,
+                                        train_remotely)
 
 ADAM = (torch.optim.Adam, {"lr": 3e-3})
 
@@ -44,28 +45,9 @@ def test_sequential_matches_one_process(cluster4, stages):
     assert largest_difference(trained, train_locally(net, batches, ADAM)) <= 1e-5
 
 
-class SkipAdd(nn.Module):
-    """A Linear that adds a saved residual to its output (unlike the seed's layer, it keeps the sum)."""
-
-    def __init__(self, features: int):
-        super().__init__()
-        self.linear = nn.Linear(features, features)
-
-    def forward(self, x, residual):
-        return self.linear(x) + residual
-
-
 def test_residual_that_skips_a_whole_stage_gets_its_gradient(cluster4):
     torch.manual_seed(1)
-    spec = [
-        (nn.Linear, {"in_features": 3, "out_features": 8, "out_variables": ["skip"]}, (4, 3)),
-        (nn.Tanh, {}, (4, 8)),
-        (nn.Linear, {"in_features": 8, "out_features": 8}, (4, 8)),
-        (nn.Tanh, {}, (4, 8)),
-        (SkipAdd, {"features": 8, "dependencies": ["skip"]}, [(4, 8), (4, 8)]),
-        (nn.Linear, {"in_features": 8, "out_features": 1}, (4, 8)),
-    ]
-    reference = LayerList(spec)
+    reference = LayerList(SKIP_A_STAGE)
     batches = regression_batches(steps=25, batch=8, features=3)
     model = cluster4.deploy(reference, optimizer=(torch.optim.SGD, {"lr": 0.1}), split_points=[2, 4])
     assert [(p.first_layer, p.end_layer) for p in model.placements] == [(0, 2), (2, 4), (4, 6)]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+
 import torch
+from torch import nn
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,3 +47,25 @@ def largest_difference(trained: dict, expected: dict) -> float:
     """Largest absolute difference over every entry; the key sets must agree."""
     assert list(trained) == list(expected), f"keys differ: {list(trained)} vs {list(expected)}"
     return max((trained[k].float() - expected[k].float()).abs().max().item() for k in expected)
+
+
+class SkipAdd(nn.Module):
+    """A Linear that adds a saved residual to its output (unlike the seed's layer, it keeps the sum)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x, residual):
+        return self.linear(x) + residual
+
+
+# A residual saved by layer 0 and used by layer 4: with split_points=[2, 4] it skips stage 1 entirely.
+SKIP_A_STAGE = [
+    (nn.Linear, {"in_features": 3, "out_features": 8, "out_variables": ["skip"]}, (4, 3)),
+    (nn.Tanh, {}, (4, 8)),
+    (nn.Linear, {"in_features": 8, "out_features": 8}, (4, 8)),
+    (nn.Tanh, {}, (4, 8)),
+    (SkipAdd, {"features": 8, "dependencies": ["skip"]}, [(4, 8), (4, 8)]),
+    (nn.Linear, {"in_features": 8, "out_features": 1}, (4, 8)),
+]
