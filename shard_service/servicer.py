@@ -109,6 +109,7 @@ class ShardServicer:
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
         self._inbox.discard_where(lambda key: True)
+        self._losses.clear()  # built for the previous deployment's last stage
         if self._averager is not None:
             self._averager.close()
         self._averager = GradientAverager.for_plan(plan, stage, self.address, self.settings.timeouts.peer_wait)
