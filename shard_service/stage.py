@@ -132,7 +132,7 @@ class Stage:
         x = x.to(self.device).detach().requires_grad_(requires_grad and (self.index > 0 or input_requires_grad))
         leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
-        counter = _SavedBytes()
+        counter = _SavedBytes({t.untyped_storage().data_ptr() for t in self._state.values()})
         with torch.set_grad_enabled(requires_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
             output = self._run(x, saved)
         outgoing = {name: saved[name] for name in self.residuals.outgoing}
@@ -222,13 +222,19 @@ class Stage:
 
 
 class _SavedBytes:
-    """Counts the bytes autograd saves for backward (a saved-tensors hook that keeps the tensor as it is)."""
+    """Counts the bytes autograd saves for backward (a saved-tensors hook that keeps the tensor as it is).
 
-    def __init__(self):
+    Weights that autograd saves (a Linear keeps its weight for the input's gradient) are not
+    activations: tensors on the storage of the stage's own weights are left out.
+    """
+
+    def __init__(self, weight_storages: set[int]):
         self.total = 0
+        self._weights = weight_storages
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.total += tensor.numel() * tensor.element_size()
+        if tensor.untyped_storage().data_ptr() not in self._weights:
+            self.total += tensor.numel() * tensor.element_size()
         return tensor
 
 

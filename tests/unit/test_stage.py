@@ -390,3 +390,13 @@ def test_layer_failing_on_its_data_names_the_stage_and_layers(programs, consumer
     with pytest.raises(InternalError, match=r"stage 1 \(layers 5-5\) failed: RuntimeError"):
         stage.forward((1, 0), torch.randn(4, 2), {"r": torch.randn(4, 5)}, requires_grad=True)
     assert stage.in_flight_steps == []
+
+
+def test_in_flight_bytes_count_saved_activations_not_weights():
+    linear = torch.nn.Linear(16, 16)
+    program = capture_layer(LayerAdapter(linear), (torch.randn(2, 16),))
+    source = LayerSource(0, "Linear", program, Wiring(), {"layer.weight": "0.weight", "layer.bias": "0.bias"})
+    stage = Stage(1, [source], StageResiduals({}, {}), ("SGD", '{"lr": 0.1}'), "cpu")
+    stage.load_state({"0.weight": linear.weight.detach(), "0.bias": linear.bias.detach()})
+    stage.forward((0, 0), torch.randn(8, 16), {}, True)
+    assert stage.in_flight_bytes == 8 * 16 * 4  # the input the weight's gradient needs; not the weight
