@@ -9,7 +9,6 @@ import torch
 
 from client_sdk import layers as layer_tools
 from client_sdk.io_loop import shared_loop
-from client_sdk.losses import LossSpecs
 from client_sdk.model import DistributedModel, Placement
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
@@ -130,9 +129,7 @@ class Cluster:
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas, self._plan_schedule)
         key_order = [entry.model_key for layer in captured for entry in layer.state]
-        model = DistributedModel(self._io, replicas[0], placements, owners, key_order, trainer)
-        model._loss_specs = LossSpecs(model._predict)
-        return model
+        return DistributedModel(self._io, trainer, placements, owners, key_order)
 
     async def _plan_schedule(self, num_stages: int, microbatches: int, schedule: str) -> list:
         """Every stage's actions for a pipelined step, as the coordinator plans them."""

@@ -13,8 +13,9 @@ import torch
 from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
 from client_sdk.io_loop import IoLoop
+from client_sdk.losses import LossSpecs
 from client_sdk.pipeline import PipelineTrainer
-from client_sdk.transport import StageClients, split_state
+from client_sdk.transport import split_state
 from shardtrain.errors import FailedPrecondition
 from shardtrain.v1 import shard_pb2
 
@@ -45,13 +46,12 @@ class DistributedModel:
     synchronize() sends anything deferred and waits for everything sent so far.
     """
 
-    def __init__(self, io: IoLoop, clients: StageClients, placements: Sequence[Placement],
-                 owners: dict[str, int], key_order: Sequence[str], trainer: PipelineTrainer | None = None,
-                 loss_specs=None):
+    def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
+                 owners: dict[str, int], key_order: Sequence[str]):
         self._io = io
-        self._clients = clients
-        self._trainer = trainer or PipelineTrainer([clients], None)
-        self._loss_specs = loss_specs  # turns a loss argument into a LossSpec (client_sdk/losses.py)
+        self._trainer = trainer
+        self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
+        self._loss_specs = LossSpecs(self._predict)
         self.placements = list(placements)
         self._owners = owners
         self._key_order = list(key_order)
