@@ -37,7 +37,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from bench.transport_baselines import TransferResult, default_repeats, run_gloo, run_torch_rpc  # noqa: E402
+from bench.transport_baselines import (TransferResult, default_repeats, peak_rss, reset_peak_rss,  # noqa: E402
+                                       run_gloo, run_torch_rpc)
 from shardtrain import rpc, shm, wire  # noqa: E402
 from shardtrain.lifecycle import keep_freed_memory  # noqa: E402
 from shardtrain.codec import Codec, Frame  # noqa: E402
@@ -69,31 +70,8 @@ def _plain_deserialize(raw: bytes) -> Frame:
 
 # --- receiver -------------------------------------------------------------------------------
 
-class _Peak:
-    """Peak-RSS bookkeeping of this process."""
-
-    def __init__(self):
-        self.before = 0
-
-    def reset(self) -> None:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        self.before = _status_kib("VmRSS")
-
-    def extra(self) -> int:
-        return (_status_kib("VmHWM") - self.before) * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 async def _serve(device: str) -> None:
-    peak = _Peak()
+    rss_before = 0
 
     async def put(frames, context):
         received = await wire.collect(frames, count=1)  # as a shard's Forward reads its activation
@@ -105,11 +83,12 @@ async def _serve(device: str) -> None:
         return struct.pack("<q", arrived)
 
     async def control(request: bytes, context) -> bytes:
+        nonlocal rss_before
         command = json.loads(request)
         if command["op"] == "reset":
-            peak.reset()
+            rss_before = reset_peak_rss()
             return b"{}"
-        return json.dumps({"extra": peak.extra()}).encode()
+        return json.dumps({"extra": peak_rss() - rss_before}).encode()
 
     server = rpc.new_server(Security())
     handlers = {

@@ -78,7 +78,7 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def _reset_peak_rss() -> int:
+def reset_peak_rss() -> int:
     """Reset this process's VmHWM to its current RSS (if the kernel lets us); return VmRSS."""
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
@@ -90,7 +90,7 @@ def _reset_peak_rss() -> int:
     return _status_bytes("VmRSS")
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     """This process's peak RSS (VmHWM) since the last reset, in bytes."""
     return _status_bytes("VmHWM")
 
@@ -131,11 +131,11 @@ def _gloo_recv_size(numel: int, repeats: int) -> float:
 
     for _ in range(WARMUP):
         transfer()
-    rss_before = _reset_peak_rss()
+    rss_before = reset_peak_rss()
     dist.send(ack, SENDER)  # "ready": keeps the reset out of the sender's timed loop
     for _ in range(repeats):
         transfer()
-    return _extra_per_byte(rss_before, _peak_rss(), numel * 4)
+    return _extra_per_byte(rss_before, peak_rss(), numel * 4)
 
 
 def _gloo_body(rank: int, sizes: list[int], repeats: int) -> list[float]:
@@ -168,9 +168,9 @@ def _rpc_size(numel: int, repeats: int) -> tuple[float, float]:
     for _ in range(WARMUP):
         transfer()
     # The RSS that matters is the callee's, so it is reset and read there, by rpc.
-    rss_before = rpc.rpc_sync(RPC_NAMES[RECEIVER], _reset_peak_rss)
+    rss_before = rpc.rpc_sync(RPC_NAMES[RECEIVER], reset_peak_rss)
     latency = statistics.median([transfer() for _ in range(repeats)])
-    peak = rpc.rpc_sync(RPC_NAMES[RECEIVER], _peak_rss)
+    peak = rpc.rpc_sync(RPC_NAMES[RECEIVER], peak_rss)
     return latency, _extra_per_byte(rss_before, peak, numel * 4)
 
 

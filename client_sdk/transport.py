@@ -44,8 +44,6 @@ class StageClients:
         """The wire key of a step of this deployment."""
         return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
 
-    _key = key
-
     async def train_step(self, stage: int, header: shard_pb2.TrainStepHeader,
                          tensors: dict[str, torch.Tensor]) -> shard_pb2.TrainStepResponse:
         """One stage's TrainStep, with its inputs (first stage) or targets (last stage)."""
@@ -61,7 +59,7 @@ class StageClients:
         Returns as soon as the output arrives (which proves every stage ran), with the still-running
         Forward call, whose answer only confirms it.
         """
-        key = self._key(step)
+        key = self.key(step)
         header = shard_pb2.ForwardHeader(key=key, requires_grad=requires_grad, zero_grad=zero_grad,
                                          after_optimizer_step=after_optimizer_step, step_first=step_first,
                                          input_requires_grad=input_requires_grad)
@@ -91,12 +89,12 @@ class StageClients:
         if call is not None:
             await call.send(tensors, options)
         else:
-            header = shard_pb2.BackwardHeader(key=self._key(step))
+            header = shard_pb2.BackwardHeader(key=self.key(step))
             await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, header, tensors, options))
 
     async def input_gradient(self, step: int) -> torch.Tensor:
         """The gradient of the model's input for a step whose backward has finished (asked for at forward)."""
-        return await fetch_tensor(self.stages[0], self._key(step), INPUT_GRADIENT)
+        return await fetch_tensor(self.stages[0], self.key(step), INPUT_GRADIENT)
 
     def forget(self, up_to_step: int) -> None:
         """Abandons the Backward calls opened for steps up to `up_to_step` that never ran backward."""

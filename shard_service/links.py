@@ -91,8 +91,7 @@ class Links:
         async def requests():
             yield Frame(message(header=header))
             async for microbatch, tensor in tensors:
-                for frame in wire.tensor_frames(tensor, f"{kind}/{microbatch}", options,
-                                                lambda chunk: message(tensor=chunk)):
+                for frame in wire.tensor_messages(message, tensor, f"{kind}/{microbatch}", options):
                     yield frame
         await peer.call(method, requests())
 

@@ -40,6 +40,8 @@ class PipelineRun:
         self.first = self.plan.stage == 0
         self.last = self.plan.stage == self.plan.num_stages - 1
         self.microbatches = len(header.microbatch_sizes)
+        # Gradients are final, and all-reduce as they appear, in the backward of this micro-batch.
+        self.final_backward = [a.microbatch for a in header.actions if a.backward][-1] if header.actions else -1
         self.loss_fn, self.loss_sums = loss if loss is not None else (None, False)
         self.tensors = tensors
         self.figures = Figures()
@@ -120,7 +122,7 @@ class PipelineRun:
         # The last stage starts from its loss (Stage.backward seeds it with ones); the others from their inbox.
         grad = None if self.last else await self.shard.scheduled_input(self._key(k), "gradient")
         residual_grads = await self.shard.residual_gradients(self.stage, key)
-        self.shard.averager_arm(k == self._last_backward())
+        self.shard.averager_arm(k == self.final_backward)
         (grad_input, incoming_grads), seconds = await self._timed(self.stage.backward, key, grad, residual_grads)
         self.figures.backward_seconds += seconds
         for name, residual_grad in incoming_grads.items():
@@ -130,9 +132,6 @@ class PipelineRun:
             if grad_input is None:
                 raise InvalidArgument(f"stage {self.plan.stage}: micro-batch {k} produced no input gradient")
             self._gradients.send(k, grad_input)
-
-    def _last_backward(self) -> int:
-        return [a.microbatch for a in self.header.actions if a.backward][-1]
 
 
 class _Outgoing:

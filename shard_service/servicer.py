@@ -157,8 +157,7 @@ class ShardServicer:
                 await self._run(stage.zero_grad)
             result, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad,
                                                header.input_requires_grad)
-            for name, tensor in outgoing.items():
-                self._outbox.put((*key, name), [tensor, len(stage.residuals.outgoing[name])])
+            self.offer_residuals(stage, key, outgoing)
             if header.requires_grad and self._plan.previous_address:
                 self._backward_links.add(key, self.links.open_backward(header.key))
             if downstream is None:
@@ -177,16 +176,14 @@ class ShardServicer:
 
     async def _inputs(self, stage: Stage, key, reader: RequestReader):
         """The activation from the stream and every incoming residual, fetched concurrently."""
-        fetches = {name: asyncio.ensure_future(self._fetch_residual(stage, key, name))
-                   for name in stage.residuals.incoming}
+        fetches = asyncio.ensure_future(self.fetch_residuals(stage, key))
         try:
             tensors = await reader.tensors(count=1)  # not waiting for the sender to close its side
             if len(tensors) != 1:
                 raise InvalidArgument(f"Forward carries exactly one activation tensor, got {len(tensors)}")
-            return next(iter(tensors.values())), {name: await task for name, task in fetches.items()}
+            return next(iter(tensors.values())), await fetches
         finally:
-            for task in fetches.values():
-                task.cancel()
+            fetches.cancel()
 
     async def _fetch_residual(self, stage: Stage, key, name: str):
         tensor = await self.links.fetch_residual(key, name)
@@ -232,10 +229,7 @@ class ShardServicer:
         """This stage's backward, then (concurrently) the previous stage's and the residual producers'."""
         grad_output = (await reader.tensors()).get("gradient")
         key = (header.key.step, header.key.microbatch)
-        residual_grads = {}
-        for name in stage.residuals.outgoing:
-            what = f"gradient of residual {name!r} for step {key[0]}"
-            residual_grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
+        residual_grads = await self.residual_gradients(stage, key)
         grad_input, incoming_grads = await self._run(stage.backward, key, grad_output, residual_grads)
         calls = [self.links.send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
         if not self._plan.previous_address and grad_input is not None:

@@ -55,6 +55,8 @@ class Stage:
         self._wirings = [source.wiring for source in sources]
         self._layers, self._state, self._input_specs = self._build(sources)
         self._unloaded = set(self._state)
+        # Weights are updated in place (load_state, the optimizer), so their storages never change.
+        self._weight_storages = {t.untyped_storage().data_ptr() for t in self._state.values()}
         parameters = [t for t in self._state.values() if isinstance(t, torch.nn.Parameter)]
         self._optimizer = optim.build(*optimizer, parameters) if parameters else None
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
@@ -132,7 +134,7 @@ class Stage:
         x = x.to(self.device).detach().requires_grad_(requires_grad and (self.index > 0 or input_requires_grad))
         leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
-        counter = _SavedBytes({t.untyped_storage().data_ptr() for t in self._state.values()})
+        counter = _SavedBytes(self._weight_storages)
         with torch.set_grad_enabled(requires_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
             output = self._run(x, saved)
         outgoing = {name: saved[name] for name in self.residuals.outgoing}

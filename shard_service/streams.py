@@ -29,14 +29,9 @@ class RequestReader:
         """Every tensor in the stream by name, or the first `count` as soon as they are complete."""
         return await wire.collect(self._chunks(), count=count)
 
-    async def each_tensor(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    def each_tensor(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Each tensor of the stream, (name, tensor), as soon as its last byte has arrived."""
-        reader = wire.TensorStreamReader()
-        async for frame in self._chunks():
-            done = reader.feed(frame)
-            if done is not None:
-                yield done
-        reader.finish()
+        return wire.each_tensor(self._chunks())
 
     async def _chunks(self) -> AsyncIterator[Frame]:
         yield self._first

@@ -10,6 +10,7 @@ the receiver maps as the tensor's storage (shm.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -334,19 +335,33 @@ async def framed_later(message_type, header, later: "asyncio.Future[tuple[dict[s
     yield Frame(message_type(header=header))
     tensors, options = await later
     for name, tensor in tensors.items():
-        for frame in tensor_frames(tensor, name, options, lambda chunk: message_type(tensor=chunk)):
+        for frame in tensor_messages(message_type, tensor, name, options):
             yield frame
+
+
+def tensor_messages(message_type, tensor: torch.Tensor, name: str, options: SendOptions) -> Iterator[Frame]:
+    """One tensor's frames as `message_type(tensor=chunk)` messages of a stream whose header went before."""
+    return tensor_frames(tensor, name, options, lambda chunk: message_type(tensor=chunk))
+
+
+async def each_tensor(frames, reader: TensorStreamReader | None = None):
+    """Yields (name, tensor) of an async stream of Frames as soon as each is complete; `reader` keeps a
+    partial tensor (for resuming)."""
+    reader = reader or TensorStreamReader()
+    async for frame in frames:
+        done = reader.feed(frame)
+        if done is not None:
+            yield done
+    reader.finish()
 
 
 async def collect(frames, reader: TensorStreamReader | None = None, count: int = 0) -> dict[str, torch.Tensor]:
     """The tensors of an async stream of Frames, by name: all of them, or the first `count` as soon as they
     are complete (without waiting for the sender to close its side). `reader` keeps a partial tensor."""
-    reader, tensors = reader or TensorStreamReader(), {}
-    async for frame in frames:
-        done = reader.feed(frame)
-        if done is not None:
-            tensors[done[0]] = done[1]
+    tensors = {}
+    async with contextlib.aclosing(each_tensor(frames, reader)) as stream:
+        async for name, tensor in stream:
+            tensors[name] = tensor
             if len(tensors) == count:
-                return tensors
-    reader.finish()
+                break
     return tensors
