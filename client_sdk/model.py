@@ -17,7 +17,6 @@ from client_sdk.losses import LossSpecs
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import split_state
 from shardtrain.errors import FailedPrecondition
-from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
 
@@ -40,10 +39,10 @@ class DistributedModel:
     Explicit async loop:  pred = await model.aforward(x); loss.backward(); await model.abackward(pred.grad);
                           await model.astep()
 
-    The synchronous loop does not wait for the shards to acknowledge backward, and step() travels
-    with the next forward: each shard orders the work itself, and the client runs at most one
-    iteration ahead. An error raised by a shard surfaces at the next call into the model;
-    synchronize() sends anything deferred and waits for everything sent so far.
+    Everything travels on two long-lived Link streams (into the first stage and into the last). The
+    synchronous loop does not wait for backward or step to finish: each shard orders the work itself,
+    and the client runs at most one iteration ahead. An error raised by a shard surfaces at the next
+    call into the model; synchronize() waits for everything sent so far.
     """
 
     def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
@@ -59,10 +58,9 @@ class DistributedModel:
         self._steps = itertools.count()
         self._last_step = -1
         self._optimizer_steps = 0
-        self._settle_before_forward = 0  # an optimizer step sent on its own, that the next forward must follow
+        self._settle_before_forward = 0  # the last optimizer step sent, which the next forward must follow
         self._backward_steps: list[int] = []
         self._zero_grad_pending = False
-        self._step_pending: shard_pb2.StepRequest | None = None
         self._async_steps: list[int] = []
         self._inflight = InFlight(on_failure=self._abandon_deferred_work)
         self._closed = False
@@ -93,7 +91,7 @@ class DistributedModel:
         self._zero_grad_pending = True
 
     def synchronize(self) -> None:
-        """Sends a deferred step, waits until every shard has finished everything sent so far; raises the first error."""
+        """Waits until every shard has finished everything sent so far; raises the first error."""
         self._io.run(self._synchronize())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -191,56 +189,42 @@ class DistributedModel:
 
     def _remote_backward(self, step: int, grad_output: torch.Tensor,
                          input_requires_grad: bool = False) -> torch.Tensor | None:
-        self._io.run(self._backward(step, grad_output, wait=input_requires_grad))
-        return self._io.run(self._clients.input_gradient(step)) if input_requires_grad else None
+        return self._io.run(self._backward(step, grad_output, wait=input_requires_grad))
 
     async def _forward(self, step: int, x: torch.Tensor, requires_grad: bool,
                        input_requires_grad: bool = False) -> torch.Tensor:
         self._inflight.raise_failures()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
-        step_first, self._step_pending = self._step_pending, None
-        output, acknowledgement = await self._clients.forward(step, x.detach(), requires_grad, zero_grad,
-                                                              self._settle_before_forward, step_first,
-                                                              input_requires_grad)
-        self._inflight.add(acknowledgement)
-        return output
+        return await self._clients.forward(step, x.detach(), requires_grad, zero_grad, self._settle_before_forward,
+                                           input_requires_grad)
 
-    async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool) -> None:
+    async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool) -> torch.Tensor | None:
+        """Sends a backward; with `wait`, waits for it and returns the input's gradient (if the forward asked)."""
         self._inflight.raise_failures()
         call = asyncio.ensure_future(self._clients.backward(step, grad_output))
         self._backward_steps.append(step)
         self._inflight.add(call)
-        if wait:
-            await call
+        return await call if wait else None
 
     async def _step(self, wait: bool = False) -> None:
-        """Defers the optimizer step to the next forward (or sends it now when `wait`)."""
-        await self._send_pending_step()
+        """Sends the optimizer step down the stages at once; each applies it after its own backwards."""
         await self._inflight.drain_previous()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         self._optimizer_steps += 1
         backward_steps, self._backward_steps = self._backward_steps, []
-        self._step_pending = self._clients.step_request(self._last_step, zero_grad, self._optimizer_steps,
-                                                        backward_steps)
-        self._clients.forget(up_to_step=self._last_step)  # forwards that never ran backward won't now
+        request = self._clients.step_request(self._last_step, zero_grad, self._optimizer_steps, backward_steps)
+        self._settle_before_forward = request.optimizer_step
+        self._inflight.add(asyncio.ensure_future(self._clients.step(request)))
         self._inflight.next_iteration()
         if wait:
             await self._synchronize()
 
-    async def _send_pending_step(self) -> None:
-        request, self._step_pending = self._step_pending, None
-        if request is not None:
-            self._settle_before_forward = request.optimizer_step
-            self._inflight.add(asyncio.ensure_future(self._clients.step(request)))
-
     def _abandon_deferred_work(self) -> None:
         """After a failure every call in flight was cancelled: no step is owed, none may be waited for."""
         self._settle_before_forward = 0
-        self._step_pending = None
         self._backward_steps.clear()
 
     async def _synchronize(self) -> None:
-        await self._send_pending_step()
         await self._inflight.drain()
 
     async def _read_state(self) -> dict[str, torch.Tensor]:

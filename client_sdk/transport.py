@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
+from client_sdk.links import SdkLinks
 from shardtrain import shm, wire
 from shardtrain.errors import InvalidArgument
-from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
-from shardtrain.rpc import SHARD_SERVICE, OpenedCall, OpenedCalls, Peer, fetch_tensor
+from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
@@ -26,7 +26,7 @@ class StageClients:
         self._timeouts = timeouts
         self._encodings = encodings or tensor_pb2.WireEncodings()
         self._segments: shm.SegmentPool | None = None
-        self._backward_calls = OpenedCalls()  # opened when a forward's output arrived
+        self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc)
 
     async def probe(self) -> None:
         """Finds which stages share this host: tensors to and from them go through shared memory."""
@@ -52,53 +52,17 @@ class StageClients:
         return await peer.call("TrainStep", requests)
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
-                      after_optimizer_step: int, step_first: shard_pb2.StepRequest | None = None,
-                      input_requires_grad: bool = False) -> tuple[torch.Tensor, asyncio.Future]:
-        """Sends x into the first stage and, at the same time, asks the last stage for the output.
-
-        Returns as soon as the output arrives (which proves every stage ran), with the still-running
-        Forward call, whose answer only confirms it.
-        """
-        key = self.key(step)
-        header = shard_pb2.ForwardHeader(key=key, requires_grad=requires_grad, zero_grad=zero_grad,
-                                         after_optimizer_step=after_optimizer_step, step_first=step_first,
+                      after_optimizer_step: int, input_requires_grad: bool = False) -> torch.Tensor:
+        """Sends x into the first stage over the input Link; returns the last stage's output."""
+        header = shard_pb2.ForwardHeader(key=self.key(step), requires_grad=requires_grad, zero_grad=zero_grad,
+                                         after_optimizer_step=after_optimizer_step,
                                          input_requires_grad=input_requires_grad)
-        fetch = asyncio.ensure_future(fetch_tensor(self.stages[-1], key, OUTPUT))
-        call = asyncio.ensure_future(self.stages[0].call("Forward", wire.framed(
-            shard_pb2.ForwardRequest, header, {"activation": x}, self._options(self.stages[0], "activations"))))
-        await asyncio.wait([fetch, call], return_when=asyncio.FIRST_COMPLETED)
-        if call.done() and call.exception() is not None:
-            fetch.cancel()
-            raise call.exception()
-        try:
-            output = await fetch
-        except BaseException:
-            call.cancel()
-            raise
-        if requires_grad:
-            self._backward_calls.add(step, OpenedCall(self.stages[-1], "Backward", shard_pb2.BackwardRequest,
-                                                      shard_pb2.BackwardHeader(key=key),
-                                                      self._timeouts.backward_link))
-        return output, call
+        return await self._links.forward(header, x.detach())
 
-    async def backward(self, step: int, grad: torch.Tensor | None) -> None:
-        """Sends the gradient of the output into the last stage; returns once every stage has run backward."""
-        tensors = {"gradient": grad} if grad is not None else {}
-        call = self._backward_calls.pop(step)
-        options = self._options(self.stages[-1], "gradients")
-        if call is not None:
-            await call.send(tensors, options)
-        else:
-            header = shard_pb2.BackwardHeader(key=self.key(step))
-            await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, header, tensors, options))
-
-    async def input_gradient(self, step: int) -> torch.Tensor:
-        """The gradient of the model's input for a step whose backward has finished (asked for at forward)."""
-        return await fetch_tensor(self.stages[0], self.key(step), INPUT_GRADIENT)
-
-    def forget(self, up_to_step: int) -> None:
-        """Abandons the Backward calls opened for steps up to `up_to_step` that never ran backward."""
-        self._backward_calls.abandon_where(lambda step: step <= up_to_step)
+    async def backward(self, step: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Sends the gradient of the output into the last stage; returns once every stage has run backward,
+        with the gradient of the input when the forward asked for it."""
+        return await self._links.backward(self.key(step), grad)
 
     def step_request(self, step: int, zero_grad: bool, optimizer_step: int,
                      backward_steps: Sequence[int]) -> shard_pb2.StepRequest:
@@ -107,8 +71,8 @@ class StageClients:
                                      optimizer_step=optimizer_step, backward_steps=backward_steps)
 
     async def step(self, request: shard_pb2.StepRequest) -> None:
-        """Every stage applies its optimizer once its share of the request's backwards has succeeded."""
-        await asyncio.gather(*(stage.call("Step", request) for stage in self.stages))
+        """Sends an optimizer step down the stages; returns once every stage has applied it (or refused)."""
+        await self._links.step(request)
 
     async def read_state(self) -> dict[str, torch.Tensor]:
         """Every stage's weights, merged under the user's state-dict keys."""
@@ -129,7 +93,7 @@ class StageClients:
 
     async def close(self) -> None:
         """Closes every channel."""
-        self._backward_calls.abandon_where(lambda step: True)
+        await self._links.close()
         await asyncio.gather(*(stage.close() for stage in self.stages))
         if self._segments is not None:
             self._segments.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.registry import ShardRecord
 from shardtrain.residuals import StageResiduals
@@ -21,6 +21,7 @@ class StagePlacement:
     next_address: str
     incoming: dict[str, tuple[int, str]]   # residual -> (producer stage, producer address)
     outgoing: dict[str, list[int]]         # residual -> consumer stages
+    consumers: dict[str, list[str]] = field(default_factory=dict)  # residual -> consumer addresses, same order
 
 
 def place(ranges: Sequence[tuple[int, int]], routes: Sequence[StageResiduals],
@@ -34,5 +35,6 @@ def place(ranges: Sequence[tuple[int, int]], routes: Sequence[StageResiduals],
             previous_address=addresses[stage - 1] if stage > 0 else "",
             next_address=addresses[stage + 1] if stage + 1 < len(ranges) else "",
             incoming={name: (source, addresses[source]) for name, source in route.incoming.items()},
-            outgoing=dict(route.outgoing)))
+            outgoing=dict(route.outgoing),
+            consumers={name: [addresses[c] for c in stages] for name, stages in route.outgoing.items()}))
     return placements

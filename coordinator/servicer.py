@@ -88,7 +88,8 @@ class CoordinatorServicer:
             next_address=placement.next_address, replica=replica, num_replicas=num_replicas, rendezvous=rendezvous,
             incoming_residuals=[shard_pb2.ResidualSource(name=n, producer_stage=s, producer_address=a)
                                 for n, (s, a) in placement.incoming.items()],
-            outgoing_residuals=[shard_pb2.ResidualSink(name=n, consumer_stages=c)
+            outgoing_residuals=[shard_pb2.ResidualSink(name=n, consumer_stages=c,
+                                                       consumer_addresses=placement.consumers.get(n, []))
                                 for n, c in placement.outgoing.items()])
         request = shard_pb2.LoadStageRequest(deployment_id=deployment_id, plan=plan, optimizer=deploy.optimizer,
                                              layers=layers[placement.first_layer:placement.end_layer],

@@ -43,7 +43,8 @@ class Links:
         """Takes a new stage's plan; learns which of the peers it sends to share this host."""
         if self.segments is not None:
             addresses = {plan.previous_address, plan.next_address,
-                         *(r.producer_address for r in plan.incoming_residuals)}
+                         *(r.producer_address for r in plan.incoming_residuals),
+                         *(a for r in plan.outgoing_residuals for a in r.consumer_addresses)}
             await asyncio.gather(*(self.peer(address).probe() for address in addresses if address))
         self.plan, self.encodings = plan, encodings
 

@@ -11,13 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shard_service.links import Links
+from shard_service.loop import LinkedLoop
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.pipeline import PipelineRun
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
-from shardtrain import losses, shm, wire
+from shardtrain import link, losses, shm, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
@@ -44,6 +45,7 @@ class ShardServicer:
         self._deployment_id = ""
         self._stage: Stage | None = None
         self.links = Links(settings)
+        self.loop = LinkedLoop(self)    # the PyTorch-shaped loop over Link streams
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._inbox = Mailbox()         # a TrainStep's activations and gradients, waiting for their turn
@@ -84,7 +86,7 @@ class ShardServicer:
             self._durations[name] = time.perf_counter() - start
             return result
 
-    def _stage_for(self, deployment_id: str) -> Stage:
+    def stage_for(self, deployment_id: str) -> Stage:
         if self._stage is None:
             raise FailedPrecondition("no stage is loaded here; deploy a model first")
         if deployment_id != self._deployment_id:
@@ -106,6 +108,7 @@ class ShardServicer:
                                 self.settings.max_in_flight)
         await self.links.adopt(plan, request.encodings)
         self._stage, self._deployment_id = stage, request.deployment_id
+        await self.loop.reset(request.deployment_id)
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
         self._inbox.discard_where(lambda key: True)
@@ -123,13 +126,13 @@ class ShardServicer:
     @boundary
     async def LoadState(self, request_iterator, context):
         reader = RequestReader(request_iterator)
-        stage = self._stage_for((await reader.header()).deployment_id)
+        stage = self.stage_for((await reader.header()).deployment_id)
         loaded = await self._run(stage.load_state, await reader.tensors())
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
     @boundary
     async def ReadState(self, request, context):
-        stage = self._stage_for(request.deployment_id)
+        stage = self.stage_for(request.deployment_id)
         for name, tensor in (await self._run(stage.state)).items():
             for frame in wire.tensor_frames(tensor, name, wire.SendOptions(self.settings.chunk_bytes)):
                 yield frame  # weights always travel exact
@@ -138,7 +141,7 @@ class ShardServicer:
     async def Forward(self, request_iterator, context):
         reader = RequestReader(request_iterator)
         header = await reader.header()
-        stage = self._stage_for(header.key.deployment_id)
+        stage = self.stage_for(header.key.deployment_id)
         if header.scheduled:
             await self._deliver(header.key, "activation", reader)
             return shard_pb2.ForwardResponse()
@@ -146,7 +149,7 @@ class ShardServicer:
         # The header goes on at once, so later stages fetch their residuals and apply a deferred optimizer
         # step while this one computes.
         downstream = self.links.open_forward(header) if self._plan.next_address else None
-        stepping = asyncio.ensure_future(self._apply_step(stage, header.step_first)) \
+        stepping = asyncio.ensure_future(self.apply_step(stage, header.step_first)) \
             if header.HasField("step_first") else None
         try:
             x, incoming = await self._inputs(stage, header.key, reader)
@@ -193,7 +196,7 @@ class ShardServicer:
 
     @boundary
     async def FetchTensor(self, request, context):
-        self._stage_for(request.key.deployment_id)
+        self.stage_for(request.key.deployment_id)
         key = (request.key.step, request.key.microbatch, request.name)
         what = f"tensor {request.name!r} of step {request.key.step} micro-batch {request.key.microbatch}"
         entry = await self._outbox.get(key, self.settings.timeouts.peer_wait, what)
@@ -210,7 +213,7 @@ class ShardServicer:
     async def Backward(self, request_iterator, context):
         reader = RequestReader(request_iterator)
         header = await reader.header()
-        stage = self._stage_for(header.key.deployment_id)
+        stage = self.stage_for(header.key.deployment_id)
         if header.scheduled:
             await self._deliver(header.key, "gradient", reader)
             return shard_pb2.BackwardResponse()
@@ -245,26 +248,30 @@ class ShardServicer:
     async def AccumulateGradient(self, request_iterator, context):
         reader = RequestReader(request_iterator)
         header = await reader.header()
-        stage = self._stage_for(header.key.deployment_id)
-        if header.name not in stage.residuals.outgoing:
-            raise InvalidArgument(f"stage {stage.index} did not produce residual {header.name!r}; "
-                                  f"it produces {sorted(stage.residuals.outgoing)}")
         grad = (await reader.tensors()).get(header.name) if header.has_gradient else None
-        key = (header.key.step, header.key.microbatch, header.name)
-        received = self._residual_grads.setdefault(key, [])
-        received.append(grad)
-        if len(received) == len(stage.residuals.outgoing[header.name]):
-            del self._residual_grads[key]
-            present = [g for g in received if g is not None]
-            self._gradients.put(key, sum(present[1:], present[0]) if present else None)
+        await self.accumulate(header.key, header.name, grad)
         return shard_pb2.AccumulateGradientResponse()
+
+    async def accumulate(self, key: shard_pb2.StepKey, name: str, grad: torch.Tensor | None) -> None:
+        """Adds one consumer's gradient of residual `name`; the sum is ready once every consumer sent its own."""
+        stage = self.stage_for(key.deployment_id)
+        if name not in stage.residuals.outgoing:
+            raise InvalidArgument(f"stage {stage.index} did not produce residual {name!r}; "
+                                  f"it produces {sorted(stage.residuals.outgoing)}")
+        entry = (key.step, key.microbatch, name)
+        received = self._residual_grads.setdefault(entry, [])
+        received.append(grad)
+        if len(received) == len(stage.residuals.outgoing[name]):
+            del self._residual_grads[entry]
+            present = [g for g in received if g is not None]
+            self._gradients.put(entry, sum(present[1:], present[0]) if present else None)
 
     @boundary
     async def Step(self, request, context):
-        await self._apply_step(self._stage_for(request.deployment_id), request)
+        await self.apply_step(self.stage_for(request.deployment_id), request)
         return shard_pb2.StepResponse()
 
-    async def _apply_step(self, stage: Stage, request) -> None:
+    async def apply_step(self, stage: Stage, request) -> None:
         """Steps the optimizer once this stage's share of the listed backwards has succeeded."""
         try:
             failures = await self._order.backward_failures(request.backward_steps, self.settings.timeouts.peer_wait)
@@ -288,6 +295,7 @@ class ShardServicer:
         self._inbox.discard_where(stale)
         for key in [k for k in self._residual_grads if stale(k)]:
             del self._residual_grads[key]
+        self.loop.forget(up_to_step)
         self._backward_links.abandon_where(stale)
         self._order.forget(up_to_step)
 
@@ -298,7 +306,7 @@ class ShardServicer:
         started = time.perf_counter()
         reader = RequestReader(request_iterator)
         header = await reader.header()
-        stage = self._stage_for(header.key.deployment_id)
+        stage = self.stage_for(header.key.deployment_id)
         loss = self._loss(header.loss) if self._plan.stage == self._plan.num_stages - 1 else None
         run = PipelineRun(self, stage, header, await reader.tensors(), loss)
         if self._averager is not None:
@@ -335,6 +343,21 @@ class ShardServicer:
     @property
     def _plan(self) -> shard_pb2.StagePlan:
         return self.links.plan
+
+    @property
+    def plan(self) -> shard_pb2.StagePlan:
+        """Where this shard's stage sits: neighbours and residual traffic."""
+        return self.links.plan
+
+    @property
+    def order(self) -> StepOrder:
+        """What this shard has settled: optimizer steps and backwards."""
+        return self._order
+
+    @boundary
+    async def Link(self, request_iterator, context):
+        await link.serve(request_iterator, context, f"link to {self.location}", self.loop.opened,
+                         self.loop.on_item, self.loop.closed)
 
     async def run(self, function, *args):
         """Stage work, one piece at a time (for PipelineRun)."""
@@ -393,6 +416,7 @@ class ShardServicer:
 
     async def close(self) -> None:
         """Closes peer channels, the compute thread and this shard's shared segments."""
+        await self.loop.close()
         await self.links.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
         if self._averager is not None:

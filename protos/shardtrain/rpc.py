@@ -196,7 +196,7 @@ class Peer:
         self.address = address
         self.channel = open_channel(address, security)
         self.stub = Stub(self.channel, service)
-        self._metadata = security.metadata
+        self.metadata = security.metadata
         self._timeout = timeout
         self.same_host = False  # proved by probe(): this process and the peer can open each other's segments
 
@@ -219,13 +219,13 @@ class Peer:
         """A unary-response call (the request may be an async iterator for client streaming)."""
         try:
             return await getattr(self.stub, method)(request, timeout=timeout or self._timeout,
-                                                     metadata=self._metadata)
+                                                     metadata=self.metadata)
         except grpc.aio.AioRpcError as error:
             raise translate(error, self.name) from None
 
     async def stream(self, method: str, request: Any, timeout: float | None = None) -> AsyncIterator[Any]:
         """A server-streaming call, yielding its messages."""
-        call = getattr(self.stub, method)(request, timeout=timeout or self._timeout, metadata=self._metadata)
+        call = getattr(self.stub, method)(request, timeout=timeout or self._timeout, metadata=self.metadata)
         try:
             async for message in call:
                 yield message

@@ -18,7 +18,7 @@ def test_single_stage_has_no_neighbours():
 def test_three_stages_of_the_seed_model_with_a_residual_skipping_a_stage():
     routes = [StageResiduals(outgoing={"res_1": [2]}), StageResiduals(), StageResiduals(incoming={"res_1": 0})]
     assert place([(0, 3), (3, 5), (5, 10)], routes, SHARDS[:3]) == [
-        StagePlacement(0, SHARDS[0], 0, 3, "", "host1:7001", {}, {"res_1": [2]}),
+        StagePlacement(0, SHARDS[0], 0, 3, "", "host1:7001", {}, {"res_1": [2]}, {"res_1": ["host2:7002"]}),
         StagePlacement(1, SHARDS[1], 3, 5, "host0:7000", "host2:7002", {}, {}),
         StagePlacement(2, SHARDS[2], 5, 10, "host1:7001", "", {"res_1": (0, "host0:7000")}, {}),
     ]
@@ -33,6 +33,7 @@ def test_residuals_from_two_producers_resolve_to_each_producers_address():
     assert [p.incoming for p in placements] == [
         {}, {"a": (0, "host0:7000")}, {}, {"a": (0, "host0:7000"), "b": (1, "host1:7001")}]
     assert [p.outgoing for p in placements] == [{"a": [1, 3]}, {"b": [3]}, {}, {}]
+    assert [p.consumers for p in placements] == [{"a": ["host1:7001", "host3:7003"]}, {"b": ["host3:7003"]}, {}, {}]
 
 
 def test_extra_registered_shards_are_left_idle():

@@ -1,11 +1,25 @@
 from shardtrain.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class LinkRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LINK_ROLE_UNSPECIFIED: _ClassVar[LinkRole]
+    LINK_ROLE_INPUT: _ClassVar[LinkRole]
+    LINK_ROLE_OUTPUT: _ClassVar[LinkRole]
+    LINK_ROLE_NEXT: _ClassVar[LinkRole]
+    LINK_ROLE_RESIDUAL: _ClassVar[LinkRole]
+LINK_ROLE_UNSPECIFIED: LinkRole
+LINK_ROLE_INPUT: LinkRole
+LINK_ROLE_OUTPUT: LinkRole
+LINK_ROLE_NEXT: LinkRole
+LINK_ROLE_RESIDUAL: LinkRole
 
 class ProbeSharedMemoryRequest(_message.Message):
     __slots__ = ("path",)
@@ -58,12 +72,14 @@ class ResidualSource(_message.Message):
     def __init__(self, name: _Optional[str] = ..., producer_stage: _Optional[int] = ..., producer_address: _Optional[str] = ...) -> None: ...
 
 class ResidualSink(_message.Message):
-    __slots__ = ("name", "consumer_stages")
+    __slots__ = ("name", "consumer_stages", "consumer_addresses")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_STAGES_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     name: str
     consumer_stages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., consumer_stages: _Optional[_Iterable[int]] = ...) -> None: ...
+    consumer_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., consumer_stages: _Optional[_Iterable[int]] = ..., consumer_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StagePlan(_message.Message):
     __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals", "replica", "num_replicas", "rendezvous")
@@ -350,3 +366,79 @@ class TrainStepResponse(_message.Message):
     loss: float
     stats: StageStats
     def __init__(self, loss: _Optional[float] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
+
+class LinkOpen(_message.Message):
+    __slots__ = ("deployment_id", "role", "from_stage", "shared_memory")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    role: LinkRole
+    from_stage: int
+    shared_memory: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., from_stage: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+
+class LinkError(_message.Message):
+    __slots__ = ("key", "code", "message", "backward")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    code: str
+    message: str
+    backward: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., backward: _Optional[bool] = ...) -> None: ...
+
+class StepSettled(_message.Message):
+    __slots__ = ("optimizer_step", "failure")
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    optimizer_step: int
+    failure: str
+    def __init__(self, optimizer_step: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
+
+class BackwardSettled(_message.Message):
+    __slots__ = ("key", "failure")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    failure: str
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., failure: _Optional[str] = ...) -> None: ...
+
+class TensorKey(_message.Message):
+    __slots__ = ("key", "name")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    name: str
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class LinkMessage(_message.Message):
+    __slots__ = ("open", "forward", "backward", "step", "settled", "residual", "residual_gradient", "output", "backward_done", "error", "backward_settled", "tensor")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SETTLED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    open: LinkOpen
+    forward: ForwardHeader
+    backward: BackwardHeader
+    step: StepRequest
+    settled: StepSettled
+    residual: TensorKey
+    residual_gradient: TensorKey
+    output: TensorKey
+    backward_done: TensorKey
+    error: LinkError
+    backward_settled: BackwardSettled
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ..., settled: _Optional[_Union[StepSettled, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., backward_settled: _Optional[_Union[BackwardSettled, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...

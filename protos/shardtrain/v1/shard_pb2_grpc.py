@@ -90,6 +90,11 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/shardtrain.v1.ShardService/Link',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -174,6 +179,16 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Link(self, request_iterator, context):
+        """The PyTorch-shaped loop's data path: one long-lived stream between two parties of a deployment
+        (the SDK and the first or last stage, a stage and the next one, a residual's producer and its
+        consumer), opened once and reused by every step. Both directions carry LinkMessages, in order.
+        Forward, Backward, AccumulateGradient, FetchTensor and Step do the same work one call each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +246,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.TrainStep,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +550,33 @@ class ShardService:
             '/shardtrain.v1.ShardService/TrainStep',
             shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shardtrain.v1.ShardService/Link',
+            shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.LinkMessage.FromString,
             options,
             channel_credentials,
             insecure,

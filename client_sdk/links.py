@@ -1,0 +1,143 @@
+"""The SDK's two Links of a deployment: into the first stage (inputs, optimizer steps) and into the last
+(output gradients). Outputs, finished backwards, settled steps and failures come back on them and
+resolve the futures the loop waits on. See shardtrain/link.py for why streams and not calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import torch
+
+from shardtrain import errors, link, wire
+from shardtrain.rpc import Peer
+from shardtrain.v1 import shard_pb2
+
+_ROLES = shard_pb2.LinkRole
+
+
+class SdkLinks:
+    """Sends the loop's items and matches what comes back to the step (or optimizer step) that waits for it."""
+
+    def __init__(self, deployment_id: str, first: Peer, last: Peer,
+                 options: Callable[[Peer, str], wire.SendOptions], timeout: float):
+        self._deployment_id = deployment_id
+        self._first, self._last = first, last
+        self._options = options
+        self._timeout = timeout
+        self._links: dict[int, link.ClientLink] = {}
+        self._outputs: dict[int, asyncio.Future] = {}    # step -> the model's output
+        self._backwards: dict[int, asyncio.Future] = {}  # step -> the input's gradient (or None) once done
+        self._settles: dict[int, asyncio.Future] = {}    # optimizer step -> None once settled everywhere
+
+    def _link(self, role: int) -> link.ClientLink:
+        client = self._links.get(role)
+        if client is None or client.broken is not None:
+            peer = self._first if role == _ROLES.LINK_ROLE_INPUT else self._last
+            opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role, from_stage=-1,
+                                         shared_memory=peer.same_host)
+            client = link.ClientLink(peer, opening, self._on_item, self._broke)
+            client.same_host = peer.same_host
+            self._links[role] = client
+        return client
+
+    async def _send(self, role: int, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
+                    kind: str = "activations") -> None:
+        client = self._link(role)
+        await client.send(message, tensor, self._options(client.peer, kind))
+
+    @staticmethod
+    def _expect(pending: dict, key: int) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        pending[key] = future
+        return future
+
+    async def _wait(self, pending: dict, key: int, future: asyncio.Future, what: str):
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self._timeout)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"{what} did not arrive within {self._timeout:g} s") from None
+        finally:
+            if pending.get(key) is future:
+                del pending[key]
+
+    async def forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor) -> torch.Tensor:
+        """Sends x into the first stage; returns the last stage's output."""
+        step = header.key.step
+        future = self._expect(self._outputs, step)
+        try:
+            self._link(_ROLES.LINK_ROLE_OUTPUT)  # opened now: the last stage sends the output on it
+            await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
+        except BaseException:
+            self._outputs.pop(step, None)
+            raise
+        return await self._wait(self._outputs, step, future,
+                                f"the output of step {step} from {self._last.name}")
+
+    async def backward(self, key: shard_pb2.StepKey, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Sends the output's gradient into the last stage; returns (the input's gradient or None) once every
+        stage has run backward."""
+        future = self._expect(self._backwards, key.step)
+        await self._send(_ROLES.LINK_ROLE_OUTPUT, shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key)),
+                         grad, "gradients")
+        return await self._wait(self._backwards, key.step, future,
+                                f"the end of step {key.step}'s backward on {self._first.name}")
+
+    async def step(self, request: shard_pb2.StepRequest) -> None:
+        """Sends an optimizer step down the stages; returns once every stage settled it (raises if one refused)."""
+        future = self._expect(self._settles, request.optimizer_step)
+        await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(step=request))
+        await self._wait(self._settles, request.optimizer_step, future,
+                         f"optimizer step {request.optimizer_step} on every stage")
+
+    # --- what comes back ------------------------------------------------------------------------------
+    def _on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
+        kind = message.WhichOneof("item")
+        if kind == "output":
+            _resolve(self._outputs.get(message.output.key.step), tensor)
+        elif kind == "backward_done":
+            _resolve(self._backwards.get(message.backward_done.key.step), tensor)
+        elif kind == "settled":
+            failure = message.settled.failure
+            _resolve(self._settles.get(message.settled.optimizer_step), None,
+                     errors.FailedPrecondition(failure) if failure else None)
+        elif kind == "error":
+            self._failed(message.error)
+
+    def _failed(self, error: shard_pb2.LinkError) -> None:
+        exception = link.raised(error)
+        if not error.HasField("key"):
+            for pending in (self._outputs, self._backwards, self._settles):
+                for future in pending.values():
+                    _resolve(future, None, exception)
+            return
+        step = error.key.step
+        first, second = (self._backwards, self._outputs) if error.backward else (self._outputs, self._backwards)
+        _resolve(first.get(step), None, exception)
+        if not error.backward:
+            _resolve(second.get(step), None, exception)  # a step whose forward failed has no backward
+
+    def _broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
+        self._failed(shard_pb2.LinkError(code=error.code, message=str(error)))
+
+    async def close(self) -> None:
+        """Ends both links; the shards keep the model."""
+        links, self._links = self._links, {}
+        for client in links.values():
+            await client.close()
+        cancelled = errors.FailedPrecondition(f"deployment {self._deployment_id}: the client closed")
+        for pending in (self._outputs, self._backwards, self._settles):
+            for future in pending.values():
+                _resolve(future, None, cancelled)
+
+
+def _resolve(future: asyncio.Future | None, value, error: BaseException | None = None) -> None:
+    if future is None or future.done():
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
+        future.exception()  # retrieved: the step may be waited on by nobody
+

@@ -1,0 +1,313 @@
+"""A shard's side of the PyTorch-shaped loop over Link streams (shardtrain/link.py).
+
+Every item a link brings is handled here: a forward runs the stage and sends the activation on to the
+next stage (the last stage sends the output to the SDK), a backward runs the stage's backward and
+sends the input gradient to the previous stage (the first stage tells the SDK it is done), residuals
+go straight from their producer to their consumers and their gradients straight back. An optimizer
+step is passed down the stages at once and each stage applies it after its own backwards.
+
+Outcomes travel as items too, so no stage waits for an answer:
+- a failure goes toward the SDK in place of what the SDK waits for (a forward's toward the last stage,
+  a backward's toward the first);
+- "settled" items go down from the first stage: a backward (or optimizer step) is settled on stage i
+  once it is over there and on every stage before it. A stage applies an optimizer step only after the
+  backwards it follows settled without failure everywhere, so the stages' weights never drift apart,
+  while each stage still starts its optimizer as soon as the stages before it are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from shard_service.mailbox import Mailbox
+from shardtrain import errors, link
+from shardtrain.v1 import shard_pb2
+
+if TYPE_CHECKING:
+    from shard_service.servicer import ShardServicer
+
+log = logging.getLogger("shardtrain.shard.loop")
+_ROLES = shard_pb2.LinkRole
+
+
+class LinkedLoop:
+    """The links of one shard for its current deployment, and the work their items start."""
+
+    def __init__(self, shard: ShardServicer):
+        self._shard = shard
+        self._deployment_id = ""
+        self._input: link.LinkEnd | None = None    # the SDK's input link (first stage)
+        self._output: link.LinkEnd | None = None   # the SDK's output link (last stage)
+        self._output_opened = asyncio.Event()      # the SDK opens it with the input link; it may arrive later
+        self._from_stage: dict[int, link.LinkEnd] = {}  # links other stages opened to this one
+        self._opened: dict[str, link.ClientLink] = {}   # links this stage opened, by address
+        self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
+        self._settled = Mailbox()     # the previous stage's settled outcomes, by (kind, id)
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- links ---------------------------------------------------------------------------------------
+    async def reset(self, deployment_id: str) -> None:
+        """A new stage was loaded: links of the previous deployment end, and nothing of theirs is reported."""
+        self._deployment_id = deployment_id
+        self._input = self._output = None
+        self._output_opened.clear()
+        self._from_stage.clear()
+        opened, self._opened = self._opened, {}
+        for client in opened.values():
+            await client.close()
+        self._residuals.discard_where(lambda key: True)
+        self._settled.discard_where(lambda key: True)
+
+    def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
+        """Someone opened a Link here: the SDK (input or output side) or another stage."""
+        self._shard.stage_for(opening.deployment_id)
+        plan = self._shard.plan
+        end.deployment_id = opening.deployment_id
+        end.same_host = opening.shared_memory
+        end.toward_first = opening.role != _ROLES.LINK_ROLE_OUTPUT
+        if opening.role == _ROLES.LINK_ROLE_INPUT and plan.stage == 0:
+            self._input = end
+        elif opening.role == _ROLES.LINK_ROLE_OUTPUT and plan.stage == plan.num_stages - 1:
+            self._output = end
+            self._output_opened.set()
+        elif opening.role in (_ROLES.LINK_ROLE_NEXT, _ROLES.LINK_ROLE_RESIDUAL) and \
+                0 <= opening.from_stage < plan.stage:
+            self._from_stage[opening.from_stage] = end
+            addresses = {r.producer_stage: r.producer_address for r in plan.incoming_residuals}
+            if plan.previous_address:
+                addresses[plan.stage - 1] = plan.previous_address
+            end.name = f"shard at {addresses.get(opening.from_stage, '?')} (stage {opening.from_stage})"
+        else:
+            raise errors.InvalidArgument(
+                f"stage {plan.stage} of {plan.num_stages} takes no {_ROLES.Name(opening.role)} link from "
+                f"{'the SDK' if opening.from_stage < 0 else f'stage {opening.from_stage}'}")
+
+    def closed(self, end: link.LinkEnd, broke: bool) -> None:
+        """A Link opened here ended; if a stage of this deployment went away, the SDK hears of it."""
+        current = end.deployment_id == self._deployment_id
+        stages = [stage for stage, known in self._from_stage.items() if known is end]
+        for stage in stages:
+            del self._from_stage[stage]
+        if end is self._input:
+            self._input = None
+        if end is self._output:
+            self._output = None
+            self._output_opened.clear()
+        if current and stages and broke:
+            error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard broke")
+            self._spawn(self._tell(link.error_item(None, error, self._shard.location), up=False))
+
+    def _client(self, address: str, role: int) -> link.ClientLink:
+        """The Link this stage opened to `address`, opened again if it broke."""
+        client = self._opened.get(address)
+        if client is None or client.broken is not None:
+            peer = self._shard.links.peer(address)
+            opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
+                                         from_stage=self._shard.plan.stage, shared_memory=peer.same_host)
+            client = link.ClientLink(peer, opening, self.on_item, self._broke)
+            client.deployment_id, client.same_host, client.toward_first = self._deployment_id, peer.same_host, False
+            self._opened[address] = client
+        return client
+
+    def _broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
+        if self._opened.get(client.peer.address) is client:
+            self._spawn(self._tell(link.error_item(None, error, self._shard.location), up=True))
+
+    # --- sending ---------------------------------------------------------------------------------------
+    def _down(self) -> link.LinkEnd | None:
+        plan = self._shard.plan
+        return self._client(plan.next_address, _ROLES.LINK_ROLE_NEXT) if plan.next_address else self._output
+
+    def _up(self) -> link.LinkEnd | None:
+        plan = self._shard.plan
+        return self._from_stage.get(plan.stage - 1) if plan.stage > 0 else self._input
+
+    async def _send(self, end: link.LinkEnd | None, message, tensor: torch.Tensor | None = None,
+                    kind: str = "activations") -> None:
+        if end is None:
+            raise errors.Unavailable(f"{self._shard.location}: no link to send a {message.WhichOneof('item')} on")
+        await end.send(message, tensor, self._shard.links.options(end.same_host, kind))
+
+    async def _report(self, key: shard_pb2.StepKey, error: BaseException, backward: bool) -> None:
+        """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
+        await self._tell(link.error_item(key, error, self._shard.location, backward), up=backward)
+
+    async def _tell(self, item: shard_pb2.LinkMessage, up: bool) -> None:
+        """Sends an error item up or down the stages, the other way if that way is gone."""
+        for way in ([self._up, self._down] if up else [self._down, self._up]):
+            try:
+                await self._send(way(), item)
+                return
+            except errors.ShardtrainError:
+                continue
+        log.warning("%s: nobody left to tell: %s", self._shard.location, item.error.message)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: link work failed: %r", self._shard.location, task.exception())
+
+    # --- items -----------------------------------------------------------------------------------------
+    def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
+        """Starts the work an item asks for; never blocks the link's reader."""
+        kind = message.WhichOneof("item")
+        if kind == "forward":
+            self._spawn(self._forward(message.forward, tensor))
+        elif kind == "backward":
+            self._spawn(self._backward(message.backward, tensor))
+        elif kind == "step":
+            self._spawn(self._step(message.step))
+        elif kind == "residual":
+            key = message.residual.key
+            self._residuals.put((key.step, key.microbatch, message.residual.name), tensor)
+        elif kind == "residual_gradient":
+            self._spawn(self._shard.accumulate(message.residual_gradient.key, message.residual_gradient.name,
+                                               tensor))
+        elif kind == "backward_settled":
+            settled = message.backward_settled
+            self._settled.put(("backward", settled.key.step, settled.key.microbatch), settled.failure)
+        elif kind == "settled":
+            self._settled.put(("step", message.settled.optimizer_step), message.settled.failure)
+        elif kind == "error":
+            self._spawn(self._pass_error(end, message))
+        else:
+            raise errors.InvalidArgument(f"a shard takes no {kind} item on a Link")
+
+    async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
+        shard = self._shard
+        key = (header.key.step, header.key.microbatch)
+        try:
+            stage = shard.stage_for(header.key.deployment_id)
+            if x is None:
+                raise errors.InvalidArgument("a forward item carries the activation tensor")
+            if header.HasField("step_first"):
+                raise errors.InvalidArgument("on a Link an optimizer step travels as a step item, not in step_first")
+            incoming = await self._incoming_residuals(stage, header.key)
+            await shard.order.after_optimizer_step(header.after_optimizer_step, shard.settings.timeouts.peer_wait)
+            if header.zero_grad:
+                await shard.run(stage.zero_grad)
+            result, outgoing = await shard.run(stage.forward, key, x, incoming, header.requires_grad,
+                                               header.input_requires_grad)
+            for name, tensor in outgoing.items():
+                sink = next(r for r in shard.plan.outgoing_residuals if r.name == name)
+                for address in sink.consumer_addresses:
+                    item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=header.key, name=name))
+                    await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
+            if shard.plan.next_address:
+                await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)
+            else:
+                if self._output is None:
+                    await self._sdk_output()
+                await self._send(self._down(), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)),
+                                 result)
+        except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
+            await self._report(header.key, error, backward=False)
+
+    async def _sdk_output(self) -> None:
+        """Waits (up to the peer-wait deadline) for the SDK's output link, opened at the same time as the input."""
+        timeout = self._shard.settings.timeouts.peer_wait
+        try:
+            await asyncio.wait_for(self._output_opened.wait(), timeout)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"the SDK did not open its output link within {timeout:g} s") from None
+
+    async def _incoming_residuals(self, stage, key: shard_pb2.StepKey) -> dict:
+        shard = self._shard
+        incoming = {}
+        for name in stage.residuals.incoming:
+            producer = shard.links.producer(name).producer_stage
+            what = f"residual {name!r} of step {key.step} micro-batch {key.microbatch} from stage {producer}"
+            tensor = await self._residuals.get((key.step, key.microbatch, name), shard.settings.timeouts.peer_wait,
+                                               what)
+            self._residuals.discard((key.step, key.microbatch, name))
+            stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {producer}")
+            incoming[name] = tensor
+        return incoming
+
+    async def _backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> None:
+        shard = self._shard
+        key = (header.key.step, header.key.microbatch)
+        try:
+            stage = shard.stage_for(header.key.deployment_id)
+            residual_grads = await shard.residual_gradients(stage, key)
+            grad_input, incoming_grads = await shard.run(stage.backward, key, grad, residual_grads)
+            for name, residual_grad in incoming_grads.items():
+                producer = shard.links.producer(name).producer_stage
+                item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=header.key, name=name))
+                await self._send(self._from_stage.get(producer), item, residual_grad, "residuals")
+            if shard.plan.stage > 0:
+                item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=header.key))
+            else:
+                item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=header.key))
+            await self._send(self._up(), item, grad_input, "gradients")
+        except Exception as error:  # noqa: BLE001 - reported to the SDK; the stages will not step on it
+            await self._report(header.key, error, backward=True)
+            await self._settle_backward(header.key, link.error_item(None, error, shard.location).error.message)
+            return
+        await self._settle_backward(header.key, "")
+
+    async def _settle_backward(self, key: shard_pb2.StepKey, failure: str) -> None:
+        """Records a backward's outcome here once the previous stages' is known, and passes it down."""
+        failure = await self._settle(("backward", key.step, key.microbatch), failure,
+                                     f"the outcome of step {key.step}'s backward",
+                                     shard_pb2.LinkMessage(backward_settled=shard_pb2.BackwardSettled(key=key)))
+        await self._shard.order.backward_finished(key.step, failure)
+
+    async def _settle(self, ident: tuple, failure: str, what: str, item: shard_pb2.LinkMessage) -> str:
+        shard = self._shard
+        if shard.plan.stage > 0:
+            upstream = await self._settled.get(ident, shard.settings.timeouts.peer_wait,
+                                               f"{what} on stage {shard.plan.stage - 1}")
+            self._settled.discard(ident)
+            failure = failure or upstream
+        if shard.plan.next_address or ident[0] == "step":
+            getattr(item, item.WhichOneof("item")).failure = failure
+            try:
+                await self._send(self._down(), item)
+            except errors.ShardtrainError as error:
+                log.warning("%s: could not pass on %s: %s", shard.location, what, error)
+        return failure
+
+    async def _step(self, request: shard_pb2.StepRequest) -> None:
+        shard = self._shard
+        if shard.plan.next_address:
+            try:
+                await self._send(self._down(), shard_pb2.LinkMessage(step=request))
+            except errors.ShardtrainError as error:
+                await self._tell(link.error_item(None, error, shard.location), up=True)
+        failure = ""
+        try:
+            await shard.apply_step(shard.stage_for(request.deployment_id), request)
+        except Exception as error:  # noqa: BLE001 - settled with its reason; the SDK hears it
+            failure = link.error_item(None, error, shard.location).error.message
+        await self._settle(("step", request.optimizer_step), failure, f"optimizer step {request.optimizer_step}",
+                           shard_pb2.LinkMessage(settled=shard_pb2.StepSettled(
+                               optimizer_step=request.optimizer_step)))
+
+    async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
+        """Passes a failure on the way it travels; a failed backward also settles here as failed."""
+        error = message.error
+        from_below = not end.toward_first
+        await self._tell(message, up=from_below)
+        if error.backward and error.HasField("key") and from_below:
+            await self._settle_backward(error.key, error.message)
+
+    def forget(self, up_to_step: int) -> None:
+        """Drops residuals and settled outcomes of steps up to `up_to_step`."""
+        self._residuals.discard_where(lambda key: key[0] <= up_to_step)
+        self._settled.discard_where(lambda key: key[0] == "backward" and key[1] <= up_to_step)
+
+    async def close(self) -> None:
+        """Ends the links this stage opened and the work in progress."""
+        await self.reset("")
+        for task in list(self._tasks):
+            task.cancel()
