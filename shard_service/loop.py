@@ -197,11 +197,7 @@ class LinkedLoop:
                 await shard.run(stage.zero_grad)
             result, outgoing = await shard.run(stage.forward, key, x, incoming, header.requires_grad,
                                                header.input_requires_grad)
-            for name, tensor in outgoing.items():
-                sink = next(r for r in shard.plan.outgoing_residuals if r.name == name)
-                for address in sink.consumer_addresses:
-                    item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=header.key, name=name))
-                    await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
+            # The activation first: the next stage needs it now, a residual's consumer only later.
             if shard.plan.next_address:
                 await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)
             else:
@@ -209,6 +205,11 @@ class LinkedLoop:
                     await self._sdk_output()
                 await self._send(self._down(), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)),
                                  result)
+            for name, tensor in outgoing.items():
+                sink = next(r for r in shard.plan.outgoing_residuals if r.name == name)
+                for address in sink.consumer_addresses:
+                    item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=header.key, name=name))
+                    await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
         except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
             await self._report(header.key, error, backward=False)
 
@@ -257,25 +258,28 @@ class LinkedLoop:
 
     async def _settle_backward(self, key: shard_pb2.StepKey, failure: str) -> None:
         """Records a backward's outcome here once the previous stages' is known, and passes it down."""
-        failure = await self._settle(("backward", key.step, key.microbatch), failure,
-                                     f"the outcome of step {key.step}'s backward",
-                                     shard_pb2.LinkMessage(backward_settled=shard_pb2.BackwardSettled(key=key)))
-        await self._shard.order.backward_finished(key.step, failure)
+        ident = ("backward", key.step, key.microbatch)
+        failure = await self._upstream_outcome(ident, failure, f"the outcome of step {key.step}'s backward")
+        await self._shard.order.backward_finished(key.step, failure)  # first: this stage's optimizer may go
+        if self._shard.plan.next_address:
+            await self._pass_down(shard_pb2.LinkMessage(backward_settled=shard_pb2.BackwardSettled(
+                key=key, failure=failure)))
 
-    async def _settle(self, ident: tuple, failure: str, what: str, item: shard_pb2.LinkMessage) -> str:
+    async def _upstream_outcome(self, ident: tuple, failure: str, what: str) -> str:
+        """This stage's outcome combined with the previous stages' (the first failure wins)."""
         shard = self._shard
-        if shard.plan.stage > 0:
-            upstream = await self._settled.get(ident, shard.settings.timeouts.peer_wait,
-                                               f"{what} on stage {shard.plan.stage - 1}")
-            self._settled.discard(ident)
-            failure = failure or upstream
-        if shard.plan.next_address or ident[0] == "step":
-            getattr(item, item.WhichOneof("item")).failure = failure
-            try:
-                await self._send(self._down(), item)
-            except errors.ShardtrainError as error:
-                log.warning("%s: could not pass on %s: %s", shard.location, what, error)
-        return failure
+        if shard.plan.stage == 0:
+            return failure
+        upstream = await self._settled.get(ident, shard.settings.timeouts.peer_wait,
+                                           f"{what} on stage {shard.plan.stage - 1}")
+        self._settled.discard(ident)
+        return failure or upstream
+
+    async def _pass_down(self, item: shard_pb2.LinkMessage) -> None:
+        try:
+            await self._send(self._down(), item)
+        except errors.ShardtrainError as error:
+            log.warning("%s: could not pass on a %s item: %s", self._shard.location, item.WhichOneof("item"), error)
 
     async def _step(self, request: shard_pb2.StepRequest) -> None:
         shard = self._shard
@@ -289,9 +293,10 @@ class LinkedLoop:
             await shard.apply_step(shard.stage_for(request.deployment_id), request)
         except Exception as error:  # noqa: BLE001 - settled with its reason; the SDK hears it
             failure = link.error_item(None, error, shard.location).error.message
-        await self._settle(("step", request.optimizer_step), failure, f"optimizer step {request.optimizer_step}",
-                           shard_pb2.LinkMessage(settled=shard_pb2.StepSettled(
-                               optimizer_step=request.optimizer_step)))
+        failure = await self._upstream_outcome(("step", request.optimizer_step), failure,
+                                               f"optimizer step {request.optimizer_step}")
+        await self._pass_down(shard_pb2.LinkMessage(settled=shard_pb2.StepSettled(
+            optimizer_step=request.optimizer_step, failure=failure)))
 
     async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
         """Passes a failure on the way it travels; a failed backward also settles here as failed."""
