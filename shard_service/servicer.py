@@ -18,6 +18,7 @@ from shard_service.pipeline import PipelineRun
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
+from shard_service.threads import ThreadChoice
 from shardtrain import link, losses, shm, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
@@ -34,6 +35,12 @@ _FETCHED_KINDS = {OUTPUT: "activations", INPUT_GRADIENT: "gradients"}  # any oth
 def _set_threads(threads: int) -> None:
     if threads:
         torch.set_num_threads(threads)
+
+
+def _with_threads(threads: int, function, *args):
+    """Runs `function` with `threads` intra-op threads (a per-thread OpenMP setting: set where it runs)."""
+    torch.set_num_threads(threads)
+    return function(*args)
 
 
 class ShardServicer:
@@ -56,6 +63,7 @@ class ShardServicer:
         self._order = StepOrder()
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
+        self._threads = ThreadChoice(settings.threads or torch.get_num_threads())
         # One stage, one thread, in order. OpenMP thread counts are per thread, so the setting is
         # applied inside the compute thread: set only in the main thread, the compute thread would
         # start a team per core and spin against the other shards on the same host.
@@ -80,12 +88,15 @@ class ShardServicer:
         """
         async with self._stage_lock:
             name = function.__name__
+            threads = self._threads.threads(name)
             start = time.perf_counter()
             if self._durations.get(name, INLINE_SECONDS) < INLINE_SECONDS:
-                result = function(*args)
+                result = _with_threads(threads, function, *args)
             else:
-                result = await asyncio.get_running_loop().run_in_executor(self._compute, function, *args)
-            self._durations[name] = time.perf_counter() - start
+                result = await asyncio.get_running_loop().run_in_executor(self._compute, _with_threads, threads,
+                                                                          function, *args)
+            self._durations[name] = elapsed = time.perf_counter() - start
+            self._threads.record(name, threads, elapsed)
             return result
 
     def stage_for(self, deployment_id: str) -> Stage:

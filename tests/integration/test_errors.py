@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -141,3 +143,22 @@ def test_a_dead_shard_makes_the_call_fail_with_its_address(own_cluster):
     service.process.wait()
     with pytest.raises(errors.Unavailable, match=rf"{victim} .*is unavailable"):
         model(torch.randn(2, 2))
+
+
+def test_a_dead_middle_shard_fails_the_next_step_with_its_address_not_a_hang():
+    """The SDK has no link to a middle stage: the stages around it report it, over their own links."""
+    with Cluster.local(num_shards=3) as cluster:
+        torch.manual_seed(0)
+        model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=3)
+        train_remotely(model, regression_batches(steps=2, batch=2, features=2))
+        victim = model.placements[1].shard_address
+        service = next(s for s in cluster._services.services if s.address == victim)
+        service.process.kill()
+        service.process.wait()
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable, match=rf"shard at {victim}.* is unavailable"):
+            for _ in range(2):  # the first call may already see the news; the second at the latest
+                model(torch.randn(2, 2)).sum().backward()
+                model.step()
+                model.synchronize()
+        assert time.monotonic() - started < 30

@@ -1,0 +1,68 @@
+"""How many intra-op threads each kind of stage work gets: one, or all the shard has, whichever runs it faster.
+
+Small work runs faster on one thread: waking OpenMP workers costs more than they save, all the more
+when shards share a host's cores. Big work runs faster on all of them. Measured with
+`python -m bench.train_step` (seed model, 3 local shards on 2 cores): at batch 32 one thread per
+shard stepped in 17.0-19.4 ms against 19.9-21.2 ms with two (three alternating runs); in one
+process, batch 1024 takes 67 ms on one thread and 46 ms on two. So each shard measures instead of
+guessing: the first calls of each kind alternate between the two counts, the faster median wins,
+and every RETUNE calls it measures again, because batch sizes change.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+
+log = logging.getLogger("shardtrain.shard")
+
+TRIALS = 4     # calls timed with each count before choosing
+RETUNE = 400   # calls after a choice before measuring again
+
+
+@dataclass
+class _Kind:
+    samples: dict[int, list[float]] = field(default_factory=dict)
+    chosen: int = 0
+    since_chosen: int = 0
+
+
+class ThreadChoice:
+    """Per kind of work (a name), the thread count to run it with, learnt from how long it took."""
+
+    def __init__(self, most: int):
+        self.most = max(1, most)
+        self._kinds: dict[str, _Kind] = {}
+
+    def threads(self, kind: str) -> int:
+        """The count to run the next piece of `kind` with."""
+        if self.most == 1:
+            return 1
+        state = self._kinds.setdefault(kind, _Kind())
+        if state.chosen:
+            return state.chosen
+        ones, alls = (len(state.samples.get(n, ())) for n in (1, self.most))
+        return 1 if ones <= alls else self.most
+
+    def record(self, kind: str, threads: int, seconds: float) -> None:
+        """How long a piece of `kind` took with `threads`."""
+        if self.most == 1:
+            return
+        state = self._kinds.setdefault(kind, _Kind())
+        if state.chosen:
+            state.since_chosen += 1
+            if state.since_chosen >= RETUNE:
+                self._kinds[kind] = _Kind()
+            return
+        state.samples.setdefault(threads, []).append(seconds)
+        if all(len(state.samples.get(n, ())) >= TRIALS for n in (1, self.most)):
+            medians = {n: statistics.median(state.samples[n]) for n in (1, self.most)}
+            state.chosen = min(medians, key=medians.get)
+            level = logging.INFO if max(medians.values()) > 1e-3 else logging.DEBUG
+            log.log(level, "%s runs on %d intra-op thread(s): median %.2f ms on 1, %.2f ms on %d", kind, state.chosen,
+                     medians[1] * 1e3, medians[self.most] * 1e3, self.most)
+
+    def chosen(self) -> dict[str, int]:
+        """The counts chosen so far, by kind (for Describe and tests)."""
+        return {kind: state.chosen for kind, state in self._kinds.items() if state.chosen}

@@ -1,0 +1,44 @@
+"""shard_service.threads: each kind of stage work runs with the thread count that measured faster."""
+
+from __future__ import annotations
+
+from shard_service.threads import RETUNE, TRIALS, ThreadChoice
+
+
+def run(choice: ThreadChoice, kind: str, seconds_by_threads: dict[int, float], calls: int) -> list[int]:
+    """Feeds `calls` pieces of work of `kind` that take the given time with each thread count."""
+    used = []
+    for _ in range(calls):
+        threads = choice.threads(kind)
+        used.append(threads)
+        choice.record(kind, threads, seconds_by_threads[threads])
+    return used
+
+
+def test_trials_alternate_then_small_work_keeps_one_thread():
+    choice = ThreadChoice(4)
+    used = run(choice, "forward", {1: 0.001, 4: 0.003}, 2 * TRIALS + 5)
+    assert used[:2 * TRIALS].count(1) == TRIALS and used[:2 * TRIALS].count(4) == TRIALS
+    assert used[2 * TRIALS:] == [1] * 5
+    assert choice.chosen() == {"forward": 1}
+
+
+def test_big_work_takes_every_thread_and_kinds_are_tuned_apart():
+    choice = ThreadChoice(2)
+    run(choice, "backward", {1: 0.018, 2: 0.009}, 2 * TRIALS)
+    run(choice, "step", {1: 0.003, 2: 0.004}, 2 * TRIALS)
+    assert choice.chosen() == {"backward": 2, "step": 1}
+
+
+def test_it_measures_again_after_retune_calls():
+    choice = ThreadChoice(2)
+    run(choice, "forward", {1: 0.001, 2: 0.002}, 2 * TRIALS + RETUNE)
+    assert choice.chosen() == {}  # trying both again: the batch size may have changed
+    run(choice, "forward", {1: 0.010, 2: 0.005}, 2 * TRIALS)
+    assert choice.chosen() == {"forward": 2}
+
+
+def test_a_single_thread_shard_never_tries_more():
+    choice = ThreadChoice(1)
+    assert run(choice, "forward", {1: 0.5}, 10) == [1] * 10
+    assert choice.chosen() == {}
