@@ -1,6 +1,9 @@
 """The SDK's two Links of a deployment: into the first stage (inputs, optimizer steps) and into the last
-(output gradients). Outputs, finished backwards, settled steps and failures come back on them and
-resolve the futures the loop waits on. See shardtrain/link.py for why streams and not calls.
+(output gradients). Outputs, finished backwards, flushes and failures come back on them and resolve
+the futures the loop waits on. See shardtrain/link.py for why streams and not calls.
+
+An optimizer step is settled on every stage once an output comes back whose forward was sent after
+it (every stage waits for the step before running a later forward), or once a Flush comes back.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class SdkLinks:
         self._outputs: dict[int, asyncio.Future] = {}    # step -> the model's output
         self._backwards: dict[int, asyncio.Future] = {}  # step -> the input's gradient (or None) once done
         self._settles: dict[int, asyncio.Future] = {}    # optimizer step -> None once settled everywhere
+        self._follows: dict[int, int] = {}               # forward step -> the optimizer step it follows
+        self._flushed = 0                                # the highest optimizer step a Flush was sent for
 
     def _link(self, role: int) -> link.ClientLink:
         client = self._links.get(role)
@@ -66,14 +71,18 @@ class SdkLinks:
         """Sends x into the first stage; returns the last stage's output."""
         step = header.key.step
         future = self._expect(self._outputs, step)
+        self._follows[step] = header.after_optimizer_step
         try:
             self._link(_ROLES.LINK_ROLE_OUTPUT)  # opened now: the last stage sends the output on it
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
         except BaseException:
             self._outputs.pop(step, None)
+            self._follows.pop(step, None)
             raise
-        return await self._wait(self._outputs, step, future,
-                                f"the output of step {step} from {self._last.name}")
+        try:
+            return await self._wait(self._outputs, step, future, f"the output of step {step} from {self._last.name}")
+        finally:
+            self._follows.pop(step, None)
 
     async def backward(self, key: shard_pb2.StepKey, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Sends the output's gradient into the last stage; returns (the input's gradient or None) once every
@@ -84,29 +93,63 @@ class SdkLinks:
         return await self._wait(self._backwards, key.step, future,
                                 f"the end of step {key.step}'s backward on {self._first.name}")
 
-    async def step(self, request: shard_pb2.StepRequest) -> None:
-        """Sends an optimizer step down the stages; returns once every stage settled it (raises if one refused)."""
-        future = self._expect(self._settles, request.optimizer_step)
-        await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(step=request))
-        await self._wait(self._settles, request.optimizer_step, future,
-                         f"optimizer step {request.optimizer_step} on every stage")
+    def step(self, request: shard_pb2.StepRequest) -> asyncio.Future:
+        """Sends an optimizer step down the stages. The future ends once every stage settled it (with an error
+        if a stage's optimizer failed); nothing answers a step by itself: a later output or flush() does."""
+        number = request.optimizer_step
+        settled = self._expect(self._settles, number)  # now, so that a flush() right after knows of it
+        sent = asyncio.ensure_future(self._send(_ROLES.LINK_ROLE_INPUT,
+                                                shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request))))
+        return asyncio.ensure_future(self._step_settled(number, sent, settled))
+
+    async def _step_settled(self, number: int, sent: asyncio.Future, settled: asyncio.Future) -> None:
+        try:
+            await sent
+            await asyncio.shield(settled)  # no deadline here: flush() sets one when someone must know
+        finally:
+            if self._settles.get(number) is settled:
+                del self._settles[number]
+
+    async def flush(self) -> None:
+        """Asks every stage to confirm the optimizer steps sent so far, unless a later output already did;
+        waits (up to the deadline) until they have."""
+        pending = [number for number, future in self._settles.items() if not future.done()]
+        if not pending:
+            return
+        number = max(pending)
+        if number > self._flushed:
+            self._flushed = number
+            await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=number)))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(self._settles[n]) for n in pending
+                                                    if n in self._settles), return_exceptions=True), self._timeout)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"optimizer step {number} was not confirmed by every stage within "
+                                          f"{self._timeout:g} s") from None
+
+    def _settled(self, up_to: int) -> None:
+        for number in [n for n in self._settles if n <= up_to]:
+            _resolve(self._settles.pop(number), None)
 
     # --- what comes back ------------------------------------------------------------------------------
     def _on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
         kind = message.WhichOneof("item")
         if kind == "output":
-            _resolve(self._outputs.get(message.output.key.step), tensor)
+            step = message.output.key.step
+            self._settled(self._follows.get(step, 0))
+            _resolve(self._outputs.get(step), tensor)
         elif kind == "backward_done":
             _resolve(self._backwards.get(message.backward_done.key.step), tensor)
-        elif kind == "settled":
-            failure = message.settled.failure
-            _resolve(self._settles.get(message.settled.optimizer_step), None,
-                     errors.FailedPrecondition(failure) if failure else None)
+        elif kind == "flush":
+            self._settled(message.flush.optimizer_step)
         elif kind == "error":
             self._failed(message.error)
 
     def _failed(self, error: shard_pb2.LinkError) -> None:
         exception = link.raised(error)
+        if error.optimizer_step:
+            _resolve(self._settles.pop(error.optimizer_step, None), None, exception)
+            return
         if not error.HasField("key"):
             for pending in (self._outputs, self._backwards, self._settles):
                 for future in pending.values():

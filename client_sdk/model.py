@@ -208,13 +208,14 @@ class DistributedModel:
 
     async def _step(self, wait: bool = False) -> None:
         """Sends the optimizer step down the stages at once; each applies it after its own backwards."""
+        await self._clients.flush()  # the previous step is confirmed by now, unless no forward came between
         await self._inflight.drain_previous()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         self._optimizer_steps += 1
         backward_steps, self._backward_steps = self._backward_steps, []
         request = self._clients.step_request(self._last_step, zero_grad, self._optimizer_steps, backward_steps)
         self._settle_before_forward = request.optimizer_step
-        self._inflight.add(asyncio.ensure_future(self._clients.step(request)))
+        self._inflight.add(self._clients.step(request))
         self._inflight.next_iteration()
         if wait:
             await self._synchronize()
@@ -225,6 +226,7 @@ class DistributedModel:
         self._backward_steps.clear()
 
     async def _synchronize(self) -> None:
+        await self._clients.flush()
         await self._inflight.drain()
 
     async def _read_state(self) -> dict[str, torch.Tensor]:

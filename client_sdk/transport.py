@@ -70,9 +70,13 @@ class StageClients:
         return shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, zero_grad=zero_grad,
                                      optimizer_step=optimizer_step, backward_steps=backward_steps)
 
-    async def step(self, request: shard_pb2.StepRequest) -> None:
-        """Sends an optimizer step down the stages; returns once every stage has applied it (or refused)."""
-        await self._links.step(request)
+    def step(self, request: shard_pb2.StepRequest) -> asyncio.Future:
+        """Sends an optimizer step down the stages; the future ends once every stage has applied it (or refused)."""
+        return self._links.step(request)
+
+    async def flush(self) -> None:
+        """Makes sure every optimizer step sent so far is confirmed (asks the stages if no output did)."""
+        await self._links.flush()
 
     async def read_state(self) -> dict[str, torch.Tensor]:
         """Every stage's weights, merged under the user's state-dict keys."""

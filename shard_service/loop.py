@@ -8,11 +8,12 @@ step is passed down the stages at once and each stage applies it after its own b
 
 Outcomes travel as items too, so no stage waits for an answer:
 - a failure goes toward the SDK in place of what the SDK waits for (a forward's toward the last stage,
-  a backward's toward the first);
-- "settled" items go down from the first stage: a backward (or optimizer step) is settled on stage i
-  once it is over there and on every stage before it. A stage applies an optimizer step only after the
-  backwards it follows settled without failure everywhere, so the stages' weights never drift apart,
-  while each stage still starts its optimizer as soon as the stages before it are done.
+  a backward's toward the first, and through every stage it passes, which then will not step on it);
+- an optimizer step goes down the stages: stage i passes it on once the backwards it follows are over
+  on stage i, with the reason if one failed there or before, and applies it only if none did. The
+  stages' weights never drift apart, and stage i+1 starts its optimizer while stage i runs its own.
+- Nothing says "done" on its own: the next output tells the SDK that every stage settled the
+  optimizer step before it (each forward waits for it), and a Flush item asks when nothing will.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ class LinkedLoop:
         self._from_stage: dict[int, link.LinkEnd] = {}  # links other stages opened to this one
         self._opened: dict[str, link.ClientLink] = {}   # links this stage opened, by address
         self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
-        self._settled = Mailbox()     # the previous stage's settled outcomes, by (kind, id)
         self._tasks: set[asyncio.Task] = set()
 
     # --- links ---------------------------------------------------------------------------------------
@@ -60,7 +60,6 @@ class LinkedLoop:
         for client in opened.values():
             await client.close()
         self._residuals.discard_where(lambda key: True)
-        self._settled.discard_where(lambda key: True)
 
     def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
@@ -166,17 +165,14 @@ class LinkedLoop:
             self._spawn(self._backward(message.backward, tensor))
         elif kind == "step":
             self._spawn(self._step(message.step))
+        elif kind == "flush":
+            self._spawn(self._flush(message.flush))
         elif kind == "residual":
             key = message.residual.key
             self._residuals.put((key.step, key.microbatch, message.residual.name), tensor)
         elif kind == "residual_gradient":
             self._spawn(self._shard.accumulate(message.residual_gradient.key, message.residual_gradient.name,
                                                tensor))
-        elif kind == "backward_settled":
-            settled = message.backward_settled
-            self._settled.put(("backward", settled.key.step, settled.key.microbatch), settled.failure)
-        elif kind == "settled":
-            self._settled.put(("step", message.settled.optimizer_step), message.settled.failure)
         elif kind == "error":
             self._spawn(self._pass_error(end, message))
         else:
@@ -250,30 +246,52 @@ class LinkedLoop:
             else:
                 item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=header.key))
             await self._send(self._up(), item, grad_input, "gradients")
-        except Exception as error:  # noqa: BLE001 - reported to the SDK; the stages will not step on it
+        except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self._report(header.key, error, backward=True)
-            await self._settle_backward(header.key, link.error_item(None, error, shard.location).error.message)
+            await shard.order.backward_finished(key[0], link.error_item(None, error, shard.location).error.message)
             return
-        await self._settle_backward(header.key, "")
+        await shard.order.backward_finished(key[0], "")
 
-    async def _settle_backward(self, key: shard_pb2.StepKey, failure: str) -> None:
-        """Records a backward's outcome here once the previous stages' is known, and passes it down."""
-        ident = ("backward", key.step, key.microbatch)
-        failure = await self._upstream_outcome(ident, failure, f"the outcome of step {key.step}'s backward")
-        await self._shard.order.backward_finished(key.step, failure)  # first: this stage's optimizer may go
-        if self._shard.plan.next_address:
-            await self._pass_down(shard_pb2.LinkMessage(backward_settled=shard_pb2.BackwardSettled(
-                key=key, failure=failure)))
+    async def _step(self, item: shard_pb2.LinkStep) -> None:
+        """Passes an optimizer step on once this stage's share of its backwards is over, then applies it
+        unless one of them failed here or on a stage before."""
+        shard, request = self._shard, item.request
+        failure = item.failure
+        try:
+            stage = shard.stage_for(request.deployment_id)
+            failures = await shard.order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
+            if failures and not failure:
+                step, reason = next(iter(failures.items()))
+                failure = f"the backward of step {step} failed: {reason}"
+        except Exception as error:  # noqa: BLE001 - the step is refused on this stage and those after it
+            failure = failure or link.error_item(None, error, shard.location).error.message
+            stage = None
+        if shard.plan.next_address:
+            await self._pass_down(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure)))
+        try:
+            if stage is not None and not failure:
+                if request.zero_grad:
+                    await shard.run(stage.zero_grad)
+                await shard.run(stage.step)
+        except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
+            report = link.error_item(None, error, shard.location)
+            report.error.optimizer_step = request.optimizer_step
+            await self._tell(report, up=False)
+        finally:
+            await shard.order.optimizer_step_settled(request.optimizer_step)
+            if stage is not None:
+                await shard.forget(stage, request.step)
 
-    async def _upstream_outcome(self, ident: tuple, failure: str, what: str) -> str:
-        """This stage's outcome combined with the previous stages' (the first failure wins)."""
-        shard = self._shard
-        if shard.plan.stage == 0:
-            return failure
-        upstream = await self._settled.get(ident, shard.settings.timeouts.peer_wait,
-                                           f"{what} on stage {shard.plan.stage - 1}")
-        self._settled.discard(ident)
-        return failure or upstream
+    async def _flush(self, flush: shard_pb2.Flush) -> None:
+        """Passes a Flush on (the last stage: back to the SDK) once its optimizer step settled here."""
+        try:
+            await self._shard.order.after_optimizer_step(flush.optimizer_step, self._shard.settings.timeouts.peer_wait)
+        except errors.ShardtrainError as error:
+            report = link.error_item(None, error, self._shard.location)
+            report.error.optimizer_step = flush.optimizer_step
+            await self._tell(report, up=False)
+            return
+        await self._pass_down(shard_pb2.LinkMessage(flush=flush))
 
     async def _pass_down(self, item: shard_pb2.LinkMessage) -> None:
         try:
@@ -281,35 +299,17 @@ class LinkedLoop:
         except errors.ShardtrainError as error:
             log.warning("%s: could not pass on a %s item: %s", self._shard.location, item.WhichOneof("item"), error)
 
-    async def _step(self, request: shard_pb2.StepRequest) -> None:
-        shard = self._shard
-        if shard.plan.next_address:
-            try:
-                await self._send(self._down(), shard_pb2.LinkMessage(step=request))
-            except errors.ShardtrainError as error:
-                await self._tell(link.error_item(None, error, shard.location), up=True)
-        failure = ""
-        try:
-            await shard.apply_step(shard.stage_for(request.deployment_id), request)
-        except Exception as error:  # noqa: BLE001 - settled with its reason; the SDK hears it
-            failure = link.error_item(None, error, shard.location).error.message
-        failure = await self._upstream_outcome(("step", request.optimizer_step), failure,
-                                               f"optimizer step {request.optimizer_step}")
-        await self._pass_down(shard_pb2.LinkMessage(settled=shard_pb2.StepSettled(
-            optimizer_step=request.optimizer_step, failure=failure)))
-
     async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
-        """Passes a failure on the way it travels; a failed backward also settles here as failed."""
+        """Passes a failure on the way it travels; a failed backward also counts as failed here."""
         error = message.error
         from_below = not end.toward_first
-        await self._tell(message, up=from_below)
         if error.backward and error.HasField("key") and from_below:
-            await self._settle_backward(error.key, error.message)
+            await self._shard.order.backward_finished(error.key.step, error.message)
+        await self._tell(message, up=from_below)
 
     def forget(self, up_to_step: int) -> None:
-        """Drops residuals and settled outcomes of steps up to `up_to_step`."""
+        """Drops the residuals of steps up to `up_to_step` that no forward took."""
         self._residuals.discard_where(lambda key: key[0] <= up_to_step)
-        self._settled.discard_where(lambda key: key[0] == "backward" and key[1] <= up_to_step)
 
     async def close(self) -> None:
         """Ends the links this stage opened and the work in progress."""

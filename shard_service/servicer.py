@@ -297,9 +297,9 @@ class ShardServicer:
             await self._run(stage.step)
         finally:
             await self._order.optimizer_step_settled(request.optimizer_step)
-            await self._forget(stage, request.step)
+            await self.forget(stage, request.step)
 
-    async def _forget(self, stage: Stage, up_to_step: int) -> None:
+    async def forget(self, stage: Stage, up_to_step: int) -> None:
         """Drops every leftover of steps up to `up_to_step` (forwards whose backward never came, failed steps)."""
         await self._run(stage.forget, up_to_step)
         stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
@@ -333,7 +333,7 @@ class ShardServicer:
             stepping = time.perf_counter()
             await self._run(stage.step)
         finally:
-            await self._forget(stage, header.key.step)
+            await self.forget(stage, header.key.step)
         done = time.perf_counter()
         return shard_pb2.TrainStepResponse(loss=sum(figures.losses), stats=shard_pb2.StageStats(
             stage=self._plan.stage, replica=self._plan.replica, forward_seconds=figures.forward_seconds,

@@ -127,9 +127,14 @@ class LinkEnd:
                 for frame in items:
                     await self._write(frame)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as error:
-                self.broken = errors.Unavailable(f"{self.name} is unavailable: the link broke ({error})")
-                self.broken.from_peer = True
+                self.broken = await self._why_broken(error)
                 raise self.broken from None
+
+    async def _why_broken(self, error: Exception) -> errors.ShardtrainError:
+        """The error a failed write stands for."""
+        broken = errors.Unavailable(f"{self.name} is unavailable: the link broke ({error})")
+        broken.from_peer = True
+        return broken
 
 
 class ClientLink(LinkEnd):
@@ -179,6 +184,19 @@ class ClientLink(LinkEnd):
         except Exception as error:  # noqa: BLE001 - whatever ended the link, the owner hears of it
             self._broke(error if isinstance(error, errors.ShardtrainError) else
                         errors.InternalError(f"{self.name}: link failed: {error!r}"))
+
+    async def _why_broken(self, error: Exception) -> errors.ShardtrainError:
+        """A write fails when the call has ended: the peer's status says why (a refused open, a dead peer)."""
+        try:
+            status = await asyncio.wait_for(self._call.code(), 5.0)
+            details = await self._call.details()
+        except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError):
+            return await super()._why_broken(error)
+        if status in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            return await super()._why_broken(details or error)
+        broken = errors.error_for_code(status.name, details or f"{self.name}: {status.name}")
+        broken.from_peer = True
+        return broken
 
     def _broke(self, error: errors.ShardtrainError) -> None:
         if self.broken is None:

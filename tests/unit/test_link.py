@@ -26,7 +26,7 @@ def read_all(frames) -> list[link.Item]:
 def test_items_with_and_without_tensors_arrive_in_order_and_whole():
     activation = torch.randn(64, 33)  # 8448 bytes: nine chunks of 1000 bytes
     options = wire.SendOptions(chunk_bytes=1000)
-    frames = [*link.frames(shard_pb2.LinkMessage(step=shard_pb2.StepRequest(optimizer_step=2))),
+    frames = [*link.frames(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=shard_pb2.StepRequest(optimizer_step=2)))),
               *link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation, options),
               *link.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)))]
     assert len(frames) == 11
@@ -50,7 +50,7 @@ def test_a_tensor_item_is_not_complete_until_its_last_chunk():
 def test_a_new_item_inside_an_unfinished_tensor_is_data_loss():
     frames = list(link.frames(shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=KEY)), torch.zeros(1000),
                               wire.SendOptions(chunk_bytes=1024)))
-    intruder = next(link.frames(shard_pb2.LinkMessage(step=shard_pb2.StepRequest())))
+    intruder = next(link.frames(shard_pb2.LinkMessage(step=shard_pb2.LinkStep())))
     with pytest.raises(errors.DataLoss, match="a step item arrived before the tensor of the previous output item"):
         read_all([frames[0], intruder])
 

@@ -380,32 +380,32 @@ class LinkOpen(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., from_stage: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class LinkError(_message.Message):
-    __slots__ = ("key", "code", "message", "backward")
+    __slots__ = ("key", "code", "message", "backward", "optimizer_step")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     code: str
     message: str
     backward: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., backward: _Optional[bool] = ...) -> None: ...
-
-class StepSettled(_message.Message):
-    __slots__ = ("optimizer_step", "failure")
-    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
-    FAILURE_FIELD_NUMBER: _ClassVar[int]
     optimizer_step: int
-    failure: str
-    def __init__(self, optimizer_step: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., backward: _Optional[bool] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
 
-class BackwardSettled(_message.Message):
-    __slots__ = ("key", "failure")
-    KEY_FIELD_NUMBER: _ClassVar[int]
+class LinkStep(_message.Message):
+    __slots__ = ("request", "failure")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
-    key: StepKey
+    request: StepRequest
     failure: str
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., failure: _Optional[str] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[StepRequest, _Mapping]] = ..., failure: _Optional[str] = ...) -> None: ...
+
+class Flush(_message.Message):
+    __slots__ = ("optimizer_step",)
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    optimizer_step: int
+    def __init__(self, optimizer_step: _Optional[int] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("key", "name")
@@ -416,29 +416,27 @@ class TensorKey(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("open", "forward", "backward", "step", "settled", "residual", "residual_gradient", "output", "backward_done", "error", "backward_settled", "tensor")
+    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "tensor")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_GRADIENT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    BACKWARD_SETTLED_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     open: LinkOpen
     forward: ForwardHeader
     backward: BackwardHeader
-    step: StepRequest
-    settled: StepSettled
+    step: LinkStep
+    flush: Flush
     residual: TensorKey
     residual_gradient: TensorKey
     output: TensorKey
     backward_done: TensorKey
     error: LinkError
-    backward_settled: BackwardSettled
     tensor: _tensor_pb2.TensorChunk
-    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ..., settled: _Optional[_Union[StepSettled, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., backward_settled: _Optional[_Union[BackwardSettled, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
