@@ -119,7 +119,8 @@ class SdkLinks:
         number = max(pending)
         if number > self._flushed:
             self._flushed = number
-            await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=number)))
+            flush = shard_pb2.Flush(optimizer_step=number)
+            await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=flush))
         try:
             await asyncio.wait_for(asyncio.gather(*(asyncio.shield(self._settles[n]) for n in pending
                                                     if n in self._settles), return_exceptions=True), self._timeout)

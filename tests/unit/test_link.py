@@ -26,7 +26,8 @@ def read_all(frames) -> list[link.Item]:
 def test_items_with_and_without_tensors_arrive_in_order_and_whole():
     activation = torch.randn(64, 33)  # 8448 bytes: nine chunks of 1000 bytes
     options = wire.SendOptions(chunk_bytes=1000)
-    frames = [*link.frames(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=shard_pb2.StepRequest(optimizer_step=2)))),
+    step = shard_pb2.LinkStep(request=shard_pb2.StepRequest(optimizer_step=2))
+    frames = [*link.frames(shard_pb2.LinkMessage(step=step)),
               *link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation, options),
               *link.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)))]
     assert len(frames) == 11
