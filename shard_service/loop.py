@@ -135,9 +135,11 @@ class LinkedLoop:
         """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
         await self._tell(link.error_item(key, error, self._shard.location, backward), up=backward)
 
-    async def _tell(self, item: shard_pb2.LinkMessage, up: bool) -> None:
-        """Sends an error item up or down the stages, the other way if that way is gone."""
-        for way in ([self._up, self._down] if up else [self._down, self._up]):
+    async def _tell(self, item: shard_pb2.LinkMessage, up: bool, either_way: bool = True) -> None:
+        """Sends an error item up or down the stages; one that starts here goes the other way if that way is gone
+        (one being passed on does not: it would come back)."""
+        ways = [self._up, self._down] if up else [self._down, self._up]
+        for way in ways if either_way else ways[:1]:
             try:
                 await self._send(way(), item)
                 return
@@ -305,7 +307,7 @@ class LinkedLoop:
         from_below = not end.toward_first
         if error.backward and error.HasField("key") and from_below:
             await self._shard.order.backward_finished(error.key.step, error.message)
-        await self._tell(message, up=from_below)
+        await self._tell(message, up=from_below, either_way=False)
 
     def forget(self, up_to_step: int) -> None:
         """Drops the residuals of steps up to `up_to_step` that no forward took."""
