@@ -43,6 +43,8 @@ class Mailbox:
     async def get(self, key: Hashable, timeout: float, what: str) -> Any:
         """Waits for the value under `key`; DeadlineExceeded naming `what` after `timeout` seconds."""
         slot = self._slot(key)
+        if slot.done() and slot.exception() is None:
+            return slot.result()  # already delivered: no timer, no task
         try:
             return await asyncio.wait_for(asyncio.shield(slot), timeout)
         except TimeoutError:

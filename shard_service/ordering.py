@@ -17,6 +17,8 @@ class StepOrder:
         self._backwards: dict[int, str] = {}  # step -> "" if its backward succeeded here and upstream, else why not
 
     async def _wait(self, predicate, timeout: float, what: str) -> None:
+        if predicate():
+            return  # the usual case: no lock, no timer, no task
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
