@@ -111,24 +111,24 @@ class LinkEnd:
         self.deployment_id = ""      # what the owner knows of the other end:
         self.same_host = False       # it can open this process's shared segments,
         self.toward_first = True     # it sits before this one in the pipeline (or is the SDK's input side)
-        self._prefix: list[Frame] = []  # frames that go before the first item (the opener's open item)
 
     async def send(self, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
                    options: wire.SendOptions = wire.EXACT) -> None:
         """Sends one item; Unavailable if the link is broken."""
         items = list(frames(message, tensor, options))
+        await self._ready()
         async with self._lock:
             if self.broken is not None:
                 raise self.broken
             try:
-                while self._prefix:
-                    await self._write(self._prefix[0])
-                    self._prefix.pop(0)
                 for frame in items:
                     await self._write(frame)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as error:
                 self.broken = await self._why_broken(error)
                 raise self.broken from None
+
+    async def _ready(self) -> None:
+        """Returns once items may be sent (at once for the answering end)."""
 
     async def _why_broken(self, error: Exception) -> errors.ShardtrainError:
         """The error a failed write stands for."""
@@ -140,6 +140,9 @@ class LinkEnd:
 class ClientLink(LinkEnd):
     """The opener's end: a Link call to `peer`, whose incoming items go to `on_item` as they complete.
 
+    The open item goes at once; the peer answers it with its own open item once it accepted the link,
+    and no other item is sent before. A refused link then ends with the peer's status (FAILED_PRECONDITION:
+    another deployment) instead of failing a write halfway, which gRPC reports as an internal error.
     `on_item` runs on the reading task and must not block (it starts tasks or fills mailboxes);
     `on_broken` hears once why the link ended, unless close() ended it.
     """
@@ -151,32 +154,38 @@ class ClientLink(LinkEnd):
         super().__init__(peer.name, self._call.write)
         self._closing = False
         self._on_item, self._on_broken = on_item, on_broken
-        self._prefix.append(Frame(shard_pb2.LinkMessage(open=opening)))  # before any item, whoever sends first
+        self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._opening = asyncio.ensure_future(self._open(opening))
         self._reader = asyncio.ensure_future(self._read())
-        self._opening = asyncio.ensure_future(self._open())
 
-    async def _open(self) -> None:
+    async def _open(self, opening: shard_pb2.LinkOpen) -> None:
         try:
-            async with self._lock:
-                while self._prefix and self.broken is None:
-                    await self._write(self._prefix[0])
-                    self._prefix.pop(0)
+            await self._write(Frame(shard_pb2.LinkMessage(open=opening)))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            pass  # the reader hears why
+            pass  # the reader hears why, from the call's status
+
+    async def _ready(self) -> None:
+        await asyncio.shield(self._accepted)
 
     async def _read(self) -> None:
         items = ItemReader()
         try:
-            while True:
+            first = await self._call.read()
+            if first is not grpc.aio.EOF:
+                if not first.message.HasField("open"):
+                    raise errors.InvalidArgument(f"{self.name} did not answer the link's open item")
+                self._accepted.set_result(None)
+            while first is not grpc.aio.EOF:
                 frame = await self._call.read()
                 if frame is grpc.aio.EOF:
-                    status = await self._call.code()
-                    if status != grpc.StatusCode.OK:
-                        raise errors.error_for_code(status.name, f"{self.name}: {await self._call.details()}")
-                    raise errors.Unavailable(f"{self.name} closed the link")
+                    break
                 item = items.feed(frame)
                 if item is not None:
                     self._on_item(self, *item)
+            status = await self._call.code()
+            if status != grpc.StatusCode.OK:
+                raise errors.error_for_code(status.name, f"{self.name}: {await self._call.details()}")
+            raise errors.Unavailable(f"{self.name} closed the link")
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as error:
@@ -201,12 +210,16 @@ class ClientLink(LinkEnd):
     def _broke(self, error: errors.ShardtrainError) -> None:
         if self.broken is None:
             self.broken = error
+        if not self._accepted.done():
+            self._accepted.set_exception(error)
+            self._accepted.exception()  # retrieved: maybe nobody was about to send
         if not self._closing:
             self._on_broken(self, error)
 
     async def close(self) -> None:
         """Ends the link; the peer sees the stream finish."""
         self._closing = True
+        self._broke(errors.Unavailable(f"{self.name}: the link was closed"))
         self._call.cancel()
         self._reader.cancel()
         self._opening.cancel()
@@ -226,6 +239,7 @@ async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkO
         raise errors.InvalidArgument("a Link must start with an open item (LinkOpen)")
     end = LinkEnd(name, context.write)
     on_open(first.message.open, end)
+    await context.write(Frame(shard_pb2.LinkMessage(open=first.message.open)))  # accepted: items may come
     broke = True
     try:
         items = ItemReader()
