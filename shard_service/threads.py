@@ -1,10 +1,11 @@
 """How many intra-op threads each kind of stage work gets: one, or all the shard has, whichever runs it faster.
 
 Small work runs faster on one thread: waking OpenMP workers costs more than they save, all the more
-when shards share a host's cores. Big work runs faster on all of them. Measured with
-`python -m bench.train_step` (seed model, 3 local shards on 2 cores): at batch 32 one thread per
-shard stepped in 17.0-19.4 ms against 19.9-21.2 ms with two (three alternating runs); in one
-process, batch 1024 takes 67 ms on one thread and 46 ms on two. So each shard measures instead of
+when shards share a host's cores. Big work runs faster on all of them. Measured on the 2-core
+development machine with the loop of bench/train_step.py (seed model, 3 local shards, 400 steps):
+at batch 32, shards started with SHARDTRAIN_THREADS=1 stepped in 17.0-19.4 ms against 19.9-21.2 ms
+with torch's default of two (three alternating runs); in one process (`python -m bench.train_step`),
+batch 1024 takes 67 ms on one thread and 46 ms on two. So each shard measures instead of
 guessing: the first calls of each kind alternate between the two counts, the faster median wins,
 and every RETUNE calls it measures again, because batch sizes change.
 """
