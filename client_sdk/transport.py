@@ -23,7 +23,6 @@ class StageClients:
         self.deployment_id = deployment_id
         self.stages = [Peer(f"shard at {address} (stage {index})", address, SHARD_SERVICE,
                             security, timeouts.rpc) for index, address in enumerate(addresses)]
-        self._timeouts = timeouts
         self._encodings = encodings or tensor_pb2.WireEncodings()
         self._segments: shm.SegmentPool | None = None
         self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc)

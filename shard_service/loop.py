@@ -26,6 +26,7 @@ import torch
 
 from shard_service.mailbox import Mailbox
 from shardtrain import errors, link
+from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
 if TYPE_CHECKING:
@@ -250,7 +251,7 @@ class LinkedLoop:
             await self._send(self._up(), item, grad_input, "gradients")
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self._report(header.key, error, backward=True)
-            await shard.order.backward_finished(key[0], link.error_item(None, error, shard.location).error.message)
+            await shard.order.backward_finished(key[0], status_message(error, shard.location)[1])
             return
         await shard.order.backward_finished(key[0], "")
 
@@ -266,7 +267,7 @@ class LinkedLoop:
                 step, reason = next(iter(failures.items()))
                 failure = f"the backward of step {step} failed: {reason}"
         except Exception as error:  # noqa: BLE001 - the step is refused on this stage and those after it
-            failure = failure or link.error_item(None, error, shard.location).error.message
+            failure = failure or status_message(error, shard.location)[1]
             stage = None
         if shard.plan.next_address:
             await self._pass_down(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure)))
@@ -276,9 +277,8 @@ class LinkedLoop:
                     await shard.run(stage.zero_grad)
                 await shard.run(stage.step)
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
-            report = link.error_item(None, error, shard.location)
-            report.error.optimizer_step = request.optimizer_step
-            await self._tell(report, up=False)
+            await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
+                             up=False)
         finally:
             await shard.order.optimizer_step_settled(request.optimizer_step)
             if stage is not None:
@@ -289,9 +289,8 @@ class LinkedLoop:
         try:
             await self._shard.order.after_optimizer_step(flush.optimizer_step, self._shard.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
-            report = link.error_item(None, error, self._shard.location)
-            report.error.optimizer_step = flush.optimizer_step
-            await self._tell(report, up=False)
+            await self._tell(link.error_item(None, error, self._shard.location, optimizer_step=flush.optimizer_step),
+                             up=False)
             return
         await self._pass_down(shard_pb2.LinkMessage(flush=flush))
 

@@ -32,11 +32,6 @@ INLINE_SECONDS = 5e-3
 _FETCHED_KINDS = {OUTPUT: "activations", INPUT_GRADIENT: "gradients"}  # any other name is a residual
 
 
-def _set_threads(threads: int) -> None:
-    if threads:
-        torch.set_num_threads(threads)
-
-
 def _with_threads(threads: int, function, *args):
     """Runs `function` with `threads` intra-op threads (a per-thread OpenMP setting: set where it runs)."""
     torch.set_num_threads(threads)
@@ -64,11 +59,10 @@ class ShardServicer:
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
         self._threads = ThreadChoice(settings.threads or torch.get_num_threads())
-        # One stage, one thread, in order. OpenMP thread counts are per thread, so the setting is
-        # applied inside the compute thread: set only in the main thread, the compute thread would
-        # start a team per core and spin against the other shards on the same host.
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage", initializer=_set_threads,
-                                           initargs=(settings.threads,))
+        # One stage, one thread, in order. OpenMP thread counts are per thread, so _with_threads sets
+        # the count where the work runs: set only in the main thread, the compute thread would start
+        # a team per core and spin against the other shards on the same host.
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage")
 
     @property
     def location(self) -> str:

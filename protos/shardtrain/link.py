@@ -16,7 +16,6 @@ chunks are never interleaved with another's (one writer at a time).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -25,10 +24,9 @@ import torch
 
 from shardtrain import errors, wire
 from shardtrain.codec import Frame
-from shardtrain.rpc import translate
+from shardtrain.rpc import status_message, translate
 from shardtrain.v1 import shard_pb2
 
-log = logging.getLogger("shardtrain.link")
 
 Item = tuple[shard_pb2.LinkMessage, "torch.Tensor | None"]
 
@@ -79,17 +77,11 @@ class ItemReader:
         return item, done[1]
 
 
-def error_item(key: shard_pb2.StepKey | None, error: BaseException, where: str,
-               backward: bool = False) -> shard_pb2.LinkMessage:
-    """An error item for `key` (None: the whole link), its message naming `where` unless a peer's already does."""
-    if isinstance(error, errors.ShardtrainError):
-        code = error.code
-        text = str(error) if getattr(error, "from_peer", False) or str(error).startswith(where) else \
-            f"{where}: {error}"
-    else:
-        log.exception("unexpected error in %s", where)
-        code, text = "INTERNAL", f"{where}: unexpected {type(error).__name__}: {error}"
-    item = shard_pb2.LinkError(code=code, message=text, backward=backward)
+def error_item(key: shard_pb2.StepKey | None, error: BaseException, where: str, backward: bool = False,
+               optimizer_step: int = 0) -> shard_pb2.LinkMessage:
+    """An error item for `key` (None: the whole link or an optimizer step), coded and worded as a call's status."""
+    code, text = status_message(error, where)
+    item = shard_pb2.LinkError(code=code.name, message=text, backward=backward, optimizer_step=optimizer_step)
     if key is not None:
         item.key.CopyFrom(key)
     return shard_pb2.LinkMessage(error=item)

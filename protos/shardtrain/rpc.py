@@ -143,11 +143,13 @@ def _deny(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     return make(refuse)
 
 
-def _status_message(error: Exception, where: str) -> tuple[grpc.StatusCode, str]:
+def status_message(error: Exception, where: str) -> tuple[grpc.StatusCode, str]:
+    """The status code of an exception and its message, naming `where` unless the message already names a place."""
     if isinstance(error, errors.ShardtrainError):
         code = grpc.StatusCode[error.code]
-        # A peer's error already names the peer; do not wrap it in our own name again.
-        return code, str(error) if getattr(error, "from_peer", False) else f"{where}: {error}"
+        # A peer's error already names the peer; do not wrap it in our own name again (nor our own, twice).
+        named = getattr(error, "from_peer", False) or str(error).startswith(where)
+        return code, str(error) if named else f"{where}: {error}"
     log.exception("unexpected error in %s", where)
     return grpc.StatusCode.INTERNAL, f"{where}: unexpected {type(error).__name__}: {error}"
 
@@ -161,7 +163,7 @@ def boundary(method: Callable) -> Callable:
                 async for item in method(self, request, context):
                     yield item
             except Exception as error:  # noqa: BLE001 - this is the one boundary
-                await context.abort(*_status_message(error, self.location))
+                await context.abort(*status_message(error, self.location))
         return streaming
 
     @functools.wraps(method)
@@ -169,7 +171,7 @@ def boundary(method: Callable) -> Callable:
         try:
             return await method(self, request, context)
         except Exception as error:  # noqa: BLE001 - this is the one boundary
-            await context.abort(*_status_message(error, self.location))
+            await context.abort(*status_message(error, self.location))
     return unary
 
 

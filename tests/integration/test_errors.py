@@ -133,14 +133,19 @@ def test_nothing_listening_is_unavailable_with_the_address():
         Cluster.connect("127.0.0.1:1")
 
 
+def kill_shard(cluster: Cluster, address: str) -> None:
+    """SIGKILLs the local shard process serving at `address` and waits until it is gone."""
+    service = next(s for s in cluster._services.services if s.address == address)
+    service.process.kill()
+    service.process.wait()
+
+
 def test_a_dead_shard_makes_the_call_fail_with_its_address(own_cluster):
     torch.manual_seed(0)
     model = own_cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=2)
     train_remotely(model, regression_batches(steps=1, batch=2, features=2))
     victim = model.placements[1].shard_address
-    service = next(s for s in own_cluster._services.services if s.address == victim)
-    service.process.kill()
-    service.process.wait()
+    kill_shard(own_cluster, victim)
     with pytest.raises(errors.Unavailable, match=rf"{victim} .*is unavailable"):
         model(torch.randn(2, 2))
 
@@ -152,9 +157,7 @@ def test_a_dead_middle_shard_fails_the_next_step_with_its_address_not_a_hang():
         model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=3)
         train_remotely(model, regression_batches(steps=2, batch=2, features=2))
         victim = model.placements[1].shard_address
-        service = next(s for s in cluster._services.services if s.address == victim)
-        service.process.kill()
-        service.process.wait()
+        kill_shard(cluster, victim)
         started = time.monotonic()
         with pytest.raises(errors.Unavailable, match=rf"shard at {victim}.* is unavailable"):
             for _ in range(2):  # the first call may already see the news; the second at the latest
