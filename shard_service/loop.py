@@ -48,12 +48,14 @@ class LinkedLoop:
         self._from_stage: dict[int, link.LinkEnd] = {}  # links other stages opened to this one
         self._opened: dict[str, link.ClientLink] = {}   # links this stage opened, by address
         self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
+        self._forwarded = -1          # the highest step this stage ran a forward for (steps count from 0)
         self._tasks: set[asyncio.Task] = set()
 
     # --- links ---------------------------------------------------------------------------------------
     async def reset(self, deployment_id: str) -> None:
         """A new stage was loaded: links of the previous deployment end, and nothing of theirs is reported."""
         self._deployment_id = deployment_id
+        self._forwarded = -1
         self._input = self._output = None
         self._output_opened.clear()
         self._from_stage.clear()
@@ -99,7 +101,7 @@ class LinkedLoop:
             self._output_opened.clear()
         if current and stages and broke:
             error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard broke")
-            self._spawn(self._tell(link.error_item(None, error, self._shard.location), up=False))
+            self._tell_soon(link.error_item(None, error, self._shard.location), up=False)
 
     def _client(self, address: str, role: int) -> link.ClientLink:
         """The Link this stage opened to `address`, opened again if it broke."""
@@ -114,8 +116,11 @@ class LinkedLoop:
         return client
 
     def _broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
+        """A link this stage opened broke: the backwards and residual gradients it would bring back for the steps
+        sent on it will not come, so those steps' optimizer steps are refused here; the SDK hears why."""
         if self._opened.get(client.peer.address) is client:
-            self._spawn(self._tell(link.error_item(None, error, self._shard.location), up=True))
+            self._spawn(self._shard.order.backwards_lost(self._forwarded, str(error)))
+            self._tell_soon(link.error_item(None, error, self._shard.location), up=True)
 
     # --- sending ---------------------------------------------------------------------------------------
     def _down(self) -> link.LinkEnd | None:
@@ -147,6 +152,16 @@ class LinkedLoop:
             except errors.ShardtrainError:
                 continue
         log.warning("%s: nobody left to tell: %s", self._shard.location, item.error.message)
+
+    def _tell_soon(self, item: shard_pb2.LinkMessage, up: bool) -> None:
+        """_tell from a callback. Dropped if a new deployment came first: the old one's news would open its
+        links, and a failure passed up a link the SDK's first item never travelled would stop halfway."""
+        deployment = self._deployment_id
+
+        async def tell() -> None:
+            if self._deployment_id == deployment:
+                await self._tell(item, up)
+        self._spawn(tell())
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -196,6 +211,7 @@ class LinkedLoop:
                 await shard.run(stage.zero_grad)
             result, outgoing = await shard.run(stage.forward, key, x, incoming, header.requires_grad,
                                                header.input_requires_grad)
+            self._forwarded = max(self._forwarded, header.key.step)
             # The activation first: the next stage needs it now, a residual's consumer only later.
             if shard.plan.next_address:
                 await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)

@@ -15,6 +15,7 @@ class StepOrder:
         self._changed = asyncio.Condition()
         self._optimizer_steps = 0           # highest optimizer step settled here (applied or refused)
         self._backwards: dict[int, str] = {}  # step -> "" if its backward succeeded here and upstream, else why not
+        self._lost_up_to, self._lost_reason = -1, ""  # backwards without an outcome up to this step never come
 
     async def _wait(self, predicate, timeout: float, what: str) -> None:
         if predicate():
@@ -43,11 +44,22 @@ class StepOrder:
         self._backwards[step] = failure
         await self._notify()
 
+    async def backwards_lost(self, up_to_step: int, reason: str) -> None:
+        """Records that the backwards of steps up to `up_to_step` that have no outcome yet will not come (the link
+        that brings them broke): they count as failed for `reason`."""
+        if up_to_step > self._lost_up_to:
+            self._lost_up_to, self._lost_reason = up_to_step, reason
+            await self._notify()
+
+    def _outcome(self, step: int) -> str | None:
+        return self._backwards.get(step, self._lost_reason if step <= self._lost_up_to else None)
+
     async def backward_failures(self, steps: Iterable[int], timeout: float) -> dict[int, str]:
         """Waits until every listed backward has an outcome; returns the failed ones with their reasons."""
         steps = list(steps)
-        await self._wait(lambda: all(s in self._backwards for s in steps), timeout, f"backward of steps {steps}")
-        return {s: self._backwards[s] for s in steps if self._backwards[s]}
+        await self._wait(lambda: all(self._outcome(s) is not None for s in steps), timeout,
+                         f"backward of steps {steps}")
+        return {s: self._outcome(s) for s in steps if self._outcome(s)}
 
     def forget(self, up_to_step: int) -> None:
         """Drops backward outcomes of steps up to `up_to_step`."""

@@ -98,6 +98,24 @@ def test_backward_failures_of_no_steps_is_empty_at_once():
     assert run(StepOrder().backward_failures([], SHORT)) == {}
 
 
+def test_backwards_lost_with_a_broken_link_fail_the_steps_sent_on_it_and_no_later_ones():
+    async def scenario():
+        order = StepOrder()
+        await order.backward_finished(1)
+        waiter = asyncio.create_task(order.backward_failures([1, 2, 3], LONG))
+        assert await is_waiting(waiter)
+        await order.backwards_lost(2, "shard at b is unavailable")
+        assert await is_waiting(waiter), "step 3 went out after the break: its backward may still come"
+        await order.backward_finished(3)
+        return await waiter
+    assert run(scenario()) == {2: "shard at b is unavailable"}
+
+
+def test_no_backward_counts_as_lost_before_a_link_broke_not_even_step_zeros():
+    with pytest.raises(DeadlineExceeded):
+        run(StepOrder().backward_failures([0], SHORT))
+
+
 def test_backward_failures_times_out_naming_the_steps():
     async def scenario():
         order = StepOrder()
