@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 
-from shardtrain import shm
+from shardtrain import carrier, shm
 from shardtrain.errors import Unavailable
 
 # Local shards share this host's cores and take turns computing. OpenMP threads that spin while
@@ -101,11 +101,12 @@ class LocalServices:
         return service
 
     def stop(self) -> None:
-        """Stops every process (shards first), then removes shared segments a killed one left behind."""
+        """Stops every process (shards first), then removes the shared segments and sockets they left behind."""
         for service in reversed(self.services):
             service.stop()
         self.services.clear()
         shm.sweep()
+        carrier.sweep()
 
     @property
     def pids(self) -> list[int]:

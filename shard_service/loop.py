@@ -109,7 +109,8 @@ class LinkedLoop:
         if client is None or client.broken is not None:
             peer = self._shard.links.peer(address)
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
-                                         from_stage=self._shard.plan.stage, shared_memory=peer.same_host)
+                                         from_stage=self._shard.plan.stage, shared_memory=peer.same_host,
+                                         local_carrier=peer.same_host and self._shard.settings.local_links)
             client = link.ClientLink(peer, opening, self.on_item, self._broke)
             client.deployment_id, client.same_host, client.toward_first = self._deployment_id, peer.same_host, False
             self._opened[address] = client

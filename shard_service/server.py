@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from shard_service.servicer import ShardServicer
-from shardtrain import rpc, shm
+from shardtrain import carrier, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
 from shardtrain.errors import ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(settings.parent_pid)
     keep_freed_memory()
     shm.sweep()  # segments left by shardtrain processes that were killed
+    carrier.sweep()  # and their local-link sockets
     if settings.threads:
         torch.set_num_threads(settings.threads)  # for this thread; the compute thread sets its own
     try:

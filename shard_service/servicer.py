@@ -19,7 +19,7 @@ from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.streams import RequestReader
 from shard_service.threads import ThreadChoice
-from shardtrain import link, losses, shm, wire
+from shardtrain import carrier, link, losses, shm, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
@@ -48,6 +48,7 @@ class ShardServicer:
         self._stage: Stage | None = None
         self.links = Links(settings)
         self.loop = LinkedLoop(self)    # the PyTorch-shaped loop over Link streams
+        self.local_links = carrier.Listener() if settings.local_links else None  # for same-host openers
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._inbox = Mailbox()         # a TrainStep's activations and gradients, waiting for their turn
@@ -364,7 +365,7 @@ class ShardServicer:
     @boundary
     async def Link(self, request_iterator, context):
         await link.serve(request_iterator, context, f"link to {self.location}", self.loop.opened,
-                         self.loop.on_item, self.loop.closed)
+                         self.loop.on_item, self.loop.closed, self.local_links)
 
     async def run(self, function, *args):
         """Stage work, one piece at a time (for PipelineRun)."""
@@ -425,6 +426,8 @@ class ShardServicer:
         """Closes peer channels, the compute thread and this shard's shared segments."""
         await self.loop.close()
         await self.links.close()
+        if self.local_links is not None:
+            await self.local_links.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
         if self._averager is not None:
             self._averager.close()

@@ -16,17 +16,19 @@ chunks are never interleaved with another's (one writer at a time).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 import torch
 
-from shardtrain import errors, wire
+from shardtrain import carrier, errors, wire
 from shardtrain.codec import Frame
 from shardtrain.rpc import status_message, translate
 from shardtrain.v1 import shard_pb2
 
+log = logging.getLogger("shardtrain.link")
 
 Item = tuple[shard_pb2.LinkMessage, "torch.Tensor | None"]
 
@@ -105,6 +107,22 @@ class LinkEnd:
         self.deployment_id = ""      # what the owner knows of the other end:
         self.same_host = False       # it can open this process's shared segments,
         self.toward_first = True     # it sits before this one in the pipeline (or is the SDK's input side)
+        self._carrier: carrier.Carrier | None = None
+
+    @property
+    def local(self) -> bool:
+        """Whether items go on a same-host socket rather than the gRPC stream."""
+        return self._carrier is not None
+
+    def carry(self, local: carrier.Carrier) -> None:
+        """Sends the items that follow on a same-host socket instead of the gRPC stream."""
+        self._carrier = local
+        self._write = local.write
+
+    def close_carrier(self) -> None:
+        """Closes the same-host socket, if items went on one."""
+        if self._carrier is not None:
+            self._carrier.close()
 
     async def send(self, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
                    options: wire.SendOptions = wire.EXACT) -> None:
@@ -117,7 +135,7 @@ class LinkEnd:
             try:
                 for frame in items:
                     await self._write(frame)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as error:
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, ConnectionError) as error:
                 self.broken = await self._why_broken(error)
                 raise self.broken from None
 
@@ -137,7 +155,8 @@ class ClientLink(LinkEnd):
     The open item goes at once; the peer answers it with its own open item once it accepted the link,
     and no other item is sent before. A refused link then ends with the peer's status (FAILED_PRECONDITION:
     another deployment) instead of failing a write halfway, which gRPC reports as an internal error.
-    `on_item` runs on the reading task and must not block (it starts tasks or fills mailboxes);
+    When the answer offers a same-host socket (shardtrain.carrier), items go both ways on it instead.
+    `on_item` runs on a reading task and must not block (it starts tasks or fills mailboxes);
     `on_broken` hears once why the link ended, unless close() ended it.
     """
 
@@ -150,11 +169,12 @@ class ClientLink(LinkEnd):
         self._on_item, self._on_broken = on_item, on_broken
         self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._opening = asyncio.ensure_future(self._open(opening))
-        self._reader = asyncio.ensure_future(self._read())
+        self._reader = asyncio.ensure_future(self._guarded(self._read()))
+        self._carried: asyncio.Future | None = None
 
     async def _open(self, opening: shard_pb2.LinkOpen) -> None:
         try:
-            await self._write(Frame(shard_pb2.LinkMessage(open=opening)))
+            await self._call.write(Frame(shard_pb2.LinkMessage(open=opening)))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
             pass  # the reader hears why, from the call's status
 
@@ -162,24 +182,45 @@ class ClientLink(LinkEnd):
         await asyncio.shield(self._accepted)
 
     async def _read(self) -> None:
+        first = await self._call.read()
+        if first is not grpc.aio.EOF:
+            if not first.message.HasField("open"):
+                raise errors.InvalidArgument(f"{self.name} did not answer the link's open item")
+            if first.message.open.local_address:
+                await self._take_carrier(first.message.open)
+            self._accepted.set_result(None)
         items = ItemReader()
+        while first is not grpc.aio.EOF:
+            frame = await self._call.read()
+            if frame is grpc.aio.EOF:
+                break
+            item = items.feed(frame)
+            if item is not None:
+                self._on_item(self, *item)
+        status = await self._call.code()
+        if status != grpc.StatusCode.OK:
+            raise errors.error_for_code(status.name, f"{self.name}: {await self._call.details()}")
+        raise errors.Unavailable(f"{self.name} closed the link")
+
+    async def _take_carrier(self, answer: shard_pb2.LinkOpen) -> None:
+        """Moves the items to the offered socket, or tells the peer they stay on the stream."""
         try:
-            first = await self._call.read()
-            if first is not grpc.aio.EOF:
-                if not first.message.HasField("open"):
-                    raise errors.InvalidArgument(f"{self.name} did not answer the link's open item")
-                self._accepted.set_result(None)
-            while first is not grpc.aio.EOF:
-                frame = await self._call.read()
-                if frame is grpc.aio.EOF:
-                    break
-                item = items.feed(frame)
-                if item is not None:
-                    self._on_item(self, *item)
-            status = await self._call.code()
-            if status != grpc.StatusCode.OK:
-                raise errors.error_for_code(status.name, f"{self.name}: {await self._call.details()}")
-            raise errors.Unavailable(f"{self.name} closed the link")
+            local = await carrier.connect(answer.local_address, answer.local_token)
+        except (OSError, TimeoutError) as error:
+            log.info("%s: no local link (%r); items stay on the gRPC stream", self.name, error)
+            await self._call.write(Frame(shard_pb2.LinkMessage(open=shard_pb2.LinkOpen(local_carrier=False))))
+            return
+        self.carry(local)
+        self._carried = asyncio.ensure_future(self._guarded(self._read_carrier(local)))
+
+    async def _read_carrier(self, local: carrier.Carrier) -> None:
+        await _deliver(local, self, self._on_item)
+        raise errors.Unavailable(f"{self.name} is unavailable: its local link closed")
+
+    async def _guarded(self, reading: Awaitable[None]) -> None:
+        """Runs a reading loop; whatever ends it, the owner hears of it."""
+        try:
+            await reading
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as error:
@@ -208,6 +249,7 @@ class ClientLink(LinkEnd):
             self._accepted.set_exception(error)
             self._accepted.exception()  # retrieved: maybe nobody was about to send
         if not self._closing:
+            self._closing = True  # heard once, whichever reader saw the end first
             self._on_broken(self, error)
 
     async def close(self) -> None:
@@ -215,33 +257,108 @@ class ClientLink(LinkEnd):
         self._closing = True
         self._broke(errors.Unavailable(f"{self.name}: the link was closed"))
         self._call.cancel()
-        self._reader.cancel()
-        self._opening.cancel()
+        for task in (self._reader, self._opening, self._carried):
+            if task is not None:
+                task.cancel()
+        self.close_carrier()
+
+
+class _AnsweringEnd(LinkEnd):
+    """The answering end of a Link: its items wait until the opener took up or declined an offered socket."""
+
+    def __init__(self, name: str, write: Callable[[Frame], Awaitable[Any]]):
+        super().__init__(name, write)
+        self.decided: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def _ready(self) -> None:
+        await asyncio.shield(self.decided)
 
 
 async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkOpen, LinkEnd], None],
                 on_item: Callable[[LinkEnd, shard_pb2.LinkMessage, torch.Tensor | None], None],
-                on_closed: Callable[[LinkEnd, bool], None]) -> None:
+                on_closed: Callable[[LinkEnd, bool], None], listener: carrier.Listener | None = None) -> None:
     """The answering end: checks the opening item, then hands each item to `on_item` until the opener ends.
 
-    `on_closed(end, broke)` hears when the stream is over: broke is False when the opener finished it.
+    With a `listener`, an opener that asks for it gets a same-host socket to carry the items.
+    `on_closed(end, broke)` hears when the link is over: broke is False when the opener finished it.
     An exception from on_open or on_item ends the call with its status.
     """
     requests = requests.__aiter__()
     first = await anext(requests, None)
     if first is None or not first.message.HasField("open"):
         raise errors.InvalidArgument("a Link must start with an open item (LinkOpen)")
-    end = LinkEnd(name, context.write)
+    end = _AnsweringEnd(name, context.write)
     on_open(first.message.open, end)
-    await context.write(Frame(shard_pb2.LinkMessage(open=first.message.open)))  # accepted: items may come
+    answer = shard_pb2.LinkOpen()
+    answer.CopyFrom(first.message.open)
+    offer = None
+    if answer.local_carrier and listener is not None:
+        answer.local_address, token, offer = await listener.offer()
+        answer.local_token = token
+    else:
+        answer.local_carrier = False
+        end.decided.set_result(None)
+    await context.write(Frame(shard_pb2.LinkMessage(open=answer)))  # accepted: items may come
+    readers = {asyncio.ensure_future(_read_stream(requests, end, on_item))}
+    if offer is not None:
+        readers.add(asyncio.ensure_future(_read_carrier(offer, end, on_item)))
     broke = True
     try:
-        items = ItemReader()
-        async for frame in requests:
-            item = items.feed(frame)
-            if item is not None:
-                on_item(end, *item)
-        broke = False
+        broke = await _until_closed(readers)
     finally:
+        for reader in readers:
+            reader.cancel()
+        if offer is not None:
+            listener.withdraw(token)
+        end.close_carrier()
         end.broken = errors.Unavailable(f"{name}: the link was closed")
+        if not end.decided.done():
+            end.decided.set_result(None)  # a sender waiting for the opener's choice finds the link broken
         on_closed(end, broke)
+
+
+async def _until_closed(readers: set[asyncio.Future]) -> bool:
+    """Waits for the link's readers; True when it broke, False when the opener finished its stream."""
+    while readers:
+        done, readers = await asyncio.wait(readers, return_when=asyncio.FIRST_COMPLETED)
+        for reader in done:
+            if reader.result() != "declined":  # raises what ended the reader
+                return reader.result() == "broke"
+    return True
+
+
+async def _read_stream(requests, end: _AnsweringEnd, on_item) -> str:
+    """Reads items from the gRPC stream; a second open item there declines the offered socket."""
+    items = ItemReader()
+    async for frame in requests:
+        if frame.message.HasField("open") and not end.decided.done():
+            end.decided.set_result(None)
+            continue
+        item = items.feed(frame)
+        if item is not None:
+            on_item(end, *item)
+    return "finished"
+
+
+async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> str:
+    """Reads items from the offered socket once the opener connected to it."""
+    await asyncio.wait((offer, end.decided), timeout=carrier.CONNECT_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+    if not offer.done():
+        if end.decided.done():
+            return "declined"
+        raise errors.Unavailable(f"{end.name}: the opener neither took the offered local link nor declined it "
+                                 f"within {carrier.CONNECT_SECONDS:g} s")
+    local = offer.result()
+    end.carry(local)
+    end.decided.set_result(None)
+    await _deliver(local, end, on_item)
+    return "broke"
+
+
+async def _deliver(local: carrier.Carrier, end: LinkEnd, on_item) -> None:
+    """Hands the items that arrive on a same-host socket to `on_item` until the other end closes it."""
+    items = ItemReader()
+    while (frame := await local.read()) is not None:
+        item = items.feed(frame)
+        if item is not None:
+            on_item(end, *item)

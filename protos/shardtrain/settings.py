@@ -53,6 +53,7 @@ class ShardSettings:
     parent_pid: int = 0       # exit when this process dies (set by Cluster.local for its children)
     threads: int = 0          # torch intra-op threads; 0 keeps torch's default (one per core)
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
+    local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     simulate_compute: float = 0.0  # seconds added to each TrainStep action, standing for device work (benchmarks)
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -137,6 +138,9 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                         help="exit when this process dies")
     parser.add_argument("--shared-memory", choices=("on", "off"), default=_env(env, "SHARED_MEMORY", "on"),
                         help="same-host peers exchange tensors through /dev/shm (default on; off: always stream)")
+    parser.add_argument("--local-links", choices=("on", "off"), default=_env(env, "LOCAL_LINKS", "on"),
+                        help="Links with same-host peers carry their items on a Unix socket instead of "
+                             "the gRPC stream (default on)")
     parser.add_argument("--simulate-compute-ms", type=float, default=_env(env, "SIMULATE_COMPUTE_MS", "0"),
                         help="add this much time to each pipelined forward and backward "
                              "(benchmarks: it stands for GPU work)")
@@ -147,6 +151,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
+                         local_links=args.local_links == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3,
                          security=security_from(args))
 

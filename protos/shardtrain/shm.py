@@ -218,13 +218,14 @@ def sweep() -> list[str]:
     removed = []
     for name in os.listdir(DIRECTORY) if available() else []:
         match = _NAME.fullmatch(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             remove(f"{DIRECTORY}/{name}")
             removed.append(f"{DIRECTORY}/{name}")
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

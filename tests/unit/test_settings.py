@@ -151,3 +151,9 @@ def test_shared_memory_can_be_turned_off_by_flag_or_variable():
     assert shard_settings(["--coordinator", "c:1"], env={}).shared_memory
     assert not shard_settings(["--coordinator", "c:1", "--shared-memory", "off"], env={}).shared_memory
     assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_SHARED_MEMORY": "off"}).shared_memory
+
+
+def test_local_links_can_be_turned_off_by_flag_or_variable():
+    assert shard_settings(["--coordinator", "c:1"], env={}).local_links
+    assert not shard_settings(["--coordinator", "c:1", "--local-links", "off"], env={}).local_links
+    assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_LOCAL_LINKS": "off"}).local_links
