@@ -7,19 +7,31 @@ at batch 32, shards started with SHARDTRAIN_THREADS=1 stepped in 17.0-19.4 ms ag
 with torch's default of two (three alternating runs); in one process (`python -m bench.train_step`),
 batch 1024 takes 67 ms on one thread and 46 ms on two. So each shard measures instead of
 guessing: the first calls of each kind alternate between the two counts, the faster median wins,
-and every RETUNE calls it measures again, because batch sizes change.
+and every RETUNE calls it measures again. A kind is the work's name and its tensors' size to a
+power of two: a forward of batch 1024 is not tuned on what a forward of batch 32 taught. (Keyed
+by name alone, `python -m bench.train_step --batches 32 256 1024` ran batch 1024 on the one
+thread batch 32 had chosen: 87.6 ms a step in the bench against 50.2 ms in a traced run alone.)
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import torch
 
 log = logging.getLogger("shardtrain.shard")
 
 TRIALS = 4     # calls timed with each count before choosing
 RETUNE = 400   # calls after a choice before measuring again
+
+
+def work_kind(name: str, arguments: Iterable) -> str:
+    """The kind of a piece of work: its name, and the size of its tensor arguments to a power of two."""
+    size = sum(argument.numel() for argument in arguments if isinstance(argument, torch.Tensor))
+    return f"{name} of under 2^{size.bit_length()} elements" if size else name
 
 
 @dataclass

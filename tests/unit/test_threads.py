@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from shard_service.threads import RETUNE, TRIALS, ThreadChoice
+import torch
+
+from shard_service.threads import RETUNE, TRIALS, ThreadChoice, work_kind
 
 
 def run(choice: ThreadChoice, kind: str, seconds_by_threads: dict[int, float], calls: int) -> list[int]:
@@ -42,3 +44,14 @@ def test_a_single_thread_shard_never_tries_more():
     choice = ThreadChoice(1)
     assert run(choice, "forward", {1: 0.5}, 10) == [1] * 10
     assert choice.chosen() == {}
+
+
+def test_work_of_other_sizes_is_another_kind_tuned_apart():
+    small, big = work_kind("forward", [(0, 0), torch.zeros(32, 512)]), work_kind("forward", [torch.zeros(1024, 512)])
+    assert small == "forward of under 2^15 elements" and big == "forward of under 2^20 elements"
+    assert work_kind("forward", [torch.zeros(40, 512)]) == small, "nearby sizes share a kind"
+    assert work_kind("step", []) == "step"
+    choice = ThreadChoice(2)
+    run(choice, small, {1: 0.001, 2: 0.002}, 2 * TRIALS)
+    run(choice, big, {1: 0.060, 2: 0.040}, 2 * TRIALS)
+    assert choice.chosen() == {small: 1, big: 2}
