@@ -4,9 +4,10 @@
 
 A server process echoes what it gets. For each payload size, the client times, in turns:
 a unary call, a client-streaming call of one message (what Forward, Backward and
-AccumulateGradient are), a ping-pong on one open bidirectional stream (what a Link is), and
-messages streamed on it without waiting. It prints the median round trip and the CPU each side
-spent per exchange, and the ratios of the calls to the open stream. shardtrain.link cites these.
+AccumulateGradient are), a ping-pong on one open bidirectional stream (what a Link is),
+messages streamed on it without waiting, and a ping-pong of Link frames on a Unix socket
+(shardtrain.carrier, what a same-host Link uses). It prints the median round trip and the CPU each
+side spent per exchange, and the ratios to the open stream. shardtrain.link and carrier cite these.
 """
 
 from __future__ import annotations
@@ -15,17 +16,30 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import shutil
 import statistics
+import tempfile
 import time
 
 import grpc
+
+from shardtrain import carrier
+from shardtrain.codec import Frame
+from shardtrain.v1 import shard_pb2, tensor_pb2
 
 
 def _same(payload: bytes) -> bytes:
     return payload
 
 
-async def _serve(ports) -> None:
+async def _echo_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    local = carrier.Carrier(reader, writer)
+    while (frame := await local.read()) is not None:
+        await local.write(frame)
+    local.close()
+
+
+async def _serve(ports, socket_path: str) -> None:
     async def unary(request, context):
         return request
 
@@ -43,12 +57,13 @@ async def _serve(ports) -> None:
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
     ports.put(server.add_insecure_port("127.0.0.1:0"))
+    await asyncio.start_unix_server(_echo_frames, socket_path)
     await server.start()
     await server.wait_for_termination()
 
 
-def _server_main(ports) -> None:
-    asyncio.run(_serve(ports))
+def _server_main(ports, socket_path: str) -> None:
+    asyncio.run(_serve(ports, socket_path))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -61,8 +76,11 @@ async def _one_message(payload: bytes):
     yield payload
 
 
-async def _measure(channel, server_pid: int, way: str, payload: bytes, exchanges: int) -> tuple[float, float, float]:
+async def _measure(channel, server_pid: int, way: str, payload: bytes, exchanges: int,
+                   socket_path: str = "") -> tuple[float, float, float]:
     """(median seconds per exchange, client CPU per exchange, server CPU per exchange)."""
+    if way == "local socket, ping-pong":
+        return await _measure_socket(socket_path, server_pid, payload, exchanges)
     unary = channel.unary_unary("/bench.Echo/Unary", _same, _same)
     client_stream = channel.stream_unary("/bench.Echo/ClientStream", _same, _same)
     stream = channel.stream_stream("/bench.Echo/Link", _same, _same)() if way.startswith("open stream") else None
@@ -95,10 +113,27 @@ async def _measure(channel, server_pid: int, way: str, payload: bytes, exchanges
     return statistics.median(times), client / exchanges, server / exchanges
 
 
-WAYS = ("unary call", "client-streaming call", "open stream, ping-pong", "open stream, streamed")
+async def _measure_socket(socket_path: str, server_pid: int, payload: bytes, exchanges: int):
+    reader, writer = await asyncio.open_unix_connection(socket_path)
+    local = carrier.Carrier(reader, writer)
+    frame = Frame(shard_pb2.LinkMessage(tensor=tensor_pb2.TensorChunk()), payload)
+    times = []
+    cpu = (_cpu_seconds(os.getpid()), _cpu_seconds(server_pid))
+    for _ in range(exchanges):
+        start = time.perf_counter()
+        await local.write(frame)
+        await local.read()
+        times.append(time.perf_counter() - start)
+    client, server = _cpu_seconds(os.getpid()) - cpu[0], _cpu_seconds(server_pid) - cpu[1]
+    local.close()
+    return statistics.median(times), client / exchanges, server / exchanges
 
 
-async def _run(port: int, server_pid: int, args) -> None:
+WAYS = ("unary call", "client-streaming call", "open stream, ping-pong", "open stream, streamed",
+        "local socket, ping-pong")
+
+
+async def _run(port: int, server_pid: int, socket_path: str, args) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         await _measure(channel, server_pid, "unary call", b"warm", 200)
         for size in args.sizes:
@@ -106,7 +141,8 @@ async def _run(port: int, server_pid: int, args) -> None:
             results: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
             for _ in range(args.rounds):
                 for way in WAYS:
-                    results[way].append(await _measure(channel, server_pid, way, payload, args.exchanges))
+                    results[way].append(await _measure(channel, server_pid, way, payload, args.exchanges,
+                                                       socket_path))
             print(f"payload {size} bytes ({args.exchanges} exchanges x {args.rounds} rounds, medians of rounds):")
             medians = {way: [statistics.median(r[i] for r in runs) for i in range(3)] for way, runs in results.items()}
             ping = medians["open stream, ping-pong"]
@@ -123,13 +159,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     ports = multiprocessing.Queue()
-    server = multiprocessing.Process(target=_server_main, args=(ports,), daemon=True)
+    directory = tempfile.mkdtemp(prefix="shardtrain-bench-")
+    socket_path = os.path.join(directory, "echo.sock")
+    server = multiprocessing.Process(target=_server_main, args=(ports, socket_path), daemon=True)
     server.start()
     try:
-        asyncio.run(_run(ports.get(timeout=30), server.pid, args))
+        asyncio.run(_run(ports.get(timeout=30), server.pid, socket_path, args))
     finally:
         server.kill()
         server.join()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
