@@ -289,15 +289,7 @@ async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkO
         raise errors.InvalidArgument("a Link must start with an open item (LinkOpen)")
     end = _AnsweringEnd(name, context.write)
     on_open(first.message.open, end)
-    answer = shard_pb2.LinkOpen()
-    answer.CopyFrom(first.message.open)
-    offer = None
-    if answer.local_carrier and listener is not None:
-        answer.local_address, token, offer = await listener.offer()
-        answer.local_token = token
-    else:
-        answer.local_carrier = False
-        end.decided.set_result(None)
+    answer, offer = await _answer(first.message.open, end, listener)
     await context.write(Frame(shard_pb2.LinkMessage(open=answer)))  # accepted: items may come
     readers = {asyncio.ensure_future(_read_stream(requests, end, on_item))}
     if offer is not None:
@@ -309,12 +301,27 @@ async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkO
         for reader in readers:
             reader.cancel()
         if offer is not None:
-            listener.withdraw(token)
+            listener.withdraw(answer.local_token)
         end.close_carrier()
         end.broken = errors.Unavailable(f"{name}: the link was closed")
         if not end.decided.done():
             end.decided.set_result(None)  # a sender waiting for the opener's choice finds the link broken
         on_closed(end, broke)
+
+
+async def _answer(opening: shard_pb2.LinkOpen, end: _AnsweringEnd,
+                  listener: carrier.Listener | None) -> tuple[shard_pb2.LinkOpen, asyncio.Future | None]:
+    """The open item to echo, offering a same-host socket when the opener asked and this end has a listener;
+    with the future of the socket's Carrier (None: no offer, items stay on the stream)."""
+    answer = shard_pb2.LinkOpen()
+    answer.CopyFrom(opening)
+    if not answer.local_carrier or listener is None:
+        answer.local_carrier = False
+        end.decided.set_result(None)
+        return answer, None
+    answer.local_address, token, offer = await listener.offer()
+    answer.local_token = token
+    return answer, offer
 
 
 async def _until_closed(readers: set[asyncio.Future]) -> bool:
