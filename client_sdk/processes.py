@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,6 +15,8 @@ import time
 
 from shardtrain import carrier, shm
 from shardtrain.errors import Unavailable
+
+log = logging.getLogger("shardtrain.local")
 
 # Local shards share this host's cores and take turns computing. OpenMP threads that spin while
 # idle (the default) steal the cores a busy neighbour needs: bench/train_step.py at batch 32 went
@@ -101,12 +105,21 @@ class LocalServices:
         return service
 
     def stop(self) -> None:
-        """Stops every process (shards first), then removes the shared segments and sockets they left behind."""
+        """Stops every process (shards first), then removes the shared segments and sockets they left behind.
+
+        The services' logs go too, unless one of them had ended before it was stopped: then they stay
+        for whoever debugs it, and the log says where.
+        """
+        ended = [service.name for service in self.services if service.process.poll() is not None]
         for service in reversed(self.services):
             service.stop()
         self.services.clear()
         shm.sweep()
         carrier.sweep()
+        if ended:
+            log.warning("%s ended before the cluster was stopped; logs kept in %s", ", ".join(ended), self.log_dir)
+        else:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -148,6 +149,23 @@ def test_a_dead_shard_makes_the_call_fail_with_its_address(own_cluster):
     kill_shard(own_cluster, victim)
     with pytest.raises(errors.Unavailable, match=rf"{victim} .*is unavailable"):
         model(torch.randn(2, 2))
+
+
+def test_a_cluster_removes_its_logs_at_close_unless_a_service_had_died():
+    with Cluster.local(num_shards=1) as clean:
+        clean_logs = clean._services.log_dir
+        assert (clean_logs / "shard-0.log").exists()
+    assert not clean_logs.exists()
+    crashed = Cluster.local(num_shards=1)
+    crashed_logs = crashed._services.log_dir
+    try:
+        kill_shard(crashed, crashed._services.services[1].address)
+    finally:
+        crashed.close()
+    try:
+        assert (crashed_logs / "shard-0.log").exists(), "the dead shard's log stays for debugging"
+    finally:
+        shutil.rmtree(crashed_logs)
 
 
 def test_a_dead_middle_shard_fails_the_next_step_with_its_address_not_a_hang():
