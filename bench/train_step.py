@@ -1,6 +1,6 @@
 """Issue-2 benchmark: median training-step time of the seed residual model, three ways, in one run.
 
-    python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3]
+    python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3] [--grpc-links]
 
 1. one process (the baseline; its best of 1 and 2 torch threads),
 2. shardtrain on 3 local shard processes: the PyTorch-shaped loop, and model.train_step
@@ -8,7 +8,9 @@
 3. torch.distributed.rpc + distributed autograd + DistributedOptimizer on 3 worker processes.
 The three take turns for --rounds rounds (this machine is shared and noisy); each figure is the
 median of every timed step of its rounds. Prints the medians and the ratios
-shardtrain/one-process and shardtrain/torch.rpc.
+shardtrain/one-process and shardtrain/torch.rpc. With --grpc-links, a second cluster whose
+shards keep every Link item on the gRPC stream (--local-links off) takes its turn too, and the
+loop's time there is printed against the loop's with local links.
 """
 
 from __future__ import annotations
@@ -80,21 +82,38 @@ def shardtrain_pipelined(model, batch: int, steps: int, warmup: int, microbatche
     return timed_steps(lambda: model.train_step(x, y, "MSELoss", microbatches=microbatches), steps, warmup)
 
 
-def measure(cluster: Cluster, batch: int, args) -> dict[str, float]:
-    """Median step time of each way, the ways taking turns for args.rounds rounds."""
+def deploy(cluster: Cluster):
+    """The seed model on the cluster's shards, from the same initial weights every time."""
     torch.manual_seed(0)
-    model = cluster.deploy(TEST_RESIDUAL_SMALL, optimizer=(torch.optim.Adam, {"lr": LR}))
+    return cluster.deploy(TEST_RESIDUAL_SMALL, optimizer=(torch.optim.Adam, {"lr": LR}))
+
+
+def grpc_links_cluster() -> Cluster:
+    """A local cluster whose shards carry every Link item on the gRPC stream (no local links)."""
+    os.environ["SHARDTRAIN_LOCAL_LINKS"] = "off"  # the services read it when they start
+    try:
+        return Cluster.local(num_shards=3)
+    finally:
+        del os.environ["SHARDTRAIN_LOCAL_LINKS"]
+
+
+def measure(cluster: Cluster, batch: int, args, grpc_cluster: Cluster | None = None) -> dict[str, float]:
+    """Median step time of each way, the ways taking turns for args.rounds rounds."""
+    model = deploy(cluster)
+    grpc_model = deploy(grpc_cluster) if grpc_cluster is not None else None
     times: dict[str, list[float]] = {"shardtrain": [], "train_step": [], "1 thread": [], "2 threads": [],
-                                     "torch.rpc": []}
+                                     "torch.rpc": [], "gRPC links": []}
     for _ in range(args.rounds):
         times["shardtrain"] += shardtrain(model, batch, args.steps, args.warmup)
+        if grpc_model is not None:
+            times["gRPC links"] += shardtrain(grpc_model, batch, args.steps, args.warmup)
         times["train_step"] += shardtrain_pipelined(model, batch, args.steps, args.warmup, args.microbatches)
         times["1 thread"] += single_process(batch, args.steps, args.warmup, 1)
         times["2 threads"] += single_process(batch, args.steps, args.warmup, 2)
         # Same intra-op threads as the shards get (torch's default: one per core), same OpenMP policy.
         times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup,
                                                threads_per_process=os.cpu_count() or 1)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items() if values}
 
 
 def main() -> None:
@@ -104,9 +123,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=4, help="for the model.train_step row")
+    parser.add_argument("--grpc-links", action="store_true",
+                        help="also time the loop with every Link item on gRPC (shards with --local-links off)")
     args = parser.parse_args()
-    with Cluster.local(num_shards=3) as cluster:
-        results = [(batch, measure(cluster, batch, args)) for batch in args.batches]
+    grpc_cluster = grpc_links_cluster() if args.grpc_links else None
+    try:
+        with Cluster.local(num_shards=3) as cluster:
+            results = [(batch, measure(cluster, batch, args, grpc_cluster)) for batch in args.batches]
+    finally:
+        if grpc_cluster is not None:
+            grpc_cluster.close()
     print(f"{'batch':>5} {'1 process':>10} {'(1 thr / 2 thr)':>16} {'shardtrain':>11} {'train_step':>11} "
           f"{'torch.rpc':>10} {'st/1proc':>9} {'st/rpc':>7} {'ts/1proc':>9} {'ts/rpc':>7}")
     for batch, m in results:
@@ -115,6 +141,10 @@ def main() -> None:
               f"{m['shardtrain'] * 1e3:9.2f}ms {m['train_step'] * 1e3:9.2f}ms {m['torch.rpc'] * 1e3:8.2f}ms "
               f"{m['shardtrain'] / single:8.2f}x {m['shardtrain'] / m['torch.rpc']:6.2f}x "
               f"{m['train_step'] / single:8.2f}x {m['train_step'] / m['torch.rpc']:6.2f}x")
+    for batch, m in results:
+        if "gRPC links" in m:
+            print(f"batch {batch}: the loop with every Link item on gRPC {m['gRPC links'] * 1e3:.2f} ms, "
+                  f"{m['gRPC links'] / m['shardtrain']:.2f}x the loop with local links")
     print(f"shardtrain: the PyTorch-shaped loop (model(x), loss.backward(), model.step()); train_step: "
           f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
 
