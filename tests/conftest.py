@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 import pytest
 
@@ -40,7 +41,9 @@ def cluster4():
 
 @pytest.fixture
 def own_cluster():
-    """A fresh 2-shard cluster for a test that breaks things (kills a shard, ...)."""
+    """A fresh 2-shard cluster for a test that breaks things (kills a shard, ...); its logs go with it."""
     cluster = Cluster.local(num_shards=2)
+    logs = cluster._services.log_dir
     yield cluster
     cluster.close()
+    shutil.rmtree(logs, ignore_errors=True)  # kept by close() when a shard had died: here on purpose

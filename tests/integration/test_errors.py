@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 
@@ -134,6 +135,17 @@ def test_nothing_listening_is_unavailable_with_the_address():
         Cluster.connect("127.0.0.1:1")
 
 
+@contextlib.contextmanager
+def closed_and_logs_removed(cluster: Cluster):
+    """Closes the cluster, then removes its logs (close() keeps them when a service died, as here on purpose)."""
+    logs = cluster._services.log_dir
+    try:
+        yield
+    finally:
+        cluster.close()
+        shutil.rmtree(logs, ignore_errors=True)
+
+
 def kill_shard(cluster: Cluster, address: str) -> None:
     """SIGKILLs the local shard process serving at `address` and waits until it is gone."""
     service = next(s for s in cluster._services.services if s.address == address)
@@ -170,7 +182,8 @@ def test_a_cluster_removes_its_logs_at_close_unless_a_service_had_died():
 
 def test_a_dead_middle_shard_fails_the_next_step_with_its_address_not_a_hang():
     """The SDK has no link to a middle stage: the stages around it report it, over their own links."""
-    with Cluster.local(num_shards=3) as cluster:
+    cluster = Cluster.local(num_shards=3)
+    with closed_and_logs_removed(cluster):
         torch.manual_seed(0)
         model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=3)
         train_remotely(model, regression_batches(steps=2, batch=2, features=2))
