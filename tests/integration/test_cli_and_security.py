@@ -84,7 +84,7 @@ ORPHAN_SCRIPT = """
 import json, sys
 from client_sdk import Cluster
 cluster = Cluster.local(num_shards=2)
-print(json.dumps(cluster._services.pids), flush=True)
+print(json.dumps([cluster._services.pids, str(cluster._services.log_dir)]), flush=True)
 sys.stdin.read()
 """
 
@@ -94,12 +94,13 @@ def test_services_die_with_the_client_that_started_them(tmp_path):
     script.write_text(ORPHAN_SCRIPT)
     client = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
-    pids = json.loads(client.stdout.readline())
-    client.kill()  # no chance to clean up
+    pids, logs = json.loads(client.stdout.readline())
+    client.kill()  # no chance to clean up (its logs stay; removed below)
     client.wait()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.2)
+    shutil.rmtree(logs, ignore_errors=True)
     assert not [pid for pid in pids if alive(pid)], "services outlived the client that started them"
 
 
