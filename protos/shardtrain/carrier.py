@@ -94,6 +94,7 @@ class Listener:
         self._server: asyncio.AbstractServer | None = None
         self._directory = ""
         self._waiting: dict[bytes, asyncio.Future] = {}
+        self._cannot: OSError | None = None  # why this host gives no socket (a path too long, ...): asked once
 
     @property
     def address(self) -> str:
@@ -101,14 +102,26 @@ class Listener:
         return os.path.join(self._directory, "link.sock")
 
     async def offer(self) -> tuple[str, bytes, asyncio.Future]:
-        """(address, token, future of the Carrier that presents the token) for one Link."""
+        """(address, token, future of the Carrier that presents the token) for one Link; OSError if this
+        host cannot listen on a Unix socket (then items stay on the gRPC stream)."""
+        if self._cannot is not None:
+            raise self._cannot
         if self._server is None:
-            self._directory = tempfile.mkdtemp(prefix=f"shardtrain-link-{os.getpid()}-")  # mode 0700
-            self._server = await asyncio.start_unix_server(self._accept, self.address)
+            await self._start()
         token = secrets.token_bytes(TOKEN_BYTES)
         future = asyncio.get_running_loop().create_future()
         self._waiting[token] = future
         return self.address, token, future
+
+    async def _start(self) -> None:
+        try:
+            self._directory = tempfile.mkdtemp(prefix=f"shardtrain-link-{os.getpid()}-")  # mode 0700
+            self._server = await asyncio.start_unix_server(self._accept, self.address)
+        except OSError as error:  # e.g. macOS's 104-byte limit on a socket's path
+            shutil.rmtree(self._directory, ignore_errors=True)
+            log.warning("no local links on this host (%s); Link items stay on gRPC streams", error)
+            self._cannot = error
+            raise
 
     def withdraw(self, token: bytes) -> None:
         """Forgets an offer the opener declined or will never take up."""

@@ -315,13 +315,16 @@ async def _answer(opening: shard_pb2.LinkOpen, end: _AnsweringEnd,
     with the future of the socket's Carrier (None: no offer, items stay on the stream)."""
     answer = shard_pb2.LinkOpen()
     answer.CopyFrom(opening)
-    if not answer.local_carrier or listener is None:
-        answer.local_carrier = False
-        end.decided.set_result(None)
-        return answer, None
-    answer.local_address, token, offer = await listener.offer()
-    answer.local_token = token
-    return answer, offer
+    try:
+        if answer.local_carrier and listener is not None:
+            answer.local_address, token, offer = await listener.offer()
+            answer.local_token = token
+            return answer, offer
+    except OSError:
+        pass  # the listener logged why, once
+    answer.local_carrier = False
+    end.decided.set_result(None)
+    return answer, None
 
 
 async def _until_closed(readers: set[asyncio.Future]) -> bool:

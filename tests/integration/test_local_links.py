@@ -107,6 +107,15 @@ def test_an_opener_that_cannot_reach_the_socket_declines_it_and_items_stay_on_th
     assert local == (False, False)
 
 
+def test_a_host_without_unix_sockets_answers_without_an_offer(monkeypatch, tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)  # a socket path over Linux's 108 bytes, like macOS's /var/folders
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(carrier.tempfile, "mkdtemp", lambda prefix: str(deep))
+    activation, items, local = asyncio.run(echoed(True, carrier.Listener()))
+    check_echo(activation, items)
+    assert local == (False, False)
+
+
 def test_an_opener_that_neither_connects_nor_declines_is_refused_with_unavailable(monkeypatch):
     monkeypatch.setattr(carrier, "CONNECT_SECONDS", 0.5)
 
