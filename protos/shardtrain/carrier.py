@@ -58,7 +58,7 @@ class Carrier:
         await self._writer.drain()
 
     async def read(self) -> Frame | None:
-        """The next frame, or None when the other end closed the socket between frames."""
+        """The next frame, or None when the other end closed (or reset) the socket between frames."""
         try:
             head = await self._reader.readexactly(_LENGTH.size)
         except ConnectionError:  # reset: the other process died
@@ -147,8 +147,9 @@ class Listener:
         for token in list(self._waiting):
             self.withdraw(token)
         if self._server is not None:
+            # Stops listening at once. Not wait_closed(): from Python 3.12 it waits for every accepted
+            # socket, and those belong to Links that end when the server stops, after this.
             self._server.close()
-            await self._server.wait_closed()
             shutil.rmtree(self._directory, ignore_errors=True)
             self._server = None
 
