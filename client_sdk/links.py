@@ -43,7 +43,6 @@ class SdkLinks:
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role, from_stage=-1,
                                          shared_memory=peer.same_host, local_carrier=peer.same_host)
             client = link.ClientLink(peer, opening, self._on_item, self._broke)
-            client.same_host = peer.same_host
             self._links[role] = client
         return client
 

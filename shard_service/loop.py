@@ -68,8 +68,6 @@ class LinkedLoop:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
         self._shard.stage_for(opening.deployment_id)
         plan = self._shard.plan
-        end.deployment_id = opening.deployment_id
-        end.same_host = opening.shared_memory
         end.toward_first = opening.role != _ROLES.LINK_ROLE_OUTPUT
         if opening.role == _ROLES.LINK_ROLE_INPUT and plan.stage == 0:
             self._input = end
@@ -112,7 +110,7 @@ class LinkedLoop:
                                          from_stage=self._shard.plan.stage, shared_memory=peer.same_host,
                                          local_carrier=peer.same_host and self._shard.settings.local_links)
             client = link.ClientLink(peer, opening, self.on_item, self._broke)
-            client.deployment_id, client.same_host, client.toward_first = self._deployment_id, peer.same_host, False
+            client.toward_first = False
             self._opened[address] = client
         return client
 

@@ -25,6 +25,7 @@ import secrets
 import shutil
 import struct
 import tempfile
+from collections.abc import AsyncIterator
 
 from shardtrain import errors, shm
 from shardtrain.codec import Codec, Frame
@@ -74,6 +75,11 @@ class Carrier:
             return _CODEC.deserialize(await self._reader.readexactly(size))
         except (asyncio.IncompleteReadError, ConnectionError):
             raise errors.DataLoss(f"local link: the socket closed inside a frame of {size} bytes") from None
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        """The frames that arrive, until the other end closes the socket."""
+        while (frame := await self.read()) is not None:
+            yield frame
 
     def close(self) -> None:
         """Closes the socket; the other end reads its end."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -99,14 +99,14 @@ def raised(error: shard_pb2.LinkError) -> errors.ShardtrainError:
 class LinkEnd:
     """One end of a Link: sends items in order, one writer at a time."""
 
-    def __init__(self, name: str, write: Callable[[Frame], Awaitable[Any]]):
+    def __init__(self, name: str, write: Callable[[Frame], Awaitable[Any]], opening: shard_pb2.LinkOpen):
         self.name = name
         self._write = write
         self._lock = asyncio.Lock()
         self.broken: errors.ShardtrainError | None = None
-        self.deployment_id = ""      # what the owner knows of the other end:
-        self.same_host = False       # it can open this process's shared segments,
-        self.toward_first = True     # it sits before this one in the pipeline (or is the SDK's input side)
+        self.deployment_id = opening.deployment_id  # the link's deployment, as its open item named it
+        self.same_host = opening.shared_memory      # the opener can open the answering end's shared segments
+        self.toward_first = True     # the other end sits before this one in the pipeline (or is the SDK's input side)
         self._carrier: carrier.Carrier | None = None
 
     @property
@@ -164,7 +164,7 @@ class ClientLink(LinkEnd):
                  torch.Tensor | None], None], on_broken: Callable[[ClientLink, errors.ShardtrainError], None]):
         self.peer = peer
         self._call = peer.stub.Link(metadata=peer.metadata, wait_for_ready=False)
-        super().__init__(peer.name, self._call.write)
+        super().__init__(peer.name, self._call.write, opening)
         self._closing = False
         self._on_item, self._on_broken = on_item, on_broken
         self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -189,18 +189,15 @@ class ClientLink(LinkEnd):
             if first.message.open.local_address:
                 await self._take_carrier(first.message.open)
             self._accepted.set_result(None)
-        items = ItemReader()
-        while first is not grpc.aio.EOF:
-            frame = await self._call.read()
-            if frame is grpc.aio.EOF:
-                break
-            item = items.feed(frame)
-            if item is not None:
-                self._on_item(self, *item)
+            await _deliver(self._stream_frames(), self, self._on_item)
         status = await self._call.code()
         if status != grpc.StatusCode.OK:
             raise errors.error_for_code(status.name, f"{self.name}: {await self._call.details()}")
         raise errors.Unavailable(f"{self.name} closed the link")
+
+    async def _stream_frames(self) -> AsyncIterator[Frame]:
+        while (frame := await self._call.read()) is not grpc.aio.EOF:
+            yield frame
 
     async def _take_carrier(self, answer: shard_pb2.LinkOpen) -> None:
         """Moves the items to the offered socket, or tells the peer they stay on the stream."""
@@ -214,7 +211,7 @@ class ClientLink(LinkEnd):
         self._carried = asyncio.ensure_future(self._guarded(self._read_carrier(local)))
 
     async def _read_carrier(self, local: carrier.Carrier) -> None:
-        await _deliver(local, self, self._on_item)
+        await _deliver(local.frames(), self, self._on_item)
         raise errors.Unavailable(f"{self.name} is unavailable: its local link closed")
 
     async def _guarded(self, reading: Awaitable[None]) -> None:
@@ -266,8 +263,8 @@ class ClientLink(LinkEnd):
 class _AnsweringEnd(LinkEnd):
     """The answering end of a Link: its items wait until the opener took up or declined an offered socket."""
 
-    def __init__(self, name: str, write: Callable[[Frame], Awaitable[Any]]):
-        super().__init__(name, write)
+    def __init__(self, name: str, write: Callable[[Frame], Awaitable[Any]], opening: shard_pb2.LinkOpen):
+        super().__init__(name, write, opening)
         self.decided: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def _ready(self) -> None:
@@ -287,7 +284,7 @@ async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkO
     first = await anext(requests, None)
     if first is None or not first.message.HasField("open"):
         raise errors.InvalidArgument("a Link must start with an open item (LinkOpen)")
-    end = _AnsweringEnd(name, context.write)
+    end = _AnsweringEnd(name, context.write, first.message.open)
     on_open(first.message.open, end)
     answer, offer = await _answer(first.message.open, end, listener)
     await context.write(Frame(shard_pb2.LinkMessage(open=answer)))  # accepted: items may come
@@ -338,16 +335,18 @@ async def _until_closed(readers: set[asyncio.Future]) -> bool:
 
 
 async def _read_stream(requests, end: _AnsweringEnd, on_item) -> str:
-    """Reads items from the gRPC stream; a second open item there declines the offered socket."""
-    items = ItemReader()
+    """Reads items from the gRPC stream until the opener finishes it."""
+    await _deliver(_declines_taken(requests, end), end, on_item)
+    return "finished"
+
+
+async def _declines_taken(requests, end: _AnsweringEnd) -> AsyncIterator[Frame]:
+    """The stream's frames, less a second open item: that one declines the offered socket."""
     async for frame in requests:
         if frame.message.HasField("open") and not end.decided.done():
             end.decided.set_result(None)
-            continue
-        item = items.feed(frame)
-        if item is not None:
-            on_item(end, *item)
-    return "finished"
+        else:
+            yield frame
 
 
 async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> str:
@@ -361,14 +360,14 @@ async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> s
     local = offer.result()
     end.carry(local)
     end.decided.set_result(None)
-    await _deliver(local, end, on_item)
+    await _deliver(local.frames(), end, on_item)
     return "broke"
 
 
-async def _deliver(local: carrier.Carrier, end: LinkEnd, on_item) -> None:
-    """Hands the items that arrive on a same-host socket to `on_item` until the other end closes it."""
+async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:
+    """Hands each item to `on_item` as its last frame arrives, until `frames` (a stream's or a socket's) ends."""
     items = ItemReader()
-    while (frame := await local.read()) is not None:
+    async for frame in frames:
         item = items.feed(frame)
         if item is not None:
             on_item(end, *item)
