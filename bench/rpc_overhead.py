@@ -20,6 +20,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -76,57 +77,62 @@ async def _one_message(payload: bytes):
     yield payload
 
 
-async def _measure(channel, server_pid: int, way: str, payload: bytes, exchanges: int,
-                   socket_path: str = "") -> tuple[float, float, float]:
-    """(median seconds per exchange, client CPU per exchange, server CPU per exchange)."""
-    if way == "local socket, ping-pong":
-        return await _measure_socket(socket_path, server_pid, payload, exchanges)
-    unary = channel.unary_unary("/bench.Echo/Unary", _same, _same)
-    client_stream = channel.stream_unary("/bench.Echo/ClientStream", _same, _same)
-    stream = channel.stream_stream("/bench.Echo/Link", _same, _same)() if way.startswith("open stream") else None
-    times = []
-    cpu = (_cpu_seconds(os.getpid()), _cpu_seconds(server_pid))
-    started = time.perf_counter()
-    if way == "open stream, streamed":
-        async def read_all() -> None:
-            for _ in range(exchanges):
-                await stream.read()
-        reader = asyncio.ensure_future(read_all())
-        for _ in range(exchanges):
-            await stream.write(payload)
-        await reader
-        times = [(time.perf_counter() - started) / exchanges]
-    else:
-        for _ in range(exchanges):
-            start = time.perf_counter()
-            if way == "unary call":
-                await unary(payload)
-            elif way == "client-streaming call":
-                await client_stream(_one_message(payload))
-            else:
-                await stream.write(payload)
-                await stream.read()
-            times.append(time.perf_counter() - start)
-    client, server = _cpu_seconds(os.getpid()) - cpu[0], _cpu_seconds(server_pid) - cpu[1]
-    if stream is not None:
-        await stream.done_writing()
-    return statistics.median(times), client / exchanges, server / exchanges
-
-
-async def _measure_socket(socket_path: str, server_pid: int, payload: bytes, exchanges: int):
-    reader, writer = await asyncio.open_unix_connection(socket_path)
-    local = carrier.Carrier(reader, writer)
-    frame = Frame(shard_pb2.LinkMessage(tensor=tensor_pb2.TensorChunk()), payload)
+async def _timed(exchange: Callable[[], Awaitable[None]], exchanges: int,
+                 server_pid: int) -> tuple[float, float, float]:
+    """(median seconds per exchange, client CPU per exchange, server CPU per exchange) of `exchanges` awaits."""
     times = []
     cpu = (_cpu_seconds(os.getpid()), _cpu_seconds(server_pid))
     for _ in range(exchanges):
         start = time.perf_counter()
-        await local.write(frame)
-        await local.read()
+        await exchange()
         times.append(time.perf_counter() - start)
     client, server = _cpu_seconds(os.getpid()) - cpu[0], _cpu_seconds(server_pid) - cpu[1]
-    local.close()
     return statistics.median(times), client / exchanges, server / exchanges
+
+
+async def _stream_all(stream, payload: bytes, messages: int) -> None:
+    """Writes `messages` payloads without waiting for answers, while reading the echoes."""
+    async def read_all() -> None:
+        for _ in range(messages):
+            await stream.read()
+    reader = asyncio.ensure_future(read_all())
+    for _ in range(messages):
+        await stream.write(payload)
+    await reader
+
+
+async def _measure(channel, server_pid: int, way: str, payload: bytes, exchanges: int,
+                   socket_path: str = "") -> tuple[float, float, float]:
+    """(median seconds per exchange, client CPU per exchange, server CPU per exchange)."""
+    if way == "local socket, ping-pong":
+        local = carrier.Carrier(*await asyncio.open_unix_connection(socket_path))
+        frame = Frame(shard_pb2.LinkMessage(tensor=tensor_pb2.TensorChunk()), payload)
+
+        async def round_trip() -> None:
+            await local.write(frame)
+            await local.read()
+        try:
+            return await _timed(round_trip, exchanges, server_pid)
+        finally:
+            local.close()
+    if way.startswith("open stream"):
+        stream = channel.stream_stream("/bench.Echo/Link", _same, _same)()
+
+        async def ping_pong() -> None:
+            await stream.write(payload)
+            await stream.read()
+        try:
+            if way == "open stream, ping-pong":
+                return await _timed(ping_pong, exchanges, server_pid)
+            total = await _timed(lambda: _stream_all(stream, payload, exchanges), 1, server_pid)
+            return tuple(value / exchanges for value in total)
+        finally:
+            await stream.done_writing()
+    if way == "unary call":
+        unary = channel.unary_unary("/bench.Echo/Unary", _same, _same)
+        return await _timed(lambda: unary(payload), exchanges, server_pid)
+    client_stream = channel.stream_unary("/bench.Echo/ClientStream", _same, _same)
+    return await _timed(lambda: client_stream(_one_message(payload)), exchanges, server_pid)
 
 
 WAYS = ("unary call", "client-streaming call", "open stream, ping-pong", "open stream, streamed",
