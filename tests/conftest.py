@@ -40,9 +40,12 @@ def cluster4():
 
 
 @pytest.fixture
-def own_cluster():
-    """A fresh 2-shard cluster for a test that breaks things (kills a shard, ...); its logs go with it."""
-    cluster = Cluster.local(num_shards=2)
+def own_cluster(request):
+    """A fresh cluster for a test that breaks things (kills a shard, ...); its logs go with it.
+
+    Two shards, or as many as the test asks with `@pytest.mark.parametrize("own_cluster", [n], indirect=True)`.
+    """
+    cluster = Cluster.local(num_shards=getattr(request, "param", 2))
     logs = cluster._services.log_dir
     yield cluster
     cluster.close()

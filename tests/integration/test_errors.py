@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 
@@ -135,17 +134,6 @@ def test_nothing_listening_is_unavailable_with_the_address():
         Cluster.connect("127.0.0.1:1")
 
 
-@contextlib.contextmanager
-def closed_and_logs_removed(cluster: Cluster):
-    """Closes the cluster, then removes its logs (close() keeps them when a service died, as here on purpose)."""
-    logs = cluster._services.log_dir
-    try:
-        yield
-    finally:
-        cluster.close()
-        shutil.rmtree(logs, ignore_errors=True)
-
-
 def kill_shard(cluster: Cluster, address: str) -> None:
     """SIGKILLs the local shard process serving at `address` and waits until it is gone."""
     service = next(s for s in cluster._services.services if s.address == address)
@@ -153,12 +141,19 @@ def kill_shard(cluster: Cluster, address: str) -> None:
     service.process.wait()
 
 
-def test_a_dead_shard_makes_the_call_fail_with_its_address(own_cluster):
+def trained_then_stage_one_killed(cluster: Cluster, num_stages: int, steps: int):
+    """A small model trained for `steps` steps over `num_stages` stages, then the shard of its stage 1
+    SIGKILLed: (the model, that shard's address)."""
     torch.manual_seed(0)
-    model = own_cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=2)
-    train_remotely(model, regression_batches(steps=1, batch=2, features=2))
+    model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=num_stages)
+    train_remotely(model, regression_batches(steps=steps, batch=2, features=2))
     victim = model.placements[1].shard_address
-    kill_shard(own_cluster, victim)
+    kill_shard(cluster, victim)
+    return model, victim
+
+
+def test_a_dead_shard_makes_the_call_fail_with_its_address(own_cluster):
+    model, victim = trained_then_stage_one_killed(own_cluster, num_stages=2, steps=1)
     with pytest.raises(errors.Unavailable, match=rf"{victim} .*is unavailable"):
         model(torch.randn(2, 2))
 
@@ -180,19 +175,14 @@ def test_a_cluster_removes_its_logs_at_close_unless_a_service_had_died():
         shutil.rmtree(crashed_logs)
 
 
-def test_a_dead_middle_shard_fails_the_next_step_with_its_address_not_a_hang():
+@pytest.mark.parametrize("own_cluster", [3], indirect=True)
+def test_a_dead_middle_shard_fails_the_next_step_with_its_address_not_a_hang(own_cluster):
     """The SDK has no link to a middle stage: the stages around it report it, over their own links."""
-    cluster = Cluster.local(num_shards=3)
-    with closed_and_logs_removed(cluster):
-        torch.manual_seed(0)
-        model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=3)
-        train_remotely(model, regression_batches(steps=2, batch=2, features=2))
-        victim = model.placements[1].shard_address
-        kill_shard(cluster, victim)
-        started = time.monotonic()
-        with pytest.raises(errors.Unavailable, match=rf"shard at {victim}.* is unavailable"):
-            for _ in range(2):  # the first call may already see the news; the second at the latest
-                model(torch.randn(2, 2)).sum().backward()
-                model.step()
-                model.synchronize()
-        assert time.monotonic() - started < 30
+    model, victim = trained_then_stage_one_killed(own_cluster, num_stages=3, steps=2)
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable, match=rf"shard at {victim}.* is unavailable"):
+        for _ in range(2):  # the first call may already see the news; the second at the latest
+            model(torch.randn(2, 2)).sum().backward()
+            model.step()
+            model.synchronize()
+    assert time.monotonic() - started < 30
