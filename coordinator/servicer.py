@@ -52,7 +52,7 @@ class CoordinatorServicer:
         # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
         ranges = partition.plan([layer.cost for layer in layers], spec.num_stages or min(available, len(layers)),
                                 spec.split_points, spec.layers_per_stage)
-        routes = route([Wiring(tuple(l.dependencies), tuple(l.out_variables)) for l in layers], ranges)
+        routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges)
         shards = self.registry.take(len(ranges) * replicas)
         pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)]) for r in range(replicas)]
         deployment_id = uuid.uuid4().hex[:12]

@@ -31,9 +31,17 @@ from shardtrain.v1 import shard_pb2
 
 if TYPE_CHECKING:
     from shard_service.servicer import ShardServicer
+    from shard_service.stage import Stage
 
 log = logging.getLogger("shardtrain.shard.loop")
 _ROLES = shard_pb2.LinkRole
+
+
+def _check_forward(header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
+    if x is None:
+        raise errors.InvalidArgument("a forward item carries the activation tensor")
+    if header.HasField("step_first"):
+        raise errors.InvalidArgument("on a Link an optimizer step travels as a step item, not in step_first")
 
 
 class LinkedLoop:
@@ -197,35 +205,38 @@ class LinkedLoop:
 
     async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
         shard = self._shard
-        key = (header.key.step, header.key.microbatch)
         try:
             stage = shard.stage_for(header.key.deployment_id)
-            if x is None:
-                raise errors.InvalidArgument("a forward item carries the activation tensor")
-            if header.HasField("step_first"):
-                raise errors.InvalidArgument("on a Link an optimizer step travels as a step item, not in step_first")
+            _check_forward(header, x)
             incoming = await self._incoming_residuals(stage, header.key)
             await shard.order.after_optimizer_step(header.after_optimizer_step, shard.settings.timeouts.peer_wait)
             if header.zero_grad:
                 await shard.run(stage.zero_grad)
-            result, outgoing = await shard.run(stage.forward, key, x, incoming, header.requires_grad,
-                                               header.input_requires_grad)
+            result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
+                                               header.requires_grad, header.input_requires_grad)
             self._forwarded = max(self._forwarded, header.key.step)
             # The activation first: the next stage needs it now, a residual's consumer only later.
-            if shard.plan.next_address:
-                await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)
-            else:
-                if self._output is None:
-                    await self._sdk_output()
-                await self._send(self._down(), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)),
-                                 result)
-            for name, tensor in outgoing.items():
-                sink = next(r for r in shard.plan.outgoing_residuals if r.name == name)
-                for address in sink.consumer_addresses:
-                    item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=header.key, name=name))
-                    await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
+            await self._send_activation(header, result)
+            await self._send_residuals(header.key, outgoing)
         except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
             await self._report(header.key, error, backward=False)
+
+    async def _send_activation(self, header: shard_pb2.ForwardHeader, result: torch.Tensor) -> None:
+        """To the next stage, or (from the last stage) to the SDK as the output."""
+        if self._shard.plan.next_address:
+            await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)
+            return
+        if self._output is None:
+            await self._sdk_output()
+        await self._send(self._down(), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)), result)
+
+    async def _send_residuals(self, key: shard_pb2.StepKey, outgoing: dict[str, torch.Tensor]) -> None:
+        """Each residual this stage produced, straight to every stage that consumes it."""
+        for name, tensor in outgoing.items():
+            sink = next(r for r in self._shard.plan.outgoing_residuals if r.name == name)
+            for address in sink.consumer_addresses:
+                item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
+                await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
 
     async def _sdk_output(self) -> None:
         """Waits (up to the peer-wait deadline) for the SDK's output link, opened at the same time as the input."""
@@ -255,37 +266,55 @@ class LinkedLoop:
             stage = shard.stage_for(header.key.deployment_id)
             residual_grads = await shard.residual_gradients(stage, key)
             grad_input, incoming_grads = await shard.run(stage.backward, key, grad, residual_grads)
-            for name, residual_grad in incoming_grads.items():
-                producer = shard.links.producer(name).producer_stage
-                item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=header.key, name=name))
-                await self._send(self._from_stage.get(producer), item, residual_grad, "residuals")
-            if shard.plan.stage > 0:
-                item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=header.key))
-            else:
-                item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=header.key))
-            await self._send(self._up(), item, grad_input, "gradients")
+            await self._send_residual_gradients(header.key, incoming_grads)
+            await self._send_input_gradient(header.key, grad_input)
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self._report(header.key, error, backward=True)
             await shard.order.backward_finished(key[0], status_message(error, shard.location)[1])
             return
         await shard.order.backward_finished(key[0], "")
 
+    async def _send_residual_gradients(self, key: shard_pb2.StepKey, grads: dict[str, torch.Tensor]) -> None:
+        """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
+        for name, grad in grads.items():
+            producer = self._shard.links.producer(name).producer_stage
+            item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
+            await self._send(self._from_stage.get(producer), item, grad, "residuals")
+
+    async def _send_input_gradient(self, key: shard_pb2.StepKey, grad_input: torch.Tensor | None) -> None:
+        """To the previous stage, or (from the first stage) to the SDK as the end of the backward."""
+        if self._shard.plan.stage > 0:
+            item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key))
+        else:
+            item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=key))
+        await self._send(self._up(), item, grad_input, "gradients")
+
     async def _step(self, item: shard_pb2.LinkStep) -> None:
         """Passes an optimizer step on once this stage's share of its backwards is over, then applies it
         unless one of them failed here or on a stage before."""
-        shard, request = self._shard, item.request
-        failure = item.failure
+        request = item.request
+        stage, failure = await self._step_verdict(request, item.failure)
+        if self._shard.plan.next_address:
+            await self._pass_down(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure)))
+        await self._apply_step(stage, request, failure)
+
+    async def _step_verdict(self, request: shard_pb2.StepRequest, failure: str) -> tuple[Stage | None, str]:
+        """Once this stage's backwards of the step are over: the stage, and why the step is refused ("" if it is
+        not; a reason from a stage before wins)."""
+        shard = self._shard
         try:
             stage = shard.stage_for(request.deployment_id)
             failures = await shard.order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
-            if failures and not failure:
-                step, reason = next(iter(failures.items()))
-                failure = f"the backward of step {step} failed: {reason}"
         except Exception as error:  # noqa: BLE001 - the step is refused on this stage and those after it
-            failure = failure or status_message(error, shard.location)[1]
-            stage = None
-        if shard.plan.next_address:
-            await self._pass_down(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure)))
+            return None, failure or status_message(error, shard.location)[1]
+        if failures and not failure:
+            step, reason = next(iter(failures.items()))
+            failure = f"the backward of step {step} failed: {reason}"
+        return stage, failure
+
+    async def _apply_step(self, stage: Stage | None, request: shard_pb2.StepRequest, failure: str) -> None:
+        """Applies the step unless it was refused; either way it counts as settled here, and the step's state goes."""
+        shard = self._shard
         try:
             if stage is not None and not failure:
                 if request.zero_grad:

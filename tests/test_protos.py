@@ -17,4 +17,5 @@ def test_committed_stubs_match_the_protos(tmp_path):
     committed = sorted(p.name for p in GENERATED.iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_grpc.py")))
     assert fresh == committed
     _, mismatch, errors = filecmp.cmpfiles(tmp_path / "shardtrain" / "v1", GENERATED, fresh, shallow=False)
-    assert not mismatch and not errors, f"stubs drifted from the .proto files; run python protos/generate.py: {mismatch}"
+    assert not mismatch and not errors, \
+        f"stubs drifted from the .proto files; run python protos/generate.py: {mismatch}"

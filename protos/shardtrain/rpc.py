@@ -137,8 +137,9 @@ def _deny(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     if handler is None:
         return None
     if handler.response_streaming:
-        make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
-        return make(refuse_stream)
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse_stream)
+        return grpc.unary_stream_rpc_method_handler(refuse_stream)
     make = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
     return make(refuse)
 

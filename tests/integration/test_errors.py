@@ -57,7 +57,8 @@ def test_wrong_input_dtype(picky_model):
 
 
 def test_a_stage_that_raises_names_the_stage_and_the_cause(picky_model):
-    with pytest.raises(errors.InternalError, match=r"stage 1 \(layers 1-1\) failed: .*input values must stay below 100"):
+    with pytest.raises(errors.InternalError,
+                       match=r"stage 1 \(layers 1-1\) failed: .*input values must stay below 100"):
         picky_model(torch.full((4, 3), 1e4))
     a_good_step_works(picky_model)
 

@@ -79,7 +79,8 @@ def test_at_split_points(num_layers, points, expected):
 
 @pytest.mark.parametrize("points", [[0], [4], [5], [2, 2], [3, 1], [-1], [1, 4]])
 def test_bad_split_points_are_named(points):
-    with pytest.raises(InvalidArgument, match=re.escape(f"split points {points} must be increasing layer indexes in 1..3")):
+    with pytest.raises(InvalidArgument,
+                       match=re.escape(f"split points {points} must be increasing layer indexes in 1..3")):
         at_split_points(4, points)
 
 
@@ -98,7 +99,8 @@ def test_by_counts(num_layers, counts, expected):
 
 @pytest.mark.parametrize("counts", [[2, 1], [2, 3], [4, 0], [5, -1], []])
 def test_counts_that_do_not_add_up_are_named(counts):
-    with pytest.raises(InvalidArgument, match=re.escape(f"layers per stage {counts} must be positive and add up to 4 layers")):
+    with pytest.raises(InvalidArgument,
+                       match=re.escape(f"layers per stage {counts} must be positive and add up to 4 layers")):
         by_counts(4, counts)
 
 

@@ -21,7 +21,8 @@ def test_shard_defaults_with_only_a_coordinator():
 
 def test_shard_reads_every_shardtrain_variable():
     env = {
-        "SHARDTRAIN_COORDINATOR": "coord:7000", "SHARDTRAIN_BIND": "0.0.0.0:7001", "SHARDTRAIN_ADVERTISE": "shard-a:7001",
+        "SHARDTRAIN_COORDINATOR": "coord:7000", "SHARDTRAIN_BIND": "0.0.0.0:7001",
+        "SHARDTRAIN_ADVERTISE": "shard-a:7001",
         "SHARDTRAIN_DEVICE": "cuda:1", "SHARDTRAIN_CHUNK_BYTES": "4096", "SHARDTRAIN_THREADS": "2",
         "SHARDTRAIN_AUTH_TOKEN": "tok", "SHARDTRAIN_TLS_CERT": "cert.pem", "SHARDTRAIN_TLS_KEY": "key.pem",
         "SHARDTRAIN_TLS_CA": "ca.pem", "SHARDTRAIN_TLS_SERVER_NAME": "shards.local",
