@@ -15,7 +15,7 @@ size in the kind, `python -m bench.train_step --batches 32 256 1024` timed the b
 
 What is timed is the work alone, from its fourth call on. Timed with the hand-off to the compute
 thread counted in, and from the first calls (which allocate an optimizer's state), the shards' Adam
-trials at batch 32 took 5.7-13 ms where a warm Adam of one stage takes about 1 ms, and two of three
+trials at batch 32 took 3.9-13 ms where a warm Adam of one stage takes about 1 ms, and two of three
 shards chose two threads for it; for the whole seed model, one process's Adam takes 2.4 ms on one
 thread and 3.8 ms on two. Now they choose one. Two threads must also beat one by a tenth: the core
 they take is the other shards' too.
