@@ -6,10 +6,11 @@ A stage of the seed model at batch 32 is small matrix products. Each of two proc
 same fixed amount of them on one intra-op thread, first one process alone, then two at once;
 the result is the work per second of the two together over that of one alone (2.0: two real
 cores; 1.0: no more than one). The 2-core development machine is a VM on a shared host, and this
-varies: one hour two at once did 1.17x the work of one alone (6.9 ms each for what took 4.0 ms
-alone), the next 1.96-1.99x. While it is low, shards gain little from overlapping their work and
-every process hand-off takes a core from the critical path; `python -m bench.train_step` prints
-it before and after its rounds, so its ratios can be read against it.
+varies: at one time two at once did 1.17x the work of one alone (6.9 ms each for what took
+4.0 ms alone), forty minutes later 1.96-1.99x. While it is low, shards gain little from
+overlapping their work and every process hand-off takes a core from the critical path;
+`python -m bench.train_step` prints it before and after its rounds, so its ratios can be read
+against it.
 """
 
 from __future__ import annotations
