@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import statistics
 import time
 
 import torch
@@ -24,12 +25,12 @@ import torch
 PRODUCTS = 2000  # 32x512 @ 512x512 products per run: about 0.4 s on the development machine
 
 
-def _work(start: mp.Event, results: mp.Queue) -> None:
+def _work(ready: mp.Barrier, results: mp.Queue) -> None:
     torch.set_num_threads(1)
     a, w = torch.randn(32, 512), torch.randn(512, 512)
     for _ in range(50):  # warm-up
         a @ w
-    start.wait()
+    ready.wait()  # every process warm: all start together
     began = time.perf_counter()
     for _ in range(PRODUCTS):
         a @ w
@@ -39,12 +40,10 @@ def _work(start: mp.Event, results: mp.Queue) -> None:
 def _run_at_once(count: int) -> list[float]:
     """Seconds each of `count` processes took for the same work, started together."""
     context = mp.get_context("spawn")
-    start, results = context.Event(), context.Queue()
-    processes = [context.Process(target=_work, args=(start, results)) for _ in range(count)]
+    ready, results = context.Barrier(count), context.Queue()
+    processes = [context.Process(target=_work, args=(ready, results)) for _ in range(count)]
     for process in processes:
         process.start()
-    time.sleep(1.0)  # every process has imported torch and warmed up
-    start.set()
     seconds = [results.get(timeout=120) for _ in processes]
     for process in processes:
         process.join()
@@ -58,7 +57,7 @@ def parallel_throughput(rounds: int = 3) -> tuple[float, float, float]:
     for _ in range(rounds):
         alone += _run_at_once(1)
         together += _run_at_once(2)
-    one, two = sorted(alone)[len(alone) // 2], sorted(together)[len(together) // 2]
+    one, two = statistics.median(alone), statistics.median(together)
     return 2 * one / two, one, two
 
 
