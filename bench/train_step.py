@@ -11,8 +11,9 @@ median of every timed step of its rounds. Prints the medians and the ratios
 shardtrain/one-process and shardtrain/torch.rpc. With --grpc-links, a second cluster whose
 shards keep every Link item on the gRPC stream (--local-links off) takes its turn too, and the
 loop's time there is printed against the loop's with local links. Before and after the rounds it
-measures how much two of the host's cores do at once against one (bench/host.py): on a shared
-host that changes, and with it what the shards can overlap.
+measures how much two of the host's cores do at once against one, and before them how soon a
+process runs once another wakes it (bench/host.py): on a shared host both change, and with them
+what the shards can overlap and what each hand-off costs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402 - after the OpenMP setting, which is read when torch loads
 
-from bench.host import parallel_throughput  # noqa: E402
+from bench.host import describe_wake_up, parallel_throughput, wake_up  # noqa: E402
 from bench.rpc_baseline import _make_data, run_rpc_baseline  # noqa: E402
 from client_sdk import Cluster, LayerList  # noqa: E402
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL  # noqa: E402
@@ -130,6 +131,7 @@ def main() -> None:
                         help="also time the loop with every Link item on gRPC (shards with --local-links off)")
     args = parser.parse_args()
     host_before = parallel_throughput(rounds=1)[0]
+    wake = wake_up()
     grpc_cluster = grpc_links_cluster() if args.grpc_links else None
     try:
         with Cluster.local(num_shards=3) as cluster:
@@ -153,6 +155,7 @@ def main() -> None:
           f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
     print(f"host: two processes at once did {host_before:.2f}x the work of one alone before the rounds, "
           f"{parallel_throughput(rounds=1)[0]:.2f}x after (2.00: two free cores; python -m bench.host)")
+    print(f"host, before the rounds: {describe_wake_up(wake)}")
 
 
 if __name__ == "__main__":
