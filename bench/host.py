@@ -18,9 +18,9 @@ Unix socket and goes on working for WAKER_WORK (as a stage goes on after sending
 bookkeeping), then pauses; the sleeper notes when it runs again, and on which core. Latency is
 the time from the write to the sleeper running (perf_counter is CLOCK_MONOTONIC on Linux: one
 clock for every process). It is measured as the scheduler places the two, then with each pinned
-to its own core. On the development machine (five runs): left to the scheduler, the sleeper ran
-on the core the waker wrote from in 90-95% of wake-ups, 0.13-0.38 ms after the write (median);
-pinned apart, 0.15-0.21 ms after it. (Its kernel's command line carries `sched_vcpu_pack=15`,
+to its own core. On the development machine (six runs): left to the scheduler, the sleeper ran
+on the core the waker wrote from in 90-95% of wake-ups, 0.13-0.44 ms after the write (median);
+pinned apart, 0.14-0.21 ms after it. (Its kernel's command line carries `sched_vcpu_pack=15`,
 which mainline Linux does not have.) A loop step of the seed's 3-stage pipeline has six hand-offs
 between processes on its critical path.
 
