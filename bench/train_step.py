@@ -5,8 +5,11 @@
 1. one process (the baseline; its best of 1 and 2 torch threads),
 2. shardtrain on 3 local shard processes: the PyTorch-shaped loop, and model.train_step
    (--microbatches micro-batches pipelined under 1F1B, the loss on the last stage),
-3. torch.distributed.rpc + distributed autograd + DistributedOptimizer on 3 worker processes.
-The three take turns for --rounds rounds (this machine is shared and noisy); each figure is the
+3. torch.distributed.rpc + distributed autograd + DistributedOptimizer on 3 worker processes,
+4. the floor (bench/floor.py): the same loop on 3 processes in the leanest Python that keeps its
+   rules, raw bytes on Unix socket pairs; what is left of shardtrain's time above it is the
+   framework's own cost, and what is left of the floor's above one process is the host's.
+The four take turns for --rounds rounds (this machine is shared and noisy); each figure is the
 median of every timed step of its rounds. Prints the medians and the ratios
 shardtrain/one-process and shardtrain/torch.rpc. With --grpc-links, a second cluster whose
 shards keep every Link item on the gRPC stream (--local-links off) takes its turn too, and the
@@ -30,6 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402 - after the OpenMP setting, which is read when torch loads
 
+from bench.floor import Floor  # noqa: E402
 from bench.host import describe_wake_up, parallel_throughput, wake_up  # noqa: E402
 from bench.rpc_baseline import _make_data, run_rpc_baseline  # noqa: E402
 from client_sdk import Cluster, LayerList  # noqa: E402
@@ -101,17 +105,25 @@ def grpc_links_cluster() -> Cluster:
         del os.environ["SHARDTRAIN_LOCAL_LINKS"]
 
 
-def measure(cluster: Cluster, batch: int, args, grpc_cluster: Cluster | None = None) -> dict[str, float]:
+def floor_steps(floor: Floor, batch: int, steps: int, warmup: int) -> list[float]:
+    """Step times of the floor's loop (bench/floor.py)."""
+    x, y = _make_data(batch, 0)
+    return timed_steps(lambda: floor.train_step(x, y), steps, warmup)
+
+
+def measure(cluster: Cluster, floor: Floor, batch: int, args,
+            grpc_cluster: Cluster | None = None) -> dict[str, float]:
     """Median step time of each way, the ways taking turns for args.rounds rounds."""
     model = deploy(cluster)
     grpc_model = deploy(grpc_cluster) if grpc_cluster is not None else None
     times: dict[str, list[float]] = {"shardtrain": [], "train_step": [], "1 thread": [], "2 threads": [],
-                                     "torch.rpc": [], "gRPC links": []}
+                                     "torch.rpc": [], "floor": [], "gRPC links": []}
     for _ in range(args.rounds):
         times["shardtrain"] += shardtrain(model, batch, args.steps, args.warmup)
         if grpc_model is not None:
             times["gRPC links"] += shardtrain(grpc_model, batch, args.steps, args.warmup)
         times["train_step"] += shardtrain_pipelined(model, batch, args.steps, args.warmup, args.microbatches)
+        times["floor"] += floor_steps(floor, batch, args.steps, args.warmup)
         times["1 thread"] += single_process(batch, args.steps, args.warmup, 1)
         times["2 threads"] += single_process(batch, args.steps, args.warmup, 2)
         # Same intra-op threads as the shards get (torch's default: one per core), same OpenMP policy.
@@ -134,8 +146,8 @@ def main() -> None:
     wake = wake_up()
     grpc_cluster = grpc_links_cluster() if args.grpc_links else None
     try:
-        with Cluster.local(num_shards=3) as cluster:
-            results = [(batch, measure(cluster, batch, args, grpc_cluster)) for batch in args.batches]
+        with Cluster.local(num_shards=3) as cluster, Floor() as floor:
+            results = [(batch, measure(cluster, floor, batch, args, grpc_cluster)) for batch in args.batches]
     finally:
         if grpc_cluster is not None:
             grpc_cluster.close()
@@ -148,11 +160,18 @@ def main() -> None:
               f"{m['shardtrain'] / single:8.2f}x {m['shardtrain'] / m['torch.rpc']:6.2f}x "
               f"{m['train_step'] / single:8.2f}x {m['train_step'] / m['torch.rpc']:6.2f}x")
     for batch, m in results:
+        single = min(m["1 thread"], m["2 threads"])
+        print(f"batch {batch}: the floor {m['floor'] * 1e3:.2f} ms, {m['floor'] / single:.2f}x one process; "
+              f"the shardtrain loop is {m['shardtrain'] / m['floor']:.2f}x the floor "
+              f"({(m['shardtrain'] - m['floor']) * 1e3:.2f} ms a step of the framework's own)")
+    for batch, m in results:
         if "gRPC links" in m:
             print(f"batch {batch}: the loop with every Link item on gRPC {m['gRPC links'] * 1e3:.2f} ms, "
                   f"{m['gRPC links'] / m['shardtrain']:.2f}x the loop with local links")
     print(f"shardtrain: the PyTorch-shaped loop (model(x), loss.backward(), model.step()); train_step: "
           f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
+    print("floor: the same loop on 3 processes in the leanest Python that keeps its rules, one intra-op thread "
+          "each (python -m bench.floor)")
     print(f"host: two processes at once did {host_before:.2f}x the work of one alone before the rounds, "
           f"{parallel_throughput(rounds=1)[0]:.2f}x after (2.00: two free cores; python -m bench.host)")
     print(f"host, before the rounds: {describe_wake_up(wake)}")

@@ -1,0 +1,20 @@
+"""bench/floor.py: the lean 3-process loop that bench.train_step quotes as the host's floor trains for real."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.floor import check, split_of
+from client_sdk import LayerList
+from client_sdk.seed_models import TEST_RESIDUAL_SMALL
+
+
+def test_the_floor_trains_as_one_process_does():
+    # Same weights, same batch, same Adam, one intra-op thread: the same arithmetic in the same order.
+    assert check(batch=32, steps=12) <= 1e-5
+
+
+def test_the_floor_splits_the_seed_model_where_the_coordinator_does():
+    torch.manual_seed(0)
+    # tests/unit/test_partition.py: the seed model's parameter counts, balanced over 3 stages
+    assert split_of(LayerList(TEST_RESIDUAL_SMALL), 3) == [(0, 3), (3, 5), (5, 10)]
