@@ -1,6 +1,6 @@
 """The floor: the PyTorch-shaped loop over 3 stage processes in the leanest Python that keeps its rules.
 
-    python -m bench.floor [--batch 32] [--steps 300] [--rounds 4]
+    python -m bench.floor [--batch 32] [--steps 300] [--rounds 4] [--threads 1]
 
 What the loop of bench/train_step.py does, less everything a service needs: each stage is one
 process with one thread, blocking on its Unix sockets (one socket pair per pair of parties,
@@ -22,6 +22,10 @@ protobuf, asyncio, checks, shared-memory bookkeeping); where the floor itself is
 process, it is the host's (hand-offs between processes, cores shared by four of them).
 `check()` trains the floor and one process from the same weights and compares every parameter, so
 the figure is the time of the real training, not of messages alone.
+
+It is a floor where each step's fixed costs dominate (small batches). With big batches the work
+dominates, and there the shards can beat it: each picks one or all intra-op threads per kind of
+work (shard_service/threads.py), where the floor's stages all run on one count (--threads).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ STAGES = 3
 DRIVER = -1
 # kind, step, residual index (or -1), ndim, four dims, data bytes
 _HEADER = struct.Struct("<bii b4i q")
-FORWARD, BACKWARD, RESIDUAL, RESIDUAL_GRADIENT, STEP, OUTPUT, DONE, STATE, STOP = range(9)
+FORWARD, BACKWARD, RESIDUAL, RESIDUAL_GRADIENT, STEP, OUTPUT, DONE, STATE, THREADS, STOP = range(10)
 
 
 def _send(sock: socket.socket, kind: int, step: int, tensor: torch.Tensor | None = None, index: int = -1) -> None:
@@ -134,7 +138,9 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket]) -> N
             kind, step, index, tensor = _receive(key.fileobj)
             if kind == STOP:
                 return
-            if kind == STATE:
+            if kind == THREADS:
+                torch.set_num_threads(index)
+            elif kind == STATE:
                 state_asked.append(index)  # answered once this many optimizer steps are applied here
             elif kind == FORWARD:
                 forwards.append((step, index, tensor))
@@ -243,6 +249,11 @@ class Floor:
         while select.select([self._first], [], [], 0)[0]:
             _receive(self._first)  # a header alone, sent whole
 
+    def set_threads(self, threads: int) -> None:
+        """The intra-op thread count of every stage from now on (one at first)."""
+        for stage in range(len(self._processes)):
+            _send(self._sockets[stage], THREADS, -1, index=threads)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights, once everything sent so far is done."""
         state = {}
@@ -315,6 +326,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each stage and of one process")
     parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)    # a stage process, started by Floor
     parser.add_argument("--stages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sockets", help=argparse.SUPPRESS)            # {party: inherited fd}
@@ -323,8 +335,9 @@ def main() -> None:
         sockets = {int(party): socket.socket(fileno=fd) for party, fd in json.loads(args.sockets).items()}
         _stage_main(args.stage, args.stages, sockets)
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the check compares arithmetic done in the same order
     print(f"check: after 20 steps the floor's weights are within {check(args.batch):.2g} of one process's")
+    torch.set_num_threads(args.threads)
     x, y = _make_data(args.batch, 0)
     model, optimizer = one_process()
 
@@ -334,6 +347,7 @@ def main() -> None:
         optimizer.zero_grad()
     times: dict[str, list[float]] = {"one process": [], "floor": []}
     with Floor() as floor:
+        floor.set_threads(args.threads)
         _timed(lambda: floor.train_step(x, y), 30)
         _timed(single, 30)
         for _ in range(args.rounds):

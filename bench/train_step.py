@@ -7,7 +7,8 @@
    (--microbatches micro-batches pipelined under 1F1B, the loss on the last stage),
 3. torch.distributed.rpc + distributed autograd + DistributedOptimizer on 3 worker processes,
 4. the floor (bench/floor.py): the same loop on 3 processes in the leanest Python that keeps its
-   rules, raw bytes on Unix socket pairs; what is left of shardtrain's time above it is the
+   rules, raw bytes on Unix socket pairs, each stage with the intra-op thread count that was faster
+   for one process in the same round; what is left of shardtrain's time above it is the
    framework's own cost, and what is left of the floor's above one process is the host's.
 The four take turns for --rounds rounds (this machine is shared and noisy); each figure is the
 median of every timed step of its rounds. Prints the medians and the ratios
@@ -105,9 +106,10 @@ def grpc_links_cluster() -> Cluster:
         del os.environ["SHARDTRAIN_LOCAL_LINKS"]
 
 
-def floor_steps(floor: Floor, batch: int, steps: int, warmup: int) -> list[float]:
-    """Step times of the floor's loop (bench/floor.py)."""
+def floor_steps(floor: Floor, batch: int, steps: int, warmup: int, threads: int) -> list[float]:
+    """Step times of the floor's loop (bench/floor.py), its stages on `threads` intra-op threads."""
     x, y = _make_data(batch, 0)
+    floor.set_threads(threads)
     return timed_steps(lambda: floor.train_step(x, y), steps, warmup)
 
 
@@ -123,9 +125,12 @@ def measure(cluster: Cluster, floor: Floor, batch: int, args,
         if grpc_model is not None:
             times["gRPC links"] += shardtrain(grpc_model, batch, args.steps, args.warmup)
         times["train_step"] += shardtrain_pipelined(model, batch, args.steps, args.warmup, args.microbatches)
-        times["floor"] += floor_steps(floor, batch, args.steps, args.warmup)
-        times["1 thread"] += single_process(batch, args.steps, args.warmup, 1)
-        times["2 threads"] += single_process(batch, args.steps, args.warmup, 2)
+        one = single_process(batch, args.steps, args.warmup, 1)
+        two = single_process(batch, args.steps, args.warmup, 2)
+        times["1 thread"] += one
+        times["2 threads"] += two
+        times["floor"] += floor_steps(floor, batch, args.steps, args.warmup,
+                                      1 if statistics.median(one) <= statistics.median(two) else 2)
         # Same intra-op threads as the shards get (torch's default: one per core), same OpenMP policy.
         times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup,
                                                threads_per_process=os.cpu_count() or 1)
@@ -161,17 +166,18 @@ def main() -> None:
               f"{m['train_step'] / single:8.2f}x {m['train_step'] / m['torch.rpc']:6.2f}x")
     for batch, m in results:
         single = min(m["1 thread"], m["2 threads"])
+        above = m["shardtrain"] - m["floor"]
         print(f"batch {batch}: the floor {m['floor'] * 1e3:.2f} ms, {m['floor'] / single:.2f}x one process; "
-              f"the shardtrain loop is {m['shardtrain'] / m['floor']:.2f}x the floor "
-              f"({(m['shardtrain'] - m['floor']) * 1e3:.2f} ms a step of the framework's own)")
+              f"the shardtrain loop is {m['shardtrain'] / m['floor']:.2f}x the floor"
+              + (f" ({above * 1e3:.2f} ms a step of the framework's own)" if above > 0 else ""))
     for batch, m in results:
         if "gRPC links" in m:
             print(f"batch {batch}: the loop with every Link item on gRPC {m['gRPC links'] * 1e3:.2f} ms, "
                   f"{m['gRPC links'] / m['shardtrain']:.2f}x the loop with local links")
     print(f"shardtrain: the PyTorch-shaped loop (model(x), loss.backward(), model.step()); train_step: "
           f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
-    print("floor: the same loop on 3 processes in the leanest Python that keeps its rules, one intra-op thread "
-          "each (python -m bench.floor)")
+    print("floor: the same loop on 3 processes in the leanest Python that keeps its rules, each stage on the "
+          "thread count one process was faster with (python -m bench.floor)")
     print(f"host: two processes at once did {host_before:.2f}x the work of one alone before the rounds, "
           f"{parallel_throughput(rounds=1)[0]:.2f}x after (2.00: two free cores; python -m bench.host)")
     print(f"host, before the rounds: {describe_wake_up(wake)}")
