@@ -117,3 +117,51 @@ def test_sweep_leaves_live_processes_alone(pool):
     put(pool, torch.ones(20_000))
     shm.sweep()
     assert len(own_segments()) == 1
+
+
+def test_a_receiver_maps_a_segment_once_and_hands_it_back_after_each_tensor(pool, monkeypatch):
+    mapped = []
+    real_map = shm._map
+    monkeypatch.setattr(shm, "_map", lambda path: mapped.append(path) or real_map(path))
+    mappings = shm.Mappings()
+    for value in range(3):
+        (path, offset, generation), nbytes = put(pool, torch.full((20_000,), float(value)))
+        received = mappings.view(path, offset, generation, nbytes).view(torch.float32)
+        assert torch.equal(received, torch.full((20_000,), float(value)))
+        del received
+        gc.collect()
+    assert len(mapped) == 1 and len(mappings) == 1  # one segment, mapped once, kept
+    assert put(pool, torch.ones(20_000))[0][2] == generation + 1  # and handed back: the same segment again
+
+
+def test_a_mapping_in_use_is_kept_and_idle_ones_go_beyond_the_byte_budget(pool):
+    mappings = shm.Mappings(keep_bytes=0)
+    (path, offset, generation), nbytes = put(pool, torch.ones(20_000))
+    received = mappings.view(path, offset, generation, nbytes)
+    (path2, offset2, generation2), _ = put(pool, torch.ones(20_000))
+    mappings.view(path2, offset2, generation2, nbytes)  # dropped at once: idle, over the budget, closed
+    assert len(mappings) == 1
+    assert torch.equal(received.view(torch.float32), torch.ones(20_000))
+    del received
+    gc.collect()
+    assert len(mappings) == 0
+
+
+def test_idle_mappings_are_closed_after_keep_seconds(pool):
+    mappings = shm.Mappings(keep_seconds=0.0)
+    (path, offset, generation), nbytes = put(pool, torch.ones(20_000))
+    received = mappings.view(path, offset, generation, nbytes)
+    assert len(mappings) == 1
+    del received
+    gc.collect()
+    assert len(mappings) == 0
+
+
+def test_a_stale_generation_in_a_kept_mapping_is_data_loss(pool):
+    mappings = shm.Mappings()
+    (path, offset, generation), nbytes = put(pool, torch.ones(20_000))
+    received = mappings.view(path, offset, generation, nbytes)
+    del received
+    gc.collect()
+    with pytest.raises(DataLoss, match="generation"):
+        mappings.view(path, offset, generation, nbytes)  # handed back: that handle is spent
