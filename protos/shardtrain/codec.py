@@ -16,6 +16,7 @@ field and 99 ms as Frames. Since, copies into warm memory are cheap and the gap 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ def _chunk_of(message: Any) -> tensor_pb2.TensorChunk | None:
     return getattr(message, field.name)
 
 
+@functools.cache  # per message type: every frame asks, sent or received
 def _chunk_field(message_type: type) -> Any:
     for field in message_type.DESCRIPTOR.fields:
         if field.message_type is tensor_pb2.TensorChunk.DESCRIPTOR:
