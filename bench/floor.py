@@ -6,8 +6,8 @@ What the loop of bench/train_step.py does, less everything a service needs: each
 process with one thread, blocking on its Unix sockets (one socket pair per pair of parties,
 made before the processes start); an item is a fixed binary header and the tensor's raw bytes;
 nothing is checked, named, retried or reported. The stages run the seed model's layers as plain
-PyTorch modules (client_sdk.LayerList, split where the coordinator would: shardtrain.partition) under the same rules
-as shardtrain's loop:
+PyTorch modules (client_sdk.LayerList, split where the coordinator would: shardtrain.partition)
+under the same rules as shardtrain's loop:
 - a forward waits until the optimizer step sent before it has been applied on its stage;
 - the optimizer step enters at the first stage and goes down; each stage passes it on once its
   own backward is over, then applies it;
@@ -17,9 +17,10 @@ as shardtrain's loop:
   without waiting for the backward to finish (the first stage says when it has, as in shardtrain).
 
 What it is for: on a given host, how fast a 3-process pipeline of this model can step at all.
-Where shardtrain's loop is slower than the floor, the difference is the framework's own cost (gRPC,
-protobuf, asyncio, checks, shared-memory bookkeeping); where the floor itself is slower than one
-process, it is the host's (hand-offs between processes, cores shared by four of them).
+Where shardtrain's loop is slower than the floor, the difference is the framework's own cost
+(framing, checks, shared-memory bookkeeping, the event loop, the SDK's autograd hook-up); where the
+floor itself is slower than one process, it is the host's (hand-offs between processes, cores
+shared by four of them).
 `check()` trains the floor and one process from the same weights and compares every parameter, so
 the figure is the time of the real training, not of messages alone.
 

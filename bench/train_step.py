@@ -12,7 +12,8 @@
    framework's own cost, and what is left of the floor's above one process is the host's.
 The four take turns for --rounds rounds (this machine is shared and noisy); each figure is the
 median of every timed step of its rounds. Prints the medians and the ratios
-shardtrain/one-process and shardtrain/torch.rpc. With --grpc-links, a second cluster whose
+shardtrain/one-process and shardtrain/torch.rpc, then the floor against one process and the loop
+against the floor. With --grpc-links, a second cluster whose
 shards keep every Link item on the gRPC stream (--local-links off) takes its turn too, and the
 loop's time there is printed against the loop's with local links. Before and after the rounds it
 measures how much two of the host's cores do at once against one, and before them how soon a
