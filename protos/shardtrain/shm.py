@@ -227,9 +227,13 @@ class Mappings:
         for path, mapped in idle:  # oldest first
             if kept <= self._keep_bytes and now - mapped.idle_since < self._keep_seconds:
                 continue
-            kept -= len(mapped.mapping)
+            size = len(mapped.mapping)
+            try:
+                mapped.mapping.close()
+            except BufferError:  # at exit, finalizers run while their views still exist: leave it to the exit
+                continue
+            kept -= size
             del self._mapped[path]
-            mapped.mapping.close()
 
 
 def _map(path: str) -> mmap.mmap:
