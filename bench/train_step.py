@@ -10,7 +10,8 @@
    rules, raw bytes on Unix socket pairs, each stage with the intra-op thread count that was faster
    for one process in the same round; what is left of shardtrain's time above it is the
    framework's own cost, and what is left of the floor's above one process is the host's.
-The four take turns for --rounds rounds (this machine is shared and noisy); each figure is the
+The four take turns for --rounds rounds, every other round in the opposite order (this machine
+is shared and noisy, and which runs after which matters there); each figure is the
 median of every timed step of its rounds. Prints the medians and the ratios
 shardtrain/one-process and shardtrain/torch.rpc, then the floor against one process and the loop
 against the floor. With --grpc-links, a second cluster whose
@@ -116,25 +117,42 @@ def floor_steps(floor: Floor, batch: int, steps: int, warmup: int, threads: int)
 
 def measure(cluster: Cluster, floor: Floor, batch: int, args,
             grpc_cluster: Cluster | None = None) -> dict[str, float]:
-    """Median step time of each way, the ways taking turns for args.rounds rounds."""
+    """Median step time of each way, the ways taking turns for args.rounds rounds.
+
+    Every other round runs the ways in the opposite order: on the development machine, of two
+    clusters taking turns, the one that ran second in a round was 0.3-1 ms a step slower whichever
+    it was (two A/Bs of 6 and 8 rounds), as large as the differences being measured.
+    """
     model = deploy(cluster)
     grpc_model = deploy(grpc_cluster) if grpc_cluster is not None else None
     times: dict[str, list[float]] = {"shardtrain": [], "train_step": [], "1 thread": [], "2 threads": [],
                                      "torch.rpc": [], "floor": [], "gRPC links": []}
-    for _ in range(args.rounds):
-        times["shardtrain"] += shardtrain(model, batch, args.steps, args.warmup)
-        if grpc_model is not None:
-            times["gRPC links"] += shardtrain(grpc_model, batch, args.steps, args.warmup)
-        times["train_step"] += shardtrain_pipelined(model, batch, args.steps, args.warmup, args.microbatches)
+
+    def one_process() -> None:  # then the floor, on the thread count one process was faster with
         one = single_process(batch, args.steps, args.warmup, 1)
         two = single_process(batch, args.steps, args.warmup, 2)
         times["1 thread"] += one
         times["2 threads"] += two
         times["floor"] += floor_steps(floor, batch, args.steps, args.warmup,
                                       1 if statistics.median(one) <= statistics.median(two) else 2)
+
+    def loop() -> None:
+        times["shardtrain"] += shardtrain(model, batch, args.steps, args.warmup)
+
+    def grpc_loop() -> None:
+        times["gRPC links"] += shardtrain(grpc_model, batch, args.steps, args.warmup)
+
+    def pipelined() -> None:
+        times["train_step"] += shardtrain_pipelined(model, batch, args.steps, args.warmup, args.microbatches)
+
+    def rpc() -> None:
         # Same intra-op threads as the shards get (torch's default: one per core), same OpenMP policy.
-        times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup,
-                                               threads_per_process=os.cpu_count() or 1)
+        times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup, threads_per_process=os.cpu_count() or 1)
+
+    ways = [loop] + ([grpc_loop] if grpc_model is not None else []) + [pipelined, one_process, rpc]
+    for round_ in range(args.rounds):
+        for way in ways if round_ % 2 == 0 else reversed(ways):
+            way()
     return {name: statistics.median(values) for name, values in times.items() if values}
 
 
