@@ -1,4 +1,4 @@
-"""Issue-2 benchmark: median training-step time of the seed residual model, three ways, in one run.
+"""Issue-2 benchmark: median training-step time of the seed residual model, several ways, in one run.
 
     python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3] [--grpc-links]
 
@@ -10,16 +10,15 @@
    rules, raw bytes on Unix socket pairs, each stage with the intra-op thread count that was faster
    for one process in the same round; what is left of shardtrain's time above it is the
    framework's own cost, and what is left of the floor's above one process is the host's.
-The four take turns for --rounds rounds, every other round in the opposite order (this machine
-is shared and noisy, and which runs after which matters there); each figure is the
-median of every timed step of its rounds. Prints the medians and the ratios
-shardtrain/one-process and shardtrain/torch.rpc, then the floor against one process and the loop
-against the floor. With --grpc-links, a second cluster whose
-shards keep every Link item on the gRPC stream (--local-links off) takes its turn too, and the
-loop's time there is printed against the loop's with local links. Before and after the rounds it
-measures how much two of the host's cores do at once against one, and before them how soon a
-process runs once another wakes it (bench/host.py): on a shared host both change, and with them
-what the shards can overlap and what each hand-off costs.
+The four take turns for --rounds rounds, every other round in the opposite order (this machine is
+shared and noisy, and which runs after which matters there); each figure is the median of every
+timed step of its rounds. Prints the medians and the ratios shardtrain/one-process and
+shardtrain/torch.rpc, then the floor against one process and the loop against the floor. With
+--grpc-links, a second cluster whose shards keep every Link item on the gRPC stream (--local-links
+off) takes its turn too, and the loop's time there is printed against the loop's with local links.
+Before and after the rounds it measures how much two of the host's cores do at once against one,
+and before them how soon a process runs once another wakes it (bench/host.py): on a shared host
+both change, and with them what the shards can overlap and what each hand-off costs.
 """
 
 from __future__ import annotations

@@ -177,8 +177,8 @@ class Mappings:
     2-core development machine a 64 KiB Link item's round trip through a segment (frames, send,
     receive, hand back; in one process, best of 7 x 1000) took 180-208 us mapping every time and
     46-98 us keeping the mappings (two runs each); the seed model moves six such tensors a step. The
-    loop at batch 32 stepped in 15.64 ms against 16.04 ms (6 alternating rounds, one run): within
-    that shared machine's noise, and in the same direction.
+    loop at batch 32 stepped in 15.64 ms against 16.04 ms (6 rounds taking turns, this one second in
+    each, which costs 0.3-1 ms there): within that shared machine's noise, and in the same direction.
     Bounded, because a mapping keeps its pages even after the sender unlinked the file (when its pool
     closed): mappings no tensor uses are closed, least recently used first, beyond `keep_bytes`, and
     once idle for `keep_seconds` (checked whenever a tensor is received or handed back).
