@@ -290,11 +290,10 @@ class Floor:
         self.close()
 
 
-
-def one_process(spec=TEST_RESIDUAL_SMALL) -> tuple[LayerList, torch.optim.Optimizer]:
+def one_process() -> tuple[LayerList, torch.optim.Optimizer]:
     """The same model and optimizer in this process, from the same weights as the floor's stages."""
     torch.manual_seed(0)
-    model = LayerList(spec)
+    model = LayerList(TEST_RESIDUAL_SMALL)
     return model, torch.optim.Adam(model.parameters(), lr=LR)
 
 
