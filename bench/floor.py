@@ -43,7 +43,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as Cluster.local's shards and bench.train_step
 
@@ -54,7 +53,7 @@ from bench.rpc_baseline import _make_data  # noqa: E402
 from client_sdk import LayerList  # noqa: E402
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL  # noqa: E402
 from shardtrain.partition import balanced  # noqa: E402
-from shardtrain.residuals import run_chain  # noqa: E402
+from shardtrain.residuals import route, run_chain  # noqa: E402
 
 LR = 3e-3
 STAGES = 3
@@ -94,19 +93,6 @@ def _receive(sock: socket.socket) -> tuple[int, int, int, torch.Tensor | None]:
     return kind, step, index, tensor.view(*dims[:ndim])
 
 
-def _routes(model: LayerList, split: Sequence[tuple[int, int]]) -> list[tuple[str, int, list[int]]]:
-    """(name, producing stage, consuming stages) of each residual that crosses stages."""
-    stage_of = {layer: stage for stage, (a, b) in enumerate(split) for layer in range(a, b)}
-    routes = []
-    for layer, wiring in enumerate(model.wirings):
-        for name in wiring.out_variables:
-            consumers = sorted({stage_of[later] for later, w in enumerate(model.wirings)
-                                if name in w.dependencies and stage_of[later] != stage_of[layer]})
-            if consumers:
-                routes.append((name, stage_of[layer], consumers))
-    return routes
-
-
 def split_of(model: LayerList, stages: int) -> list[tuple[int, int]]:
     """Balanced by parameter count, as the coordinator splits a model it is given without split points."""
     return list(balanced([sum(p.numel() for p in layer.parameters()) for layer in model.children()], stages))
@@ -121,10 +107,9 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket]) -> N
     first, end = split[stage]
     layers, wirings = model._adapters[first:end], model.wirings[first:end]
     optimizer = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=LR)
-    routes = _routes(model, split)
-    names = [name for name, _, _ in routes]
-    incoming = [name for name, producer, consumers in routes if stage in consumers]
-    outgoing = {name: consumers for name, producer, consumers in routes if producer == stage}
+    routes = route(model.wirings, split)  # which residuals cross stages, as the coordinator routes them
+    names = sorted({name for crossing in routes for name in crossing.outgoing})  # a residual's index on the wire
+    incoming, outgoing = routes[stage].incoming, routes[stage].outgoing
     previous = sockets[stage - 1] if stage > 0 else sockets[DRIVER]
     following = sockets[stage + 1] if stage + 1 < len(split) else sockets[DRIVER]
 
@@ -166,8 +151,7 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket]) -> N
                 pairs = [(root, grad) for root, grad in pairs if grad is not None]
                 torch.autograd.backward([root for root, _ in pairs], [grad for _, grad in pairs])
                 for name, leaf in leaves.items():
-                    producer = next(p for n, p, _ in routes if n == name)
-                    _send(sockets[producer], RESIDUAL_GRADIENT, step, leaf.grad, names.index(name))
+                    _send(sockets[incoming[name]], RESIDUAL_GRADIENT, step, leaf.grad, names.index(name))
                 if stage > 0:
                     _send(previous, BACKWARD, step, x.grad)
                 else:
