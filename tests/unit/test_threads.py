@@ -61,7 +61,7 @@ def test_work_of_other_sizes_is_another_kind_tuned_apart():
 def test_the_first_calls_of_a_kind_are_not_timed():
     """They allocate (an optimizer's state) and run slow: timed, they made Adam take two threads."""
     choice = ThreadChoice(2)
-    for _ in range(3):  # seed-model Adam trials in a batch-32 run's shard logs: 3.9-13 ms; warm, about 1 ms
+    for _ in range(WARMUP):  # seed-model Adam trials in a batch-32 run's shard logs: 3.9-13 ms; warm, about 1 ms
         choice.record("step", choice.threads("step"), 0.050)
     run(choice, "step", {1: 0.002, 2: 0.003}, 2 * TRIALS)
     assert choice.chosen() == {"step": 1}
