@@ -17,6 +17,7 @@ import asyncio
 import multiprocessing
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -33,11 +34,15 @@ def _same(payload: bytes) -> bytes:
     return payload
 
 
-async def _echo_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    local = carrier.Carrier(reader, writer)
-    while (frame := await local.read()) is not None:
-        await local.write(frame)
-    local.close()
+async def _echo_frames(listening: socket.socket) -> None:
+    """Sends each frame back on the socket it came by, one connection at a time."""
+    loop = asyncio.get_running_loop()
+    while True:
+        accepted, _ = await loop.sock_accept(listening)
+        local = await carrier.over(accepted)
+        while (frame := await local.read()) is not None:
+            await local.write(frame)
+        local.close()
 
 
 async def _serve(ports, socket_path: str) -> None:
@@ -58,7 +63,11 @@ async def _serve(ports, socket_path: str) -> None:
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
     ports.put(server.add_insecure_port("127.0.0.1:0"))
-    await asyncio.start_unix_server(_echo_frames, socket_path)
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(socket_path)
+    listening.listen()
+    listening.setblocking(False)
+    echo = asyncio.ensure_future(_echo_frames(listening))  # noqa: F841 - serves until the process ends
     await server.start()
     await server.wait_for_termination()
 
@@ -105,7 +114,9 @@ async def _measure(channel, server_pid: int, way: str, payload: bytes, exchanges
                    socket_path: str = "") -> tuple[float, float, float]:
     """(median seconds per exchange, client CPU per exchange, server CPU per exchange)."""
     if way == "local socket, ping-pong":
-        local = carrier.Carrier(*await asyncio.open_unix_connection(socket_path))
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(socket_path)
+        local = await carrier.over(sock)
         frame = Frame(shard_pb2.LinkMessage(tensor=tensor_pb2.TensorChunk()), payload)
 
         async def round_trip() -> None:

@@ -211,7 +211,7 @@ class ClientLink(LinkEnd):
         self._carried = asyncio.ensure_future(self._guarded(self._read_carrier(local)))
 
     async def _read_carrier(self, local: carrier.Carrier) -> None:
-        await _deliver(local.frames(), self, self._on_item)
+        await _deliver_carried(local, self, self._on_item)
         raise errors.Unavailable(f"{self.name} is unavailable: its local link closed")
 
     async def _guarded(self, reading: Awaitable[None]) -> None:
@@ -360,7 +360,7 @@ async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> s
     local = offer.result()
     end.carry(local)
     end.decided.set_result(None)
-    await _deliver(local.frames(), end, on_item)
+    await _deliver_carried(local, end, on_item)
     return "broke"
 
 
@@ -371,3 +371,14 @@ async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:
         item = items.feed(frame)
         if item is not None:
             on_item(end, *item)
+
+
+async def _deliver_carried(local: carrier.Carrier, end: LinkEnd, on_item) -> None:
+    """Like _deliver, for a same-host socket: each item goes to `on_item` from the socket's read callback."""
+    items = ItemReader()
+
+    def on_frame(frame: Frame) -> None:
+        item = items.feed(frame)
+        if item is not None:
+            on_item(end, *item)
+    await local.deliver(on_frame)

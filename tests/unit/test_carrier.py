@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from shardtrain import carrier, errors, link, wire
-from shardtrain.v1 import shard_pb2
+from shardtrain.v1 import shard_pb2, tensor_pb2
 
 KEY = shard_pb2.StepKey(deployment_id="d", step=3)
 
 
 async def connected_pair() -> tuple[carrier.Carrier, carrier.Carrier]:
     left, right = socket.socketpair(socket.AF_UNIX)
-    ends = [carrier.Carrier(*await asyncio.open_unix_connection(sock=sock)) for sock in (left, right)]
+    ends = [await carrier.over(sock) for sock in (left, right)]
     return ends[0], ends[1]
 
 
@@ -54,13 +54,99 @@ def test_a_cut_or_oversized_frame_is_data_loss(raw, match):
         left, right = socket.socketpair(socket.AF_UNIX)
         left.sendall(raw)
         left.close()
-        receiver = carrier.Carrier(*await asyncio.open_unix_connection(sock=right))
+        receiver = await carrier.over(right)
         try:
             await receiver.read()
         finally:
             receiver.close()
     with pytest.raises(errors.DataLoss, match=match):
         asyncio.run(run())
+
+
+def item_frames() -> list:
+    """Three items' frames: a forward with a 64x33 activation in 1000-byte chunks, a backward, a flush."""
+    activation = torch.randn(64, 33)
+    return activation, [*link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation,
+                                     wire.SendOptions(chunk_bytes=1000)),
+                        *link.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY))),
+                        *link.frames(shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=2)))]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000, 1 << 20])
+def test_frames_are_cut_whole_however_the_reads_split_or_join_them(piece):
+    """Reads may end anywhere: inside a length, a message or the data, or hold many frames at once."""
+    async def run():
+        activation, frames = item_frames()
+        raw = b"".join(bytes(part) for frame in frames for part in carrier.encode(frame))
+        receiver = carrier.Carrier()
+        for start in range(0, len(raw), piece):
+            receiver.data_received(raw[start:start + piece])
+        receiver.connection_lost(None)
+        reader, items = link.ItemReader(), []
+        while (frame := await receiver.read()) is not None:
+            items.append(reader.feed(frame))
+        return activation, [item for item in items if item is not None], len(frames)
+    activation, items, count = asyncio.run(run())
+    assert count > 10, "the activation spans many frames"
+    assert [message.WhichOneof("item") for message, _ in items] == ["forward", "backward", "flush"]
+    assert torch.equal(items[0][1], activation)
+    assert items[2][0].flush.optimizer_step == 2
+
+
+def test_deliver_hands_over_frames_that_came_before_and_after_it_was_called():
+    async def run():
+        sender, receiver = await connected_pair()
+        _, frames = item_frames()
+        for frame in frames[:3]:
+            await sender.write(frame)
+        await asyncio.sleep(0.05)  # they arrive with nobody to take them
+        seen = []
+
+        async def rest():
+            for frame in frames[3:]:
+                await sender.write(frame)
+            sender.close()
+        writing = asyncio.ensure_future(rest())
+        await asyncio.wait_for(receiver.deliver(seen.append), 5)  # returns when the sender closes
+        await writing
+        return [frame.message for frame in frames], [frame.message for frame in seen]
+    sent, seen = asyncio.run(run())
+    assert seen == sent
+
+
+def test_a_consumer_that_raises_ends_the_link_with_its_error():
+    async def run():
+        sender, receiver = await connected_pair()
+        _, frames = item_frames()
+
+        def refuse(frame):
+            raise errors.InvalidArgument("no such item here")
+        for frame in frames:
+            await sender.write(frame)
+        try:
+            await asyncio.wait_for(receiver.deliver(refuse), 5)
+        finally:
+            sender.close()
+    with pytest.raises(errors.InvalidArgument, match="no such item here"):
+        asyncio.run(run())
+
+
+@pytest.mark.parametrize(("body", "match"), [
+    (b"\x01\x00", "too short to hold its message's length"),
+    (b"\x09\x00\x00\x00ab", "says its message has 9"),
+    (b"\x02\x00\x00\x00\xff\xff", "does not parse as a LinkMessage"),
+    (b"\x00\x00\x00\x00data", "carries 4 bytes of data but no tensor chunk")])
+def test_a_malformed_frame_is_data_loss(body, match):
+    with pytest.raises(errors.DataLoss, match=match):
+        carrier.decode(memoryview(body))
+
+
+def test_data_left_inside_the_message_is_taken_as_the_frames_data():
+    """Another implementation may send the chunk's data as the protobuf field itself: still valid."""
+    chunk = shard_pb2.LinkMessage(tensor=tensor_pb2.TensorChunk(offset=0, data=b"abcd"))
+    head = chunk.SerializeToString()
+    frame = carrier.decode(memoryview(len(head).to_bytes(4, "little") + head))
+    assert bytes(frame.data) == b"abcd" and frame.chunk.data == b""
 
 
 def test_the_listener_hands_a_connection_to_the_offer_whose_token_it_presents():
