@@ -16,6 +16,7 @@ import torch
 from shardtrain import errors, link, wire
 from shardtrain.rpc import Peer
 from shardtrain.v1 import shard_pb2
+from shardtrain.waiting import settled_within
 
 _ROLES = shard_pb2.LinkRole
 
@@ -59,9 +60,9 @@ class SdkLinks:
 
     async def _wait(self, pending: dict, key: int, future: asyncio.Future, what: str):
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self._timeout)
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"{what} did not arrive within {self._timeout:g} s") from None
+            if not await settled_within(future, self._timeout):
+                raise errors.DeadlineExceeded(f"{what} did not arrive within {self._timeout:g} s")
+            return future.result()
         finally:
             if pending.get(key) is future:
                 del pending[key]

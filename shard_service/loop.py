@@ -171,14 +171,18 @@ class LinkedLoop:
         self._spawn(tell())
 
     def _spawn(self, coroutine) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
+        self._tasks.add(asyncio.ensure_future(self._logged(coroutine)))
 
-    def _finished(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s: link work failed: %r", self._shard.location, task.exception())
+    async def _logged(self, coroutine) -> None:
+        """Runs one piece of link work; what escapes it is logged. (Not a done-callback: each is a turn of the loop.)"""
+        try:
+            await coroutine
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the work reports its own failures; this is a last resort
+            log.error("%s: link work failed: %r", self._shard.location, error)
+        finally:
+            self._tasks.discard(asyncio.current_task())
 
     # --- items -----------------------------------------------------------------------------------------
     def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:

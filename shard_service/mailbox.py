@@ -7,6 +7,7 @@ from collections import OrderedDict
 from typing import Any, Hashable
 
 from shardtrain.errors import DeadlineExceeded, FailedPrecondition
+from shardtrain.waiting import settled_within
 
 
 class _Refused(Exception):
@@ -45,10 +46,10 @@ class Mailbox:
         slot = self._slot(key)
         if slot.done() and slot.exception() is None:
             return slot.result()  # already delivered: no timer, no task
+        if not await settled_within(slot, timeout):
+            raise DeadlineExceeded(f"{what} did not arrive within {timeout:g} s")
         try:
-            return await asyncio.wait_for(asyncio.shield(slot), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"{what} did not arrive within {timeout:g} s") from None
+            return slot.result()
         except _Refused as refused:
             raise FailedPrecondition(f"{what} {refused}") from None
 

@@ -3,32 +3,40 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from shardtrain.errors import DeadlineExceeded
+from shardtrain.waiting import settled_within
 
 
 class StepOrder:
     """What this shard has settled so far, and waits (with timeouts) for what has not settled yet."""
 
     def __init__(self) -> None:
-        self._changed = asyncio.Condition()
+        self._waiting: list[tuple[Callable[[], bool], asyncio.Future]] = []  # (condition, its waiter)
         self._optimizer_steps = 0           # highest optimizer step settled here (applied or refused)
         self._backwards: dict[int, str] = {}  # step -> "" if its backward succeeded here and upstream, else why not
         self._lost_up_to, self._lost_reason = -1, ""  # backwards without an outcome up to this step never come
 
-    async def _wait(self, predicate, timeout: float, what: str) -> None:
+    async def _wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         if predicate():
-            return  # the usual case: no lock, no timer, no task
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
-            except TimeoutError:
-                raise DeadlineExceeded(f"{what} did not happen within {timeout:g} s") from None
+            return  # the usual case: no future, no timer
+        waiter = asyncio.get_running_loop().create_future()
+        entry = (predicate, waiter)
+        self._waiting.append(entry)
+        try:
+            if not await settled_within(waiter, timeout):
+                raise DeadlineExceeded(f"{what} did not happen within {timeout:g} s")
+        finally:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
 
     async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        """Wakes the waits whose condition now holds (checked here, so a woken wait has nothing to re-check)."""
+        for entry in [entry for entry in self._waiting if entry[0]()]:
+            self._waiting.remove(entry)
+            if not entry[1].done():
+                entry[1].set_result(None)
 
     async def after_optimizer_step(self, number: int, timeout: float) -> None:
         """Returns once optimizer step `number` has settled here (at once for 0)."""
