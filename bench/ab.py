@@ -2,10 +2,14 @@
 
     python -m bench.ab [--model seed|tiny] [--batch 32] [--rounds 12] [--steps 200] REV [REV ...]
 
-Each REV (a git revision, or "." for the working tree as it is) gets its own local cluster
+Each REV (a git revision; "." for the working tree as it is; or the directory of another checkout, such
+as a worktree with an experiment not committed yet) gets its own local cluster
 (coordinator and 3 shards) in a child process, from a git worktree of that revision. In each round
 every revision trains `--steps` steps; the order of the revisions is reversed every other round,
-because on a shared host whichever cluster runs second in a round tends to be slower. What it
+because on a shared host whichever cluster runs second in a round tends to be slower, and every
+revision's cluster is started afresh every `--rounds-per-cluster` rounds, because one cluster can be
+steadily a few percent faster than another of the same code: run a revision against itself
+(`HEAD HEAD`) to see what the host gives when nothing differs. What it
 prints, for every revision against the first: the median of the per-round ratios of step time and
 of CPU (all threads of the SDK's process and of the shards), their range, and in how many rounds
 the revision was faster. A ratio of two runs minutes apart says little on a host whose speed
@@ -97,19 +101,24 @@ class Variant:
 
     def __init__(self, revision: str, args: argparse.Namespace, scratch: pathlib.Path):
         self.revision = revision
-        self.tree = ROOT
+        self.tree = ROOT if revision == "." else pathlib.Path(revision).resolve()
         self._made = False
-        if revision != ".":
+        if revision != "." and not self.tree.is_dir():
             self.tree = scratch / f"rev-{len(list(scratch.iterdir()))}"
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(self.tree),
                             revision], check=True)
             self._made = True
-        self.process = subprocess.Popen(
-            [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", "--model", args.model,
-             "--batch", str(args.batch), "--steps", str(args.steps)],
-            cwd=self.tree, env=child_env(self.tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", "--model", args.model,
+                      "--batch", str(args.batch), "--steps", str(args.steps)]
+        self.process: subprocess.Popen | None = None
         self.times: list[float] = []
         self.cpu: list[float] = []
+
+    def start(self) -> None:
+        """Starts a fresh cluster (the previous one, if any, is stopped first)."""
+        self.stop()
+        self.process = subprocess.Popen(self._argv, cwd=self.tree, env=child_env(self.tree), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
 
     def round(self) -> None:
         """Times one round; RuntimeError if the child died."""
@@ -124,14 +133,20 @@ class Variant:
         self.times.append(median)
         self.cpu.append(cpu)
 
-    def close(self) -> None:
-        if self.process.stdin and not self.process.stdin.closed:
-            self.process.stdin.close()
+    def stop(self) -> None:
+        """Stops the cluster: its child closes it when stdin ends."""
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        process.stdin.close()
         try:
-            self.process.wait(timeout=60)
+            process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            process.kill()
+            process.wait()
+
+    def close(self) -> None:
+        self.stop()
         if self._made:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(self.tree)], check=False)
 
@@ -147,11 +162,15 @@ def paired(variant: Variant, base: Variant) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("revisions", nargs="*", help='git revisions, "." for the working tree')
+    parser.add_argument("revisions", nargs="*", help='git revisions, "." for the working tree, or checkouts\' '
+                        'directories')
     parser.add_argument("--model", choices=("seed", "tiny"), default="tiny")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds-per-cluster", type=int, default=2,
+                        help="rounds before each revision's cluster is started afresh (one cluster can be a few "
+                             "percent faster or slower than the next of the same code)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -165,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
             for revision in args.revisions:
                 variants.append(Variant(revision, args, pathlib.Path(scratch)))
             for number in range(args.rounds):
-                for variant in variants if number % 2 == 0 else variants[::-1]:
+                order = variants if number % 2 == 0 else variants[::-1]
+                if number % args.rounds_per_cluster == 0:
+                    for variant in order:
+                        variant.start()
+                for variant in order:
                     variant.round()
                 figures = (f"{v.revision} {v.times[-1] * 1e3:.2f} ms ({v.cpu[-1] * 1e3:.2f} ms CPU)" for v in variants)
                 print(f"round {number + 1}: " + "  ".join(figures), flush=True)
@@ -174,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                 variant.close()
     base = variants[0]
     print(f"{args.model} model, batch {args.batch}, {args.rounds} rounds of {args.steps} steps, order reversed "
-          f"every other round; per-round ratios to {base.revision}:")
+          f"every other round, a fresh cluster every {args.rounds_per_cluster}; per-round ratios to {base.revision}:")
     for variant in variants:
         line = (f"  {variant.revision:12s} median step {statistics.median(variant.times) * 1e3:6.2f} ms, "
                 f"CPU {statistics.median(variant.cpu) * 1e3:6.2f} ms a step")
