@@ -219,13 +219,18 @@ class Carrier(asyncio.Protocol):
     async def deliver(self, consumer: Callable[[Frame], None]) -> None:
         """Hands each frame to `consumer` as it arrives, in the read callback, until the other end closes the
         socket; raises what ended it otherwise (a cut frame, or what `consumer` raised)."""
-        while self._frames:
-            consumer(self._frames.popleft())
+        try:
+            while self._frames:
+                consumer(self._frames.popleft())
+        except Exception as error:  # noqa: BLE001 - as in data_received: the link ends with it
+            self._end(error)
+            self.close()
         self._consumer = consumer
         await self._ended
 
     async def read(self) -> Frame | None:
-        """The next frame, or None when the other end closed (or reset) the socket between frames."""
+        """The next frame, or None when the other end closed (or reset) the socket between frames. One reader at a
+        time, and not once deliver() took over."""
         if self._frames:
             return self._frames.popleft()
         if self._ended.done():
