@@ -14,7 +14,8 @@ to the link in the read callback. It replaced an asyncio stream reader, which wo
 each frame and read each frame's length and bytes as separate awaits, and a codec that walked the
 message's fields to find where the data began. With 3 shards training 6 Linear(1, 1) layers at
 batch 32, where all a step costs is this machinery, a step took 0.905x the time and 0.897x the
-CPU of the stream reader's (medians of 16 paired rounds, the new code faster in 13).
+CPU of the stream reader's (one run of 16 paired rounds, one cluster each, faster in 13). That is
+near the host's own spread: `python -m bench.ab` gives a revision against itself up to 0.96x.
 
 The Link's gRPC stream still opens, authenticates and ends the link: the socket is offered in the
 answer to the open item, with a random token that only the (authenticated) opener learns, and it
