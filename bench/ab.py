@@ -139,6 +139,7 @@ class Variant:
             return
         process, self.process = self.process, None
         process.stdin.close()
+        # client_sdk.processes.reap, written out: this file is also the child's, which imports its revision's SDK only
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -51,6 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.rpc_baseline import _make_data  # noqa: E402
 from client_sdk import LayerList  # noqa: E402
+from client_sdk.processes import reap  # noqa: E402
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL  # noqa: E402
 from shardtrain.partition import balanced  # noqa: E402
 from shardtrain.residuals import route, run_chain  # noqa: E402
@@ -261,11 +262,7 @@ class Floor:
                 pass
             sock.close()
         for process in self._processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            reap(process, 10)
 
     def __enter__(self) -> Floor:
         return self

@@ -25,6 +25,15 @@ log = logging.getLogger("shardtrain.local")
 _OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def reap(process: subprocess.Popen, grace: float) -> None:
+    """Waits up to `grace` seconds for a process asked to end; SIGKILLs it after that. Always reaps it."""
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     """This process's environment for a child service, which exits when this process does."""
     return {**os.environ, **_OPENMP, "SHARDTRAIN_PARENT_PID": str(os.getpid()), **extra}
@@ -66,11 +75,7 @@ class Service:
         """SIGTERM, then SIGKILL after `grace` seconds; always reaps."""
         if self.process.poll() is None:
             self.process.terminate()
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            reap(self.process, grace)
         self.process.stdout.close()
         self._log.close()
 
