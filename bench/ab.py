@@ -8,8 +8,11 @@ as a worktree with an experiment not committed yet) gets its own local cluster
 every revision trains `--steps` steps; the order of the revisions is reversed every other round,
 because on a shared host whichever cluster runs second in a round tends to be slower, and every
 revision's cluster is started afresh every `--rounds-per-cluster` rounds, because one cluster can be
-steadily a few percent faster than another of the same code: run a revision against itself
-(`HEAD HEAD`) to see what the host gives when nothing differs. What it
+steadily a few percent faster than another of the same code. No round is timed while a cluster
+starts up, and which revision runs first after a restart alternates as well: a fresh cluster's
+first timed round tends to be its slowest, and until this was balanced a revision run against itself
+(`HEAD HEAD`) came out 4-8% faster in second place, run after run. Run `HEAD HEAD` to see what the
+host gives when nothing differs. What it
 prints, for every revision against the first: the median of the per-round ratios of step time and
 of CPU (all threads of the SDK's process and of the shards), their range, and in how many rounds
 the revision was faster. A ratio of two runs minutes apart says little on a host whose speed
@@ -79,6 +82,7 @@ def _child(model_name: str, batch: int, steps: int) -> None:
         for _ in range(WARMUP):
             step()
         model.synchronize()
+        print(_MARK, json.dumps("ready"), flush=True)
         pids = [service.process.pid for service in cluster._services.services] + [os.getpid()]
         for _ in sys.stdin:
             cpu, times = _cpu_seconds(pids), []
@@ -120,18 +124,26 @@ class Variant:
         self.process = subprocess.Popen(self._argv, cwd=self.tree, env=child_env(self.tree), stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
 
+    def ready(self) -> None:
+        """Waits until the cluster is up and warmed up."""
+        if self._figures() != "ready":
+            raise RuntimeError(f"the cluster of {self.revision} did not say it was ready")
+
     def round(self) -> None:
         """Times one round; RuntimeError if the child died."""
         self.process.stdin.write("go\n")
         self.process.stdin.flush()
+        median, cpu = self._figures()
+        self.times.append(median)
+        self.cpu.append(cpu)
+
+    def _figures(self):
         line = ""
         while not line.startswith(_MARK):  # anything else the child printed is not ours
             line = self.process.stdout.readline()
             if not line:
                 raise RuntimeError(f"the cluster of {self.revision} exited with code {self.process.wait()}")
-        median, cpu = json.loads(line[len(_MARK):])
-        self.times.append(median)
-        self.cpu.append(cpu)
+        return json.loads(line[len(_MARK):])
 
     def stop(self) -> None:
         """Stops the cluster: its child closes it when stdin ends."""
@@ -150,6 +162,13 @@ class Variant:
         self.stop()
         if self._made:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(self.tree)], check=False)
+
+
+def running_order(variants: list, number: int, rounds_per_cluster: int) -> list:
+    """The order of round `number`: reversed every other round, and after every restart (each
+    `rounds_per_cluster` rounds) the other way round than after the one before, so that each revision's
+    place in a cluster's life (the first timed round after a restart tends to be the slowest) evens out."""
+    return variants if (number + number // rounds_per_cluster) % 2 == 0 else variants[::-1]
 
 
 def paired(variant: Variant, base: Variant) -> dict:
@@ -185,10 +204,12 @@ def main(argv: list[str] | None = None) -> None:
             for revision in args.revisions:
                 variants.append(Variant(revision, args, pathlib.Path(scratch)))
             for number in range(args.rounds):
-                order = variants if number % 2 == 0 else variants[::-1]
+                order = running_order(variants, number, args.rounds_per_cluster)
                 if number % args.rounds_per_cluster == 0:
                     for variant in order:
                         variant.start()
+                    for variant in order:  # none is timed while another starts up
+                        variant.ready()
                 for variant in order:
                     variant.round()
                 figures = (f"{v.revision} {v.times[-1] * 1e3:.2f} ms ({v.cpu[-1] * 1e3:.2f} ms CPU)" for v in variants)

@@ -47,3 +47,11 @@ def test_paired_ratios_are_taken_round_by_round():
     assert ratio["time"] == 0.9 and ratio["time_range"] == (0.8, 1.1)
     assert ratio["cpu"] == 1.0 and ratio["cpu_range"] == (0.5, 1.5)
     assert (ratio["faster"], ratio["rounds"]) == (2, 3)
+
+
+def test_each_revision_runs_first_and_second_equally_often_in_every_place_of_a_clusters_life():
+    places = {}  # (round within the cluster's life, revision) -> times it ran first
+    for number in range(12):
+        order = ab.running_order(["a", "b"], number, 2)
+        places[(number % 2, order[0])] = places.get((number % 2, order[0]), 0) + 1
+    assert places == {(0, "a"): 3, (0, "b"): 3, (1, "a"): 3, (1, "b"): 3}
