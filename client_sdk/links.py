@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardtrain import eager, errors, link, wire
+from shardtrain import errors, link, wire
 from shardtrain.rpc import Peer
 from shardtrain.v1 import shard_pb2
 from shardtrain.waiting import settled_within
@@ -98,8 +98,8 @@ class SdkLinks:
         if a stage's optimizer failed); nothing answers a step by itself: a later output or flush() does."""
         number = request.optimizer_step
         settled = self._expect(self._settles, number)  # now, so that a flush() right after knows of it
-        sent = eager.start(self._send(_ROLES.LINK_ROLE_INPUT,
-                                      shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request))))
+        sent = asyncio.ensure_future(self._send(_ROLES.LINK_ROLE_INPUT,
+                                                shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request))))
         return asyncio.ensure_future(self._step_settled(number, sent, settled))
 
     async def _step_settled(self, number: int, sent: asyncio.Future, settled: asyncio.Future) -> None:

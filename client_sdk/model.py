@@ -16,7 +16,6 @@ from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import split_state
-from shardtrain import eager
 from shardtrain.errors import FailedPrecondition
 
 log = logging.getLogger("shardtrain.sdk")
@@ -202,7 +201,7 @@ class DistributedModel:
     async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool) -> torch.Tensor | None:
         """Sends a backward; with `wait`, waits for it and returns the input's gradient (if the forward asked)."""
         self._inflight.raise_failures()
-        call = eager.start(self._clients.backward(step, grad_output))  # sent now, in this turn
+        call = asyncio.ensure_future(self._clients.backward(step, grad_output))
         self._backward_steps.append(step)
         self._inflight.add(call)
         return await call if wait else None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shard_service.mailbox import Mailbox
-from shardtrain import eager, errors, link
+from shardtrain import errors, link
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
@@ -171,11 +171,7 @@ class LinkedLoop:
         self._spawn(tell())
 
     def _spawn(self, coroutine) -> None:
-        """Starts link work now (shardtrain.eager): an item's work mostly runs to its end without waiting, so no
-        task is made for it; what does wait goes on as a task."""
-        work = eager.start(self._logged(coroutine))
-        if not work.done():
-            self._tasks.add(work)
+        self._tasks.add(asyncio.ensure_future(self._logged(coroutine)))
 
     async def _logged(self, coroutine) -> None:
         """Runs one piece of link work; what escapes it is logged. (Not a done-callback: each is a turn of the loop.)"""
