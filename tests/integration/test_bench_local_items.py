@@ -1,0 +1,16 @@
+"""bench/local_items.py: tensor items on a same-host Link, inline against through a segment, between two processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from bench import ab
+
+
+def test_both_ways_echo_the_tensor_and_print_a_row_per_size():
+    run = subprocess.run([sys.executable, "-m", "bench.local_items", "--sizes", "16K", "256K", "--exchanges", "5",
+                          "--rounds", "1"], cwd=ab.ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if "x time" in line]
+    assert [row.split("|")[0].strip() for row in rows] == ["16 KiB", "256 KiB"]
