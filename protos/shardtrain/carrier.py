@@ -13,9 +13,9 @@ Each end is an asyncio Protocol that cuts frames out of what a read brings and h
 to the link in the read callback. It replaced an asyncio stream reader, which woke a task for
 each frame and read each frame's length and bytes as separate awaits, and a codec that walked the
 message's fields to find where the data began. With 3 shards training 6 Linear(1, 1) layers at
-batch 32, where all a step costs is this machinery, a step took 0.905x the time and 0.897x the
-CPU of the stream reader's (one run of 16 paired rounds, one cluster each, faster in 13). That is
-near the host's own spread: `python -m bench.ab` gives a revision against itself up to 0.96x.
+batch 32, where all a step costs is this machinery, the session that made this change took a step
+0.890x as long and 0.896x the CPU of the code before it (`python -m bench.ab --model tiny 7516ff2
+9243ff2`, 12 rounds, faster in 10), where a revision against itself gives 0.95-1.05x.
 
 The Link's gRPC stream still opens, authenticates and ends the link: the socket is offered in the
 answer to the open item, with a random token that only the (authenticated) opener learns, and it
