@@ -138,6 +138,7 @@ class Variant:
         self.cpu.append(cpu)
 
     def _figures(self):
+        """The next thing the child reports: "ready", or a round's [median s, CPU s] per step."""
         line = ""
         while not line.startswith(_MARK):  # anything else the child printed is not ours
             line = self.process.stdout.readline()
