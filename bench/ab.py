@@ -48,7 +48,8 @@ WARMUP = 100  # untimed steps before the first round: optimizer state, thread ch
 
 
 def _cpu_seconds(pids: list[int]) -> float:
-    """CPU time of every thread of these processes, so far."""
+    """CPU time of every thread of these processes, so far. (Not bench.rpc_overhead's: the child runs this file
+    against its revision's tree, whose bench/ may differ.)"""
     ticks = 0
     for pid in pids:
         for stat in glob.glob(f"/proc/{pid}/task/*/stat"):

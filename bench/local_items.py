@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from bench.rpc_overhead import _cpu_seconds  # noqa: E402
-from bench.transport import parse_size  # noqa: E402
+from bench.transport import _size, parse_size  # noqa: E402
 from client_sdk.processes import reap  # noqa: E402
 from shardtrain import carrier, link, shm, wire  # noqa: E402
 from shardtrain.v1 import shard_pb2  # noqa: E402
@@ -106,10 +106,6 @@ async def _measure(fd: int, echo_pid: int, sizes: list[int], exchanges: int,
         pool.close()
         local.close()
     return results
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def main() -> None:
