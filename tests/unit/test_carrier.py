@@ -63,7 +63,7 @@ def test_a_cut_or_oversized_frame_is_data_loss(raw, match):
         asyncio.run(run())
 
 
-def item_frames() -> list:
+def item_frames() -> tuple[torch.Tensor, list]:
     """Three items' frames: a forward with a 64x33 activation in 1000-byte chunks, a backward, a flush."""
     activation = torch.randn(64, 33)
     return activation, [*link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation,
