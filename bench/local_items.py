@@ -134,10 +134,17 @@ def main() -> None:
         for way in WAYS:
             rounds = results[(size, way)]
             row[way] = (statistics.median(t for t, _ in rounds), statistics.median(c for _, c in rounds))
-        inline, shared = row["inline"], row["segment"]
-        print(f"{_size(size):>8} | {inline[0] * 1e6:9.0f} us, {inline[1] * 1e6:7.0f} us CPU | "
-              f"{shared[0] * 1e6:9.0f} us, {shared[1] * 1e6:7.0f} us CPU | "
-              f"{shared[0] / inline[0]:.2f}x time, {shared[1] / inline[1]:.2f}x CPU")
+        print(row_text(size, row["inline"], row["segment"]))
+
+
+def row_text(size: int, inline: tuple[float, float], shared: tuple[float, float]) -> str:
+    """One size's row: each way's (round trip, CPU per round trip) in seconds, and the segment's ratios to inline.
+    The CPU is read from /proc in clock ticks (10 ms), so a short run can count none; its ratio is then "n/a"."""
+    def ratio(part: float, whole: float) -> str:
+        return f"{part / whole:.2f}x" if whole > 0 else "n/a"
+    return (f"{_size(size):>8} | {inline[0] * 1e6:9.0f} us, {inline[1] * 1e6:7.0f} us CPU | "
+            f"{shared[0] * 1e6:9.0f} us, {shared[1] * 1e6:7.0f} us CPU | "
+            f"{ratio(shared[0], inline[0])} time, {ratio(shared[1], inline[1])} CPU")
 
 
 if __name__ == "__main__":
