@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import glob
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -176,7 +177,8 @@ def running_order(variants: list, number: int, rounds_per_cluster: int) -> list:
 def paired(variant: Variant, base: Variant) -> dict:
     """Per-round ratios of `variant` to `base`, summed up."""
     times = [v / b for v, b in zip(variant.times, base.times)]
-    cpu = [v / b for v, b in zip(variant.cpu, base.cpu)]
+    # CPU is counted in clock ticks (10 ms): a round too short to count any has no CPU ratio.
+    cpu = [v / b for v, b in zip(variant.cpu, base.cpu) if b > 0] or [math.nan]
     return {"time": statistics.median(times), "time_range": (min(times), max(times)),
             "cpu": statistics.median(cpu), "cpu_range": (min(cpu), max(cpu)),
             "faster": sum(ratio < 1 for ratio in times), "rounds": len(times)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 from types import SimpleNamespace
 
@@ -47,6 +48,13 @@ def test_paired_ratios_are_taken_round_by_round():
     assert ratio["time"] == 0.9 and ratio["time_range"] == (0.8, 1.1)
     assert ratio["cpu"] == 1.0 and ratio["cpu_range"] == (0.5, 1.5)
     assert (ratio["faster"], ratio["rounds"]) == (2, 3)
+
+
+def test_rounds_too_short_to_count_cpu_give_no_cpu_ratio_instead_of_dividing_by_zero():
+    base = SimpleNamespace(times=[1.0, 1.0], cpu=[0.0, 2.0])
+    variant = SimpleNamespace(times=[0.9, 0.9], cpu=[1.0, 1.0])
+    assert ab.paired(variant, base)["cpu"] == 0.5  # the round that counted none is left out
+    assert math.isnan(ab.paired(variant, SimpleNamespace(times=[1.0, 1.0], cpu=[0.0, 0.0]))["cpu"])
 
 
 def test_each_revision_runs_first_and_second_equally_often_in_every_place_of_a_clusters_life():
