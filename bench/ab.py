@@ -229,9 +229,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"CPU {statistics.median(variant.cpu) * 1e3:6.2f} ms a step")
         if variant is not base:
             ratio = paired(variant, base)
+            cpu = "n/a (no CPU counted)" if math.isnan(ratio["cpu"]) else \
+                f"{ratio['cpu']:.3f}x ({ratio['cpu_range'][0]:.2f}-{ratio['cpu_range'][1]:.2f})"
             line += (f"; step time {ratio['time']:.3f}x ({ratio['time_range'][0]:.2f}-{ratio['time_range'][1]:.2f}), "
-                     f"CPU {ratio['cpu']:.3f}x ({ratio['cpu_range'][0]:.2f}-{ratio['cpu_range'][1]:.2f}), "
-                     f"faster in {ratio['faster']} of {ratio['rounds']} rounds")
+                     f"CPU {cpu}, faster in {ratio['faster']} of {ratio['rounds']} rounds")
         print(line)
 
 
