@@ -152,14 +152,11 @@ class Variant:
         """Stops the cluster: its child closes it when stdin ends."""
         if self.process is None:
             return
+        # Imported here, in the parent only: the child runs this file against its revision's SDK, which may lack it.
+        from client_sdk.processes import reap
         process, self.process = self.process, None
         process.stdin.close()
-        # client_sdk.processes.reap, written out: this file is also the child's, which imports its revision's SDK only
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        reap(process, 60)
 
     def close(self) -> None:
         self.stop()
