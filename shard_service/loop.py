@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shard_service.mailbox import Mailbox
-from shardtrain import errors, link
+from shardtrain import eager, errors, link
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
@@ -171,22 +171,26 @@ class LinkedLoop:
         self._spawn(tell())
 
     def _spawn(self, coroutine) -> None:
-        self._tasks.add(asyncio.ensure_future(self._logged(coroutine)))
+        """Starts link work at once (an item's forward runs and sends inside the read that brought it), and
+        goes on with it as a task only if it has to wait (for a residual, an optimizer step, the compute thread)."""
+        task = eager.start(self._logged(coroutine))
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _logged(self, coroutine) -> None:
-        """Runs one piece of link work; what escapes it is logged. (Not a done-callback: each is a turn of the loop.)"""
+        """Runs one piece of link work; what escapes it is logged."""
         try:
             await coroutine
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the work reports its own failures; this is a last resort
             log.error("%s: link work failed: %r", self._shard.location, error)
-        finally:
-            self._tasks.discard(asyncio.current_task())
 
     # --- items -----------------------------------------------------------------------------------------
     def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
-        """Starts the work an item asks for; never blocks the link's reader."""
+        """Starts the work an item asks for. It runs in the reader's turn until it has to wait; work that is long
+        waits for the compute thread, so the reader is never held up for long."""
         kind = message.WhichOneof("item")
         if kind == "forward":
             self._spawn(self._forward(message.forward, tensor))
