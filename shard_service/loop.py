@@ -114,9 +114,10 @@ class LinkedLoop:
         client = self._opened.get(address)
         if client is None or client.broken is not None:
             peer = self._shard.links.peer(address)
+            local = peer.same_host and self._shard.settings.local_links
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
                                          from_stage=self._shard.plan.stage, shared_memory=peer.same_host,
-                                         local_carrier=peer.same_host and self._shard.settings.local_links)
+                                         local_carrier=local, packed_to_opener=local)
             client = link.ClientLink(peer, opening, self.on_item, self._broke)
             client.toward_first = False
             self._opened[address] = client

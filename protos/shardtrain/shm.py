@@ -56,15 +56,20 @@ def _check_path(path: str) -> None:
                               f"(expected {DIRECTORY}/shardtrain-<pid>-<16 hex digits>)")
 
 
+def _path(pid: int, number: int) -> str:
+    return f"{DIRECTORY}/shardtrain-{pid}-{number:016x}"
+
+
 def _new_path() -> str:
-    return f"{DIRECTORY}/shardtrain-{os.getpid()}-{secrets.token_hex(8)}"
+    return _path(os.getpid(), secrets.randbits(64))
 
 
 class _Segment:
     """One sender-owned file, mapped for writing."""
 
     def __init__(self, capacity: int):
-        self.path = _new_path()
+        self.pid, self.number = os.getpid(), secrets.randbits(64)  # a packed item's handle (shardtrain/packed.py)
+        self.path = _path(self.pid, self.number)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, DATA_OFFSET + capacity)
@@ -105,6 +110,15 @@ class SegmentPool:
 
     def put(self, flat: torch.Tensor) -> tuple[str, int, int] | None:
         """(path, offset, generation) of a segment now holding `flat`'s bytes, or None when all are busy."""
+        placed = self._place(flat)
+        return None if placed is None else (placed[0].path, DATA_OFFSET, placed[1])
+
+    def put_numbered(self, flat: torch.Tensor) -> tuple[int, int, int] | None:
+        """As put, the segment named by (this process's pid, its number, generation): see open_numbered."""
+        placed = self._place(flat)
+        return None if placed is None else (placed[0].pid, placed[0].number, placed[1])
+
+    def _place(self, flat: torch.Tensor) -> tuple[_Segment, int] | None:
         with self._lock:
             segment = self._free_segment(flat.numel())
             if segment is None:
@@ -112,7 +126,7 @@ class SegmentPool:
             generation = segment.claim()
         target = torch.frombuffer(segment.map, dtype=torch.uint8, count=flat.numel(), offset=DATA_OFFSET)
         target.copy_(flat)
-        return segment.path, DATA_OFFSET, generation
+        return segment, generation
 
     def _free_segment(self, nbytes: int) -> _Segment | None:
         self._drop_stale()
@@ -155,6 +169,11 @@ def open_segment(path: str, offset: int, generation: int, nbytes: int) -> torch.
     """
     _check_path(path)
     return _RECEIVED.view(path, offset, generation, nbytes)
+
+
+def open_numbered(pid: int, number: int, generation: int, nbytes: int) -> torch.Tensor:
+    """As open_segment, for the data of segment `number` of process `pid` (a path always of the right form)."""
+    return _RECEIVED.view(_path(pid, number), DATA_OFFSET, generation, nbytes)
 
 
 # Idle mappings a receiver keeps (none of its tensors uses them), in bytes and in time.

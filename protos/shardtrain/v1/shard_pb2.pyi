@@ -368,7 +368,7 @@ class TrainStepResponse(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class LinkOpen(_message.Message):
-    __slots__ = ("deployment_id", "role", "from_stage", "shared_memory", "local_carrier", "local_address", "local_token")
+    __slots__ = ("deployment_id", "role", "from_stage", "shared_memory", "local_carrier", "local_address", "local_token", "packed_to_opener", "packed_to_answerer")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +376,8 @@ class LinkOpen(_message.Message):
     LOCAL_CARRIER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TO_OPENER_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TO_ANSWERER_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     role: LinkRole
     from_stage: int
@@ -383,7 +385,9 @@ class LinkOpen(_message.Message):
     local_carrier: bool
     local_address: str
     local_token: bytes
-    def __init__(self, deployment_id: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., from_stage: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., local_carrier: _Optional[bool] = ..., local_address: _Optional[str] = ..., local_token: _Optional[bytes] = ...) -> None: ...
+    packed_to_opener: bool
+    packed_to_answerer: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., from_stage: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., local_carrier: _Optional[bool] = ..., local_address: _Optional[str] = ..., local_token: _Optional[bytes] = ..., packed_to_opener: _Optional[bool] = ..., packed_to_answerer: _Optional[bool] = ...) -> None: ...
 
 class LinkError(_message.Message):
     __slots__ = ("key", "code", "message", "backward", "optimizer_step")
