@@ -57,7 +57,7 @@ def test_residual_that_skips_a_whole_stage_gets_its_gradient(cluster4):
 
 
 CUSTOM_LAYER_SCRIPT = textwrap.dedent('''
-    import json, sys, torch
+    import json, sys, threading, torch
     from torch import nn
     from client_sdk import Cluster
 
@@ -83,7 +83,7 @@ CUSTOM_LAYER_SCRIPT = textwrap.dedent('''
         nn.functional.mse_loss(net(x), y).backward(); opt.step(); opt.zero_grad()
     print(json.dumps({"difference": max((trained[k] - v).abs().max().item() for k, v in net.state_dict().items()),
                       "moved": max((trained[k] - v).abs().max().item() for k, v in reference.items()),
-                      "keys": list(trained)}))
+                      "keys": list(trained), "threads": [t.name for t in threading.enumerate()]}))
     cluster.close()
 ''')
 
@@ -98,6 +98,7 @@ def test_custom_layer_class_defined_in_main_trains(cluster4, tmp_path):
     assert result["difference"] <= 1e-5
     assert result["moved"] > 1e-3
     assert result["keys"] == ["0.weight", "0.bias", "1.scale", "2.weight", "2.bias", "3.scale", "4.weight", "4.bias"]
+    assert "shardtrain-io" not in result["threads"], "a script runs the SDK's loop in its own thread"
 
 
 def test_no_grad_forward_keeps_no_state_and_matches_local(cluster4):

@@ -1,29 +1,33 @@
-"""client_sdk.io_loop: coroutines run on the SDK's own thread, for blocking callers and for callers' event loops."""
+"""client_sdk.io_loop: coroutines run in a script's own thread, or on the SDK's thread for callers' event loops."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from client_sdk.io_loop import IoLoop
+from shardtrain.waiting import settled_within
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def io():
     return IoLoop()
 
 
-def test_run_returns_what_the_coroutine_returns_whether_it_waits_or_not(io):
-    async def at_once():
-        return threading.current_thread().name
+async def thread_name() -> str:
+    return threading.current_thread().name
 
+
+def test_a_script_runs_the_coroutine_in_its_own_thread_whether_it_waits_or_not(io):
     async def after_a_wait():
         await asyncio.sleep(0.01)
         return "waited"
-    assert io.run(at_once()) == "shardtrain-io", "the coroutine runs on the SDK's thread"
+    assert io.run(thread_name()) == threading.current_thread().name
     assert io.run(after_a_wait()) == "waited"
+    assert not io.threaded
 
 
 def test_run_raises_what_the_coroutine_raises_before_or_after_waiting(io):
@@ -39,15 +43,58 @@ def test_run_raises_what_the_coroutine_raises_before_or_after_waiting(io):
         io.run(after_a_wait())
 
 
-def test_run_from_the_loops_own_thread_is_refused(io):
+def make_threaded(io: IoLoop) -> None:
+    """What a caller with a running loop does: from then on the loop runs on the SDK's thread."""
+    async def caller():
+        return await io.wrap(thread_name())
+    assert asyncio.run(caller()) == "shardtrain-io"
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_run_from_the_loops_own_thread_is_refused(io, threaded):
+    if threaded:
+        make_threaded(io)
+
     async def nested():
-        inner = asyncio.sleep(0)
-        try:
-            io.run(inner)
-        finally:
-            inner.close()
+        io.run(asyncio.sleep(0))
     with pytest.raises(RuntimeError, match="own thread"):
         io.run(nested())
+    assert io.run(thread_name()) == ("shardtrain-io" if threaded else threading.current_thread().name)
+
+
+def test_a_caller_with_a_running_loop_gets_the_sdks_thread_for_good(io):
+    async def caller():
+        return io.run(thread_name())  # the sync API inside a running loop, as in a Jupyter cell
+    assert asyncio.run(caller()) == "shardtrain-io"
+    assert io.threaded
+    assert io.run(thread_name()) == "shardtrain-io", "every later call goes there too"
+
+
+def test_work_left_waiting_goes_on_at_the_next_call_and_its_deadline_counts_only_the_calls(io):
+    async def start():
+        future = asyncio.get_running_loop().create_future()
+        return future, asyncio.ensure_future(settled_within(future, 0.3))
+
+    async def finish(future, waiting):
+        future.set_result("arrived")
+        return await waiting
+    future, waiting = io.run(start())
+    time.sleep(0.5)  # the script's own work, longer than the deadline: the loop's clock stands still
+    assert io.run(finish(future, waiting)) is True
+
+
+def test_callers_on_several_threads_take_turns(io):
+    results = []
+
+    async def slow(tag):
+        await asyncio.sleep(0.05)
+        return tag
+    threads = [threading.Thread(target=lambda tag=tag: results.append(io.run(slow(tag)))) for tag in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(results) == [0, 1, 2, 3]
 
 
 def test_wrap_serves_a_callers_running_loop_and_its_cancellation_reaches_the_work(io):
