@@ -60,6 +60,7 @@ class Stage:
         parameters = [t for t in self._state.values() if isinstance(t, torch.nn.Parameter)]
         self._optimizer = optim.build(*optimizer, parameters) if parameters else None
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
+        self._saved_bytes: dict[tuple, int] = {}  # per input signature: what autograd saves (see _run_counted)
         self._max_in_flight = max_in_flight
 
     def _build(self, sources: Sequence[LayerSource]):
@@ -134,13 +135,27 @@ class Stage:
         x = x.to(self.device).detach().requires_grad_(requires_grad and (self.index > 0 or input_requires_grad))
         leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
-        counter = _SavedBytes(self._weight_storages)
-        with torch.set_grad_enabled(requires_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
-            output = self._run(x, saved)
+        with torch.set_grad_enabled(requires_grad):
+            output, saved_bytes = self._run_counted(x, saved) if requires_grad else (self._run(x, saved), 0)
         outgoing = {name: saved[name] for name in self.residuals.outgoing}
         if requires_grad:
-            self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing, counter.total))
+            self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing, saved_bytes))
         return output.detach(), {name: t.detach() for name, t in outgoing.items()}
+
+    def _run_counted(self, x: torch.Tensor, saved: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """_run, and the bytes autograd saved for backward. Those depend only on the inputs' shapes, dtypes and
+        which of them require grad (a captured graph has no data-dependent branch), so they are counted, with a
+        Python hook on every saved tensor, once per such signature: on every call the hook cost ~80 us of a
+        ~310 us forward (Stage.forward of ReLU + Linear(512, 512) at batch 32, timed in one process)."""
+        signature = tuple((t.shape, t.dtype, t.requires_grad) for t in (x, *saved.values()))
+        known = self._saved_bytes.get(signature)
+        if known is not None:
+            return self._run(x, saved), known
+        counter = _SavedBytes(self._weight_storages)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+            output = self._run(x, saved)
+        self._saved_bytes[signature] = counter.total
+        return output, counter.total
 
     def _run(self, x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
         try:

@@ -400,3 +400,8 @@ def test_in_flight_bytes_count_saved_activations_not_weights():
     stage.load_state({"0.weight": linear.weight.detach(), "0.bias": linear.bias.detach()})
     stage.forward((0, 0), torch.randn(8, 16), {}, True)
     assert stage.in_flight_bytes == 8 * 16 * 4  # the input the weight's gradient needs; not the weight
+    stage.forward((1, 0), torch.randn(8, 16), {}, True)  # counted once per signature, then known
+    stage.forward((2, 0), torch.randn(3, 16), {}, True)  # another batch size is another signature
+    assert stage.in_flight_bytes == (8 + 8 + 3) * 16 * 4
+    stage.forward((3, 0), torch.randn(8, 16), {}, False)
+    assert stage.in_flight_bytes == (8 + 8 + 3) * 16 * 4, "a forward without grad keeps nothing"
