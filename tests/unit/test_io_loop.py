@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -120,3 +121,43 @@ def test_wrap_serves_a_callers_running_loop_and_its_cancellation_reaches_the_wor
         return value
     assert asyncio.run(caller()) == "ok"
     assert seen == ["cancelled on the SDK's thread"]
+
+
+def test_ctrl_c_while_the_loop_runs_a_callback_ends_the_call_at_an_await_and_the_loop_stays_whole(io):
+    """A script's Ctrl-C lands wherever its main thread is. In the loop's middle (a socket's read callback
+    cutting frames, say) it must not cut that callback short: the call ends at an await instead."""
+    finished = []
+
+    async def interrupted():
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def read_callback():
+            signal.raise_signal(signal.SIGINT)
+            finished.append("the callback ran to its end")
+            future.set_result(None)
+        loop.call_soon(read_callback)
+        await future
+        await asyncio.sleep(30)  # the interrupt ends the call here, not after this
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        io.run(interrupted())
+    assert finished == ["the callback ran to its end"]
+    assert time.monotonic() - started < 10
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the script's own handler is back"
+    assert io.run(thread_name()) == threading.current_thread().name, "the loop goes on serving"
+
+
+def test_a_sigint_handler_of_the_scripts_own_is_left_alone(io):
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda *args: seen.append("the script's handler"))
+    try:
+        async def interrupted():
+            signal.raise_signal(signal.SIGINT)
+            await asyncio.sleep(0)
+            return "went on"
+        assert io.run(interrupted()) == "went on"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == ["the script's handler"]
