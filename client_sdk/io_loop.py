@@ -5,7 +5,10 @@ used to hop to the SDK's I/O thread and back. A step of the PyTorch-shaped loop 
 process about 8 context switches against the floor driver's 1 (/proc's voluntary switches per step,
 seed model at batch 32 on 3 local shards), and that process 1.5 ms of CPU against 0.5. Run by the
 caller, the same step switched about 2 times, and `python -m bench.ab --model seed` timed a step
-0.947x as long at 0.941x the CPU (10 rounds, faster in 9).
+0.947x and 0.952x as long at 0.941x and 0.940x the CPU (10 and 12 rounds, faster in 9 of each).
+A later A/B of this change together with the Ctrl-C handler below and a trim of Stage.forward
+(`e41d21b` against `85da814`) gave 0.994x (faster in 6 of 12): a gain of about 5% is at the edge
+of what that host resolves.
 
 The loop needs a thread of its own once someone cannot lend theirs: a caller whose thread already
 runs an event loop (a Jupyter kernel: the sync API there too), and the async API (aforward...), whose

@@ -17,6 +17,7 @@ from shardtrain.residuals import StageResiduals, Wiring, run_chain
 log = logging.getLogger("shardtrain.shard.stage")
 
 StepKey = tuple[int, int]  # (step, microbatch)
+SIGNATURES_KEPT = 1024  # input signatures whose saved-bytes count a stage remembers
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ class Stage:
         counter = _SavedBytes(self._weight_storages)
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
             output = self._run(x, saved)
+        if len(self._saved_bytes) >= SIGNATURES_KEPT:  # batches of ever new sizes: nothing grows without bound
+            self._saved_bytes.clear()
         self._saved_bytes[signature] = counter.total
         return output, counter.total
 

@@ -392,7 +392,7 @@ def test_layer_failing_on_its_data_names_the_stage_and_layers(programs, consumer
     assert stage.in_flight_steps == []
 
 
-def test_in_flight_bytes_count_saved_activations_not_weights():
+def test_in_flight_bytes_count_saved_activations_not_weights(monkeypatch):
     linear = torch.nn.Linear(16, 16)
     program = capture_layer(LayerAdapter(linear), (torch.randn(2, 16),))
     source = LayerSource(0, "Linear", program, Wiring(), {"layer.weight": "0.weight", "layer.bias": "0.bias"})
@@ -405,3 +405,7 @@ def test_in_flight_bytes_count_saved_activations_not_weights():
     assert stage.in_flight_bytes == (8 + 8 + 3) * 16 * 4
     stage.forward((3, 0), torch.randn(8, 16), {}, False)
     assert stage.in_flight_bytes == (8 + 8 + 3) * 16 * 4, "a forward without grad keeps nothing"
+    monkeypatch.setattr("shard_service.stage.SIGNATURES_KEPT", 1)  # every new signature forgets the others
+    for step, rows in enumerate([5, 8, 5, 3], start=4):
+        stage.forward((step, 0), torch.randn(rows, 16), {}, True)
+    assert stage.in_flight_bytes == (8 + 8 + 3 + 5 + 8 + 5 + 3) * 16 * 4
