@@ -161,3 +161,21 @@ def test_a_sigint_handler_of_the_scripts_own_is_left_alone(io):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert seen == ["the script's handler"]
+
+
+def test_a_call_never_formats_its_task_or_result(io):
+    """asyncio.Runner.run, which also cancels at an await on Ctrl-C, formatted every finished call's task,
+    result included, through signal.getsignal(): about 0.8 ms of CPU a call for a tensor result."""
+    formatted = []
+
+    class Result:
+        def __repr__(self):
+            formatted.append("repr")
+            return "Result()"
+
+    async def call():
+        await asyncio.sleep(0)
+        return Result()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert isinstance(io.run(call()), Result)
+    assert formatted == []
