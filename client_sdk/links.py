@@ -4,6 +4,10 @@ the futures the loop waits on. See shardtrain/link.py for why streams and not ca
 
 An optimizer step is settled on every stage once an output comes back whose forward was sent after
 it (every stage waits for the step before running a later forward), or once a Flush comes back.
+The backwards a step lists are over by then too (a stage steps only after them), so the first stage
+sends no backward_done for one that ends after the step reached it: in the PyTorch-shaped loop, where
+model.step() follows loss.backward() at once, that is every backward. The item woke this process
+while the first stage went on to its optimizer step, on the same core as a rule (bench/host.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class SdkLinks:
         self._backwards: dict[int, asyncio.Future] = {}  # step -> the input's gradient (or None) once done
         self._settles: dict[int, asyncio.Future] = {}    # optimizer step -> None once settled everywhere
         self._follows: dict[int, int] = {}               # forward step -> the optimizer step it follows
+        self._ends_with: dict[int, list[int]] = {}       # optimizer step -> the backwards it ends
         self._flushed = 0                                # the highest optimizer step a Flush was sent for
 
     def _link(self, role: int) -> link.ClientLink:
@@ -99,6 +104,8 @@ class SdkLinks:
         if a stage's optimizer failed); nothing answers a step by itself: a later output or flush() does."""
         number = request.optimizer_step
         settled = self._expect(self._settles, number)  # now, so that a flush() right after knows of it
+        if request.backwards_end_with_step:
+            self._ends_with[number] = list(request.backward_steps)
         sent = asyncio.ensure_future(self._send(_ROLES.LINK_ROLE_INPUT,
                                                 shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request))))
         return asyncio.ensure_future(self._step_settled(number, sent, settled))
@@ -132,6 +139,12 @@ class SdkLinks:
     def _settled(self, up_to: int) -> None:
         for number in [n for n in self._settles if n <= up_to]:
             _resolve(self._settles.pop(number), None)
+            self._end_backwards(number, None)
+
+    def _end_backwards(self, number: int, error: BaseException | None) -> None:
+        """The backwards optimizer step `number` ends: done once it settled (a failed one failed before)."""
+        for step in self._ends_with.pop(number, ()):
+            _resolve(self._backwards.get(step), None, error)
 
     # --- what comes back ------------------------------------------------------------------------------
     def _on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
@@ -151,11 +164,13 @@ class SdkLinks:
         exception = link.raised(error)
         if error.optimizer_step:
             _resolve(self._settles.pop(error.optimizer_step, None), None, exception)
+            self._end_backwards(error.optimizer_step, exception)
             return
         if not error.HasField("key"):
             for pending in (self._outputs, self._backwards, self._settles):
                 for future in pending.values():
                     _resolve(future, None, exception)
+            self._ends_with.clear()
             return
         step = error.key.step
         first, second = (self._backwards, self._outputs) if error.backward else (self._outputs, self._backwards)
@@ -175,6 +190,7 @@ class SdkLinks:
         for pending in (self._outputs, self._backwards, self._settles):
             for future in pending.values():
                 _resolve(future, None, cancelled)
+        self._ends_with.clear()
 
 
 def _resolve(future: asyncio.Future | None, value, error: BaseException | None = None) -> None:

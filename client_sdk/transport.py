@@ -67,7 +67,8 @@ class StageClients:
                      backward_steps: Sequence[int]) -> shard_pb2.StepRequest:
         """An optimizer step, to send on its own or with the next forward."""
         return shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, zero_grad=zero_grad,
-                                     optimizer_step=optimizer_step, backward_steps=backward_steps)
+                                     optimizer_step=optimizer_step, backward_steps=backward_steps,
+                                     backwards_end_with_step=True)
 
     def step(self, request: shard_pb2.StepRequest) -> asyncio.Future:
         """Sends an optimizer step down the stages; the future ends once every stage has applied it (or refused)."""

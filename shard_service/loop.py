@@ -14,6 +14,8 @@ Outcomes travel as items too, so no stage waits for an answer:
   stages' weights never drift apart, and stage i+1 starts its optimizer while stage i runs its own.
 - Nothing says "done" on its own: the next output tells the SDK that every stage settled the
   optimizer step before it (each forward waits for it), and a Flush item asks when nothing will.
+  That also ends the backwards the step lists, so the first stage sends no backward_done for a
+  backward that ends after such a step reached it (unless it carries the input's gradient).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class LinkedLoop:
         self._opened: dict[str, link.ClientLink] = {}   # links this stage opened, by address
         self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
         self._forwarded = -1          # the highest step this stage ran a forward for (steps count from 0)
+        self._ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
         self._tasks: set[asyncio.Task] = set()
 
     # --- links ---------------------------------------------------------------------------------------
@@ -64,6 +67,7 @@ class LinkedLoop:
         """A new stage was loaded: links of the previous deployment end, and nothing of theirs is reported."""
         self._deployment_id = deployment_id
         self._forwarded = -1
+        self._ended_by_step.clear()
         self._input = self._output = None
         self._output_opened.clear()
         self._from_stage.clear()
@@ -198,6 +202,9 @@ class LinkedLoop:
         elif kind == "backward":
             self._spawn(self._backward(message.backward, tensor))
         elif kind == "step":
+            request = message.step.request
+            if request.backwards_end_with_step and end is self._input:
+                self._ended_by_step.update(request.backward_steps)
             self._spawn(self._step(message.step))
         elif kind == "flush":
             self._spawn(self._flush(message.flush))
@@ -294,6 +301,9 @@ class LinkedLoop:
         """To the previous stage, or (from the first stage) to the SDK as the end of the backward."""
         if self._shard.plan.stage > 0:
             item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key))
+        elif grad_input is None and key.step in self._ended_by_step:
+            self._ended_by_step.discard(key.step)
+            return  # the optimizer step that lists it tells the SDK
         else:
             item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=key))
         await self._send(self._up(), item, grad_input, "gradients")
@@ -364,6 +374,7 @@ class LinkedLoop:
     def forget(self, up_to_step: int) -> None:
         """Drops the residuals of steps up to `up_to_step` that no forward took."""
         self._residuals.discard_where(lambda key: key[0] <= up_to_step)
+        self._ended_by_step = {step for step in self._ended_by_step if step > up_to_step}
 
     async def close(self) -> None:
         """Ends the links this stage opened and the work in progress."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -155,3 +156,40 @@ def test_gradients_flow_back_into_a_client_side_layer(cluster4):
         local_opt.zero_grad()
     assert largest_difference(front.state_dict(), local_front.state_dict()) <= 1e-6
     assert largest_difference(model.state_dict(), local_net.state_dict()) <= 1e-6
+
+
+@pytest.mark.parametrize("ends_with_step", [True, False])
+def test_an_optimizer_step_that_lists_a_backward_reports_its_end_in_place_of_the_first_stage(cluster4,
+                                                                                             ends_with_step):
+    """In the PyTorch-shaped loop model.step() follows loss.backward() at once, so the optimizer step reaches
+    the first stage before that stage's backward is over. The step's settling then tells the SDK that the
+    backward is over, and the first stage sends no backward_done item: one item and one wake-up of the SDK
+    less per step. A sender that does not say so (an SDK of before) still gets backward_done."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = cluster4.deploy(net, optimizer=ADAM, num_stages=3)
+    clients, links = model._clients, model._clients._links
+    received = []
+    on_item = links._on_item  # the SDK's handler of what comes back; its links open at the first forward
+
+    def recording(end, message, tensor):
+        received.append(message.WhichOneof("item"))
+        on_item(end, message, tensor)
+    links._on_item = recording
+    x = torch.randn(8, 6)
+
+    async def steps():
+        for step in range(3):
+            output = await clients.forward(step, x, requires_grad=True, zero_grad=True, after_optimizer_step=step)
+            request = clients.step_request(step, False, step + 1, [step])
+            request.backwards_end_with_step = ends_with_step
+            settled = clients.step(request)
+            await asyncio.sleep(0.2)  # the step is at the first stage long before the gradient is sent
+            backward = asyncio.ensure_future(clients.backward(step, torch.ones_like(output)))
+            await clients.flush()  # the step settles (no later forward will say so), and with it the backward
+            await asyncio.wait_for(asyncio.gather(backward, settled), 30)
+    model._io.run(steps())
+    assert received.count("output") == 3
+    assert received.count("backward_done") == (0 if ends_with_step else 3)
+    trained = model.state_dict()
+    assert all(torch.isfinite(value).all() for value in trained.values())

@@ -256,18 +256,20 @@ class FetchTensorRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps")
+    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps", "backwards_end_with_step")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARDS_END_WITH_STEP_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     step: int
     zero_grad: bool
     optimizer_step: int
     backward_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    backwards_end_with_step: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., backwards_end_with_step: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ()
