@@ -282,8 +282,10 @@ class LinkedLoop:
             stage = shard.stage_for(header.key.deployment_id)
             residual_grads = await shard.residual_gradients(stage, key)
             grad_input, incoming_grads = await shard.run(stage.backward, key, grad, residual_grads)
-            await self._send_residual_gradients(header.key, incoming_grads)
+            # The input gradient first, as a forward sends its activation first: the previous stage's backward
+            # needs it now, while a residual's producer is that stage or one before it, whose backward comes later.
             await self._send_input_gradient(header.key, grad_input)
+            await self._send_residual_gradients(header.key, incoming_grads)
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self._report(header.key, error, backward=True)
             await shard.order.backward_finished(key[0], status_message(error, shard.location)[1])
