@@ -99,15 +99,16 @@ def split_of(model: LayerList, stages: int) -> list[tuple[int, int]]:
     return list(balanced([sum(p.numel() for p in layer.parameters()) for layer in model.children()], stages))
 
 
-def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket]) -> None:
-    """One stage: its layers of the model, and the loop over its sockets until STOP."""
+def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket], adam: dict) -> None:
+    """One stage: its layers of the model, and the loop over its sockets until STOP. `adam`: Adam's
+    keyword arguments besides the learning rate."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LayerList(TEST_RESIDUAL_SMALL)  # the whole model from the seed's weights; this stage runs its slice
     split = split_of(model, stages)
     first, end = split[stage]
     layers, wirings = model._adapters[first:end], model.wirings[first:end]
-    optimizer = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=LR)
+    optimizer = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=LR, **adam)
     routes = route(model.wirings, split)  # which residuals cross stages, as the coordinator routes them
     names = sorted({name for crossing in routes for name in crossing.outgoing})  # a residual's index on the wire
     incoming, outgoing = routes[stage].incoming, routes[stage].outgoing
@@ -190,7 +191,8 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket]) -> N
 class Floor:
     """The seed model's stage processes (`python -m bench.floor --stage i`) and this process's sockets to them."""
 
-    def __init__(self, stages: int = STAGES):
+    def __init__(self, stages: int = STAGES, adam: dict | None = None):
+        """`adam`: keyword arguments for every stage's Adam besides the learning rate (say {"fused": True})."""
         torch.manual_seed(0)
         model = LayerList(TEST_RESIDUAL_SMALL)
         self.split = split_of(model, stages)
@@ -210,7 +212,7 @@ class Floor:
                 fds = {party: sock.fileno() for party, sock in ends[stage].items()}
                 self._processes.append(subprocess.Popen(
                     [sys.executable, "-m", "bench.floor", "--stage", str(stage), "--stages", str(stages),
-                     "--sockets", json.dumps(fds)], cwd=root, pass_fds=list(fds.values())))
+                     "--sockets", json.dumps(fds), "--adam", json.dumps(adam or {})], cwd=root, pass_fds=list(fds.values())))
         except BaseException:
             self.close()
             raise
@@ -271,22 +273,22 @@ class Floor:
         self.close()
 
 
-def one_process() -> tuple[LayerList, torch.optim.Optimizer]:
+def one_process(adam: dict | None = None) -> tuple[LayerList, torch.optim.Optimizer]:
     """The same model and optimizer in this process, from the same weights as the floor's stages."""
     torch.manual_seed(0)
     model = LayerList(TEST_RESIDUAL_SMALL)
-    return model, torch.optim.Adam(model.parameters(), lr=LR)
+    return model, torch.optim.Adam(model.parameters(), lr=LR, **(adam or {}))
 
 
-def check(batch: int = 32, steps: int = 20) -> float:
+def check(batch: int = 32, steps: int = 20, adam: dict | None = None) -> float:
     """Trains the floor and one process for `steps` steps on the same batch; the largest weight difference."""
     x, y = _make_data(batch, 0)
-    model, optimizer = one_process()
+    model, optimizer = one_process(adam)
     for _ in range(steps):
         F.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    with Floor() as floor:
+    with Floor(adam=adam) as floor:
         for _ in range(steps):
             floor.train_step(x, y)
         trained = floor.state_dict()
@@ -311,10 +313,11 @@ def main() -> None:
     parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)    # a stage process, started by Floor
     parser.add_argument("--stages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sockets", help=argparse.SUPPRESS)            # {party: inherited fd}
+    parser.add_argument("--adam", default="{}", help=argparse.SUPPRESS)  # Adam's keyword arguments besides lr
     args = parser.parse_args()
     if args.stage is not None:
         sockets = {int(party): socket.socket(fileno=fd) for party, fd in json.loads(args.sockets).items()}
-        _stage_main(args.stage, args.stages, sockets)
+        _stage_main(args.stage, args.stages, sockets, json.loads(args.adam))
         return
     torch.set_num_threads(1)  # the check compares arithmetic done in the same order
     print(f"check: after 20 steps the floor's weights are within {check(args.batch):.2g} of one process's")

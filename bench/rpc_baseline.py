@@ -101,11 +101,18 @@ def _train_step(stages: list[rpc.RRef], opt: DistributedOptimizer, x: torch.Tens
     return loss.item()
 
 
-def _run_master(batch_size: int, steps: int, warmup: int, seed: int) -> list[float]:
+class _PythonAdam(torch.optim.Adam):
+    """torch.optim.Adam under a name DistributedOptimizer has no TorchScript version of."""
+
+
+def _run_master(batch_size: int, steps: int, warmup: int, seed: int, adam: dict) -> list[float]:
     """Build remote stages, train, and return timed per-step wall times (seconds)."""
     stages = [rpc.remote(f"worker{i + 1}", Stage, args=(seed, i)) for i in range(NUM_STAGES)]
     param_rrefs = [p for s in stages for p in s.rpc_sync().parameter_rrefs()]
-    opt = DistributedOptimizer(torch.optim.Adam, param_rrefs, lr=LEARNING_RATE)
+    # DistributedOptimizer runs Adam as a TorchScript functional optimizer, which cannot be fused; a
+    # subclass it does not know gets torch.optim.Adam itself on each worker.
+    adam_class = _PythonAdam if adam.get("fused") else torch.optim.Adam
+    opt = DistributedOptimizer(adam_class, param_rrefs, lr=LEARNING_RATE, **adam)
     x, y = _make_data(batch_size, seed)
     times = []
     for step in range(warmup + steps):
@@ -124,7 +131,7 @@ def _backend_options(port: int) -> rpc.TensorPipeRpcBackendOptions:
     )
 
 
-def _process_main(rank: int, port: int, threads: int, job: tuple[int, int, int, int],
+def _process_main(rank: int, port: int, threads: int, job: tuple[int, int, int, int, dict],
                   results: mp.Queue) -> None:
     """Entry point of every process; rank 0 trains and reports to ``results``."""
     # torch's own rpc.init_rpc/shutdown trip this deprecation warning; it is not ours to fix.
@@ -176,19 +183,20 @@ def _reap(procs: list[mp.Process], deadline: float) -> None:
 
 
 def run_rpc_baseline(batch_size: int, steps: int, warmup: int, seed: int = 0,
-                     threads_per_process: int = 1) -> list[float]:
+                     threads_per_process: int = 1, adam: dict | None = None) -> list[float]:
     """Train the seed residual model over RPC and return per-step wall times.
 
     Starts a master and three workers as real processes, trains ``warmup`` then
     ``steps`` steps on fixed data (x ~ U(-1, 1) of shape (batch_size, 1),
     y = (sin(3x) + 1) / 2) and returns the master-measured wall time, in seconds,
-    of each of the ``steps`` timed steps. RPC is always shut down and every process
+    of each of the ``steps`` timed steps. ``adam``: keyword arguments for Adam besides
+    the learning rate (say ``{"fused": True}``). RPC is always shut down and every process
     reaped, also on error; a hang becomes a ``TimeoutError`` after
     ``GLOBAL_TIMEOUT_S`` seconds.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    args = (_free_port(), threads_per_process, (batch_size, steps, warmup, seed), results)
+    args = (_free_port(), threads_per_process, (batch_size, steps, warmup, seed, adam or {}), results)
     procs = [ctx.Process(target=_process_main, args=(rank, *args), name=f"rpc-rank{rank}")
              for rank in range(WORLD_SIZE)]
     deadline = time.monotonic() + GLOBAL_TIMEOUT_S

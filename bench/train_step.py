@@ -1,6 +1,6 @@
 """Issue-2 benchmark: median training-step time of the seed residual model, several ways, in one run.
 
-    python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3] [--grpc-links]
+    python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3] [--adam JSON] [--grpc-links]
 
 1. one process (the baseline; its best of 1 and 2 torch threads),
 2. shardtrain on 3 local shard processes: the PyTorch-shaped loop, and model.train_step
@@ -16,6 +16,12 @@ timed step of its rounds. Prints the medians and the ratios shardtrain/one-proce
 shardtrain/torch.rpc, then the floor against one process and the loop against the floor. With
 --grpc-links, a second cluster whose shards keep every Link item on the gRPC stream (--local-links
 off) takes its turn too, and the loop's time there is printed against the loop's with local links.
+Every way steps with torch.optim.Adam(lr=3e-3), plus --adam's keyword arguments. With the defaults,
+Adam is most of one process's step on CPU: its sqrt goes through MKL's vector math, which takes a
+slow path for every exact zero (the second moments of units that never get a gradient), so the
+split's three optimizers, which run at once, hide much of the framework's cost; `--adam
+'{"fused": true}'` times every way with PyTorch's fused Adam, which takes no such path, and shows
+that cost against a much shorter step.
 Before and after the rounds it measures how much two of the host's cores do at once against one,
 and before them how soon a process runs once another wakes it (bench/host.py): on a shared host
 both change, and with them what the shards can overlap and what each hand-off costs.
@@ -24,6 +30,7 @@ both change, and with them what the shards can overlap and what each hand-off co
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -56,13 +63,13 @@ def timed_steps(step: Callable[[], None], steps: int, warmup: int) -> list[float
     return times
 
 
-def single_process(batch: int, steps: int, warmup: int, threads: int) -> list[float]:
+def single_process(batch: int, steps: int, warmup: int, threads: int, adam: dict) -> list[float]:
     """Step times of the whole model in this process with `threads` intra-op threads."""
     default = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = LayerList(TEST_RESIDUAL_SMALL)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, **adam)
     x, y = _make_data(batch, 0)
 
     def step() -> None:
@@ -92,10 +99,10 @@ def shardtrain_pipelined(model, batch: int, steps: int, warmup: int, microbatche
     return timed_steps(lambda: model.train_step(x, y, "MSELoss", microbatches=microbatches), steps, warmup)
 
 
-def deploy(cluster: Cluster):
+def deploy(cluster: Cluster, adam: dict):
     """The seed model on the cluster's shards, from the same initial weights every time."""
     torch.manual_seed(0)
-    return cluster.deploy(TEST_RESIDUAL_SMALL, optimizer=(torch.optim.Adam, {"lr": LR}))
+    return cluster.deploy(TEST_RESIDUAL_SMALL, optimizer=(torch.optim.Adam, {"lr": LR, **adam}))
 
 
 def grpc_links_cluster() -> Cluster:
@@ -122,14 +129,14 @@ def measure(cluster: Cluster, floor: Floor, batch: int, args,
     clusters taking turns, the one that ran second in a round was 0.3-1 ms a step slower whichever
     it was (two A/Bs of 6 and 8 rounds), as large as the differences being measured.
     """
-    model = deploy(cluster)
-    grpc_model = deploy(grpc_cluster) if grpc_cluster is not None else None
+    model = deploy(cluster, args.adam)
+    grpc_model = deploy(grpc_cluster, args.adam) if grpc_cluster is not None else None
     times: dict[str, list[float]] = {"shardtrain": [], "train_step": [], "1 thread": [], "2 threads": [],
                                      "torch.rpc": [], "floor": [], "gRPC links": []}
 
     def one_process() -> None:  # then the floor, on the thread count one process was faster with
-        one = single_process(batch, args.steps, args.warmup, 1)
-        two = single_process(batch, args.steps, args.warmup, 2)
+        one = single_process(batch, args.steps, args.warmup, 1, args.adam)
+        two = single_process(batch, args.steps, args.warmup, 2, args.adam)
         times["1 thread"] += one
         times["2 threads"] += two
         times["floor"] += floor_steps(floor, batch, args.steps, args.warmup,
@@ -146,7 +153,8 @@ def measure(cluster: Cluster, floor: Floor, batch: int, args,
 
     def rpc() -> None:
         # Same intra-op threads as the shards get (torch's default: one per core), same OpenMP policy.
-        times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup, threads_per_process=os.cpu_count() or 1)
+        times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup, threads_per_process=os.cpu_count() or 1,
+                                               adam=args.adam)
 
     ways = [loop] + ([grpc_loop] if grpc_model is not None else []) + [pipelined, one_process, rpc]
     for round_ in range(args.rounds):
@@ -162,6 +170,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=4, help="for the model.train_step row")
+    parser.add_argument("--adam", type=json.loads, default={}, metavar="JSON",
+                        help='keyword arguments for every way\'s Adam besides the learning rate, e.g. \'{"fused": true}\'')
     parser.add_argument("--grpc-links", action="store_true",
                         help="also time the loop with every Link item on gRPC (shards with --local-links off)")
     args = parser.parse_args()
@@ -169,7 +179,7 @@ def main() -> None:
     wake = wake_up()
     grpc_cluster = grpc_links_cluster() if args.grpc_links else None
     try:
-        with Cluster.local(num_shards=3) as cluster, Floor() as floor:
+        with Cluster.local(num_shards=3) as cluster, Floor(adam=args.adam) as floor:
             results = [(batch, measure(cluster, floor, batch, args, grpc_cluster)) for batch in args.batches]
     finally:
         if grpc_cluster is not None:
@@ -194,6 +204,8 @@ def main() -> None:
                   f"{m['gRPC links'] / m['shardtrain']:.2f}x the loop with local links")
     print(f"shardtrain: the PyTorch-shaped loop (model(x), loss.backward(), model.step()); train_step: "
           f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
+    print(f"optimizer: torch.optim.Adam with lr={LR}" + "".join(f", {k}={v!r}" for k, v in args.adam.items())
+          + " in every way")
     print("floor: the same loop on 3 processes in the leanest Python that keeps its rules, each stage on the "
           "thread count one process was faster with (python -m bench.floor)")
     print(f"host: two processes at once did {host_before:.2f}x the work of one alone before the rounds, "

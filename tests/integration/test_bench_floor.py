@@ -18,3 +18,8 @@ def test_the_floor_splits_the_seed_model_where_the_coordinator_does():
     torch.manual_seed(0)
     # tests/unit/test_partition.py: the seed model's parameter counts, balanced over 3 stages
     assert split_of(LayerList(TEST_RESIDUAL_SMALL), 3) == [(0, 3), (3, 5), (5, 10)]
+
+
+def test_the_floor_takes_adams_keyword_arguments_as_one_process_does():
+    # bench.train_step --adam reaches the floor's stage processes: a weight decay they ignored would show.
+    assert check(batch=32, steps=6, adam={"fused": True, "weight_decay": 0.5}) <= 1e-5

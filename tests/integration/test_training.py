@@ -32,6 +32,19 @@ def test_seed_residual_model_on_three_shards_matches_one_process(cluster4):
     assert [(p.first_layer, p.end_layer) for p in model.placements] == [(0, 3), (3, 5), (5, 10)]
 
 
+def test_fused_adam_with_its_arguments_on_the_shards_matches_one_process(cluster4):
+    # The README's advice for CPU: fused Adam, whose sqrt takes no slow path on zeros. The weight decay
+    # shows that the keyword arguments reach every shard's optimizer.
+    fused = (torch.optim.Adam, {"lr": 3e-3, "fused": True, "weight_decay": 0.5})
+    torch.manual_seed(0)
+    reference = LayerList(TEST_RESIDUAL_SMALL)
+    batches = regression_batches(steps=20, batch=32, features=1)
+    model = cluster4.deploy(TEST_RESIDUAL_SMALL, optimizer=fused, num_stages=3)
+    model.load_state_dict(reference.state_dict())
+    train_remotely(model, batches)
+    assert largest_difference(model.state_dict(), train_locally(reference, batches, fused)) <= 1e-5
+
+
 @pytest.mark.parametrize("stages", [2, 4])
 def test_sequential_matches_one_process(cluster4, stages):
     torch.manual_seed(stages)
