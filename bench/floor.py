@@ -212,7 +212,8 @@ class Floor:
                 fds = {party: sock.fileno() for party, sock in ends[stage].items()}
                 self._processes.append(subprocess.Popen(
                     [sys.executable, "-m", "bench.floor", "--stage", str(stage), "--stages", str(stages),
-                     "--sockets", json.dumps(fds), "--adam", json.dumps(adam or {})], cwd=root, pass_fds=list(fds.values())))
+                     "--sockets", json.dumps(fds), "--adam", json.dumps(adam or {})],
+                    cwd=root, pass_fds=list(fds.values())))
         except BaseException:
             self.close()
             raise

@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=4, help="for the model.train_step row")
     parser.add_argument("--adam", type=json.loads, default={}, metavar="JSON",
-                        help='keyword arguments for every way\'s Adam besides the learning rate, e.g. \'{"fused": true}\'')
+                        help="keyword arguments for every way's Adam besides the learning rate, "
+                             "e.g. '{\"fused\": true}'")
     parser.add_argument("--grpc-links", action="store_true",
                         help="also time the loop with every Link item on gRPC (shards with --local-links off)")
     args = parser.parse_args()
