@@ -42,13 +42,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402 - after the OpenMP setting, which is read when torch loads
 
-from bench.floor import Floor  # noqa: E402
+from bench.floor import LR, Floor  # noqa: E402
+from bench.floor import one_process as seed_model_and_adam  # noqa: E402
 from bench.host import describe_wake_up, parallel_throughput, wake_up  # noqa: E402
 from bench.rpc_baseline import _make_data, run_rpc_baseline  # noqa: E402
-from client_sdk import Cluster, LayerList  # noqa: E402
+from client_sdk import Cluster  # noqa: E402
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL  # noqa: E402
-
-LR = 3e-3
 
 
 def timed_steps(step: Callable[[], None], steps: int, warmup: int) -> list[float]:
@@ -67,9 +66,7 @@ def single_process(batch: int, steps: int, warmup: int, threads: int, adam: dict
     """Step times of the whole model in this process with `threads` intra-op threads."""
     default = torch.get_num_threads()
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = LayerList(TEST_RESIDUAL_SMALL)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR, **adam)
+    model, optimizer = seed_model_and_adam(adam)
     x, y = _make_data(batch, 0)
 
     def step() -> None:
