@@ -39,13 +39,17 @@ class Cluster:
 
     @classmethod
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
-              startup_timeout: float = 120.0) -> Cluster:
+              startup_timeout: float = 120.0, flush_denormal: bool = False) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike.
+        `flush_denormal`: the shards' CPU arithmetic treats denormal floats as zero, as
+        torch.set_flush_denormal(True) does in one process (`shardtrain shard --flush-denormal on`).
         """
         security = security or Security()
-        services = LocalServices(num_shards, device, env=security_env(security), startup_timeout=startup_timeout)
+        flags = ["--flush-denormal", "on"] if flush_denormal else []
+        services = LocalServices(num_shards, device, env=security_env(security), startup_timeout=startup_timeout,
+                                 shard_flags=flags)
         try:
             cluster = cls(services.coordinator_address, security=security, services=services)
             cluster.wait_for_shards(num_shards, startup_timeout)

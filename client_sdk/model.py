@@ -106,7 +106,7 @@ class DistributedModel:
         self._io.run(self._load_state(per_stage))
 
     def describe(self) -> list:
-        """Each shard's own report: address, device, stage, layers, steps in flight."""
+        """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals."""
         return self._io.run(self._clients.describe())
 
     @property

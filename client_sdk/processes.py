@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 from shardtrain import carrier, shm
 from shardtrain.errors import Unavailable
@@ -88,8 +89,9 @@ class LocalServices:
     """
 
     def __init__(self, num_shards: int, device: str = "cpu", env: dict[str, str] | None = None,
-                 startup_timeout: float = 120.0):
-        """`env` adds variables for the services (SHARDTRAIN_AUTH_TOKEN and the like); secrets stay off argv."""
+                 startup_timeout: float = 120.0, shard_flags: Sequence[str] = ()):
+        """`env` adds variables for the services (SHARDTRAIN_AUTH_TOKEN and the like); secrets stay off argv.
+        `shard_flags` go to every `shardtrain shard` (say ["--flush-denormal", "on"])."""
         self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="shardtrain-"))
         self.services: list[Service] = []
         self._env = dict(env or {})
@@ -97,7 +99,7 @@ class LocalServices:
             coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", "127.0.0.1:0"])
             self.coordinator_address = f"127.0.0.1:{coordinator.wait_ready(startup_timeout)['port']}"
             shards = [self._start(f"shard-{i}", ["-m", "shard_service", "--coordinator", self.coordinator_address,
-                                                 "--bind", "127.0.0.1:0", "--device", device])
+                                                 "--bind", "127.0.0.1:0", "--device", device, *shard_flags])
                       for i in range(num_shards)]
             self.shard_addresses = [shard.wait_ready(startup_timeout)["address"] for shard in shards]
         except BaseException:

@@ -15,7 +15,7 @@ import torch
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
-from shardtrain.errors import ShardtrainError, Unavailable
+from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
 from shardtrain.v1 import coordinator_pb2
 
@@ -71,11 +71,30 @@ async def serve(settings: ShardSettings) -> None:
         await server.stop(grace=1)
 
 
+def flush_denormals() -> None:
+    """Makes this thread's CPU arithmetic treat denormal floats as zero (FailedPrecondition where the CPU cannot).
+
+    The flag is per thread, and a thread starts with its creator's: set before the compute thread and
+    any intra-op thread pool exist, it holds for every thread that runs stage work.
+    """
+    if not torch.set_flush_denormal(True):
+        raise FailedPrecondition("--flush-denormal on: this CPU cannot flush denormal floats to zero "
+                                 "(torch.set_flush_denormal needs x86 with SSE3 or ARM); start the shard "
+                                 "with --flush-denormal off")
+    log.info("CPU arithmetic flushes denormal floats to zero")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `shardtrain shard`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
     die_with_parent(settings.parent_pid)
+    if settings.flush_denormal:
+        try:
+            flush_denormals()  # first: before any thread that computes exists
+        except ShardtrainError as error:
+            print(f"shard: {error}", file=sys.stderr)
+            return 1
     keep_freed_memory()
     shm.sweep()  # segments left by shardtrain processes that were killed
     carrier.sweep()  # and their local-link sockets

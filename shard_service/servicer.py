@@ -417,7 +417,7 @@ class ShardServicer:
             address=self.address, device=self.settings.device, deployment_id=self._deployment_id,
             stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
-            parameter_count=stage.parameter_count if stage else 0)
+            parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal)
 
     @boundary
     async def ProbeSharedMemory(self, request, context):

@@ -43,6 +43,20 @@ def test_shard_flags_override_the_environment():
             settings.security.token) == ("other:1", "127.0.0.1:9", "cpu", 512, 1, "from-flag")
 
 
+def test_shard_flush_denormal_is_off_unless_a_flag_or_variable_turns_it_on():
+    assert not shard_settings([], COORDINATOR).flush_denormal
+    assert shard_settings(["--flush-denormal", "on"], COORDINATOR).flush_denormal
+    env = {**COORDINATOR, "SHARDTRAIN_FLUSH_DENORMAL": "on"}
+    assert shard_settings([], env).flush_denormal
+    assert not shard_settings(["--flush-denormal", "off"], env).flush_denormal
+
+
+def test_shard_flush_denormal_takes_on_or_off(capsys):
+    with pytest.raises(SystemExit):
+        shard_settings(["--flush-denormal", "yes"], COORDINATOR)
+    assert "--flush-denormal" in capsys.readouterr().err
+
+
 def test_shard_coordinator_from_model_host_and_port():
     assert shard_settings([], {"MODEL_HOST": "seed-host", "MODEL_PORT": "5000"}).coordinator == "seed-host:5000"
 

@@ -280,7 +280,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count")
+    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class DescribeResponse(_message.Message):
     LAYER_INDEXES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_STEPS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_DENORMAL_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     deployment_id: str
@@ -295,7 +296,8 @@ class DescribeResponse(_message.Message):
     layer_indexes: _containers.RepeatedScalarFieldContainer[int]
     in_flight_steps: _containers.RepeatedScalarFieldContainer[int]
     parameter_count: int
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ...) -> None: ...
+    flush_denormal: bool
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ...) -> None: ...
 
 class LossSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "program", "sums")
