@@ -89,18 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
     die_with_parent(settings.parent_pid)
-    if settings.flush_denormal:
-        try:
-            flush_denormals()  # first: before any thread that computes exists
-        except ShardtrainError as error:
-            print(f"shard: {error}", file=sys.stderr)
-            return 1
     keep_freed_memory()
     shm.sweep()  # segments left by shardtrain processes that were killed
     carrier.sweep()  # and their local-link sockets
     if settings.threads:
         torch.set_num_threads(settings.threads)  # for this thread; the compute thread sets its own
     try:
+        if settings.flush_denormal:
+            flush_denormals()  # before serve() starts any thread that computes
         asyncio.run(serve(settings))
     except ShardtrainError as error:
         print(f"shard: {error}", file=sys.stderr)
