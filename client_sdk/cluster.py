@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Sequence
 
 import torch
 
 from client_sdk import layers as layer_tools
+from client_sdk import modes
 from client_sdk.io_loop import shared_loop
 from client_sdk.model import DistributedModel, Placement
 from client_sdk.pipeline import PipelineTrainer
@@ -97,18 +99,24 @@ class Cluster:
         replicas: copies of the pipeline (replicas x stages shards) for data parallelism; they train
         together through model.train_step, averaging gradients with gloo collectives.
         A deploy replaces the cluster's previous deployment; its handle stops working.
+        The handle starts in the model's mode (training, or eval after model.eval()); its train() and eval()
+        switch it. Deploying leaves `model` as it was: weights, buffers, modes and torch's random stream.
         """
         if replicas < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
         self._close_models()  # shards hold one deployment at a time: finish the previous one first
         module = layer_tools.as_module(model)
         layers = layer_tools.layers_of(module)
-        example = example_input if example_input is not None else layer_tools.example_input(module, layers)
+        mixed = modes.mixed_modes(module)
+        if mixed:
+            warnings.warn(f"layers {mixed[:5]} are not in the model's {'training' if module.training else 'eval'} "
+                          "mode: the deployment switches the whole model, as model.train() and model.eval() do",
+                          stacklevel=2)
         name, kwargs_json = optim.encode(*optimizer)
         encodings = wire.wire_encodings(compression)
         request = coordinator_pb2.DeployRequest(
             encodings=encodings,
-            layers=layer_tools.capture(layers, example),
+            layers=layer_tools.capture_model(module, layers, example_input),
             optimizer=shard_pb2.OptimizerSpec(name=name, kwargs_json=kwargs_json),
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
                                                     layers_per_stage=layers_per_stage),
@@ -116,6 +124,7 @@ class Cluster:
         response = self._io.run(self._coordinator.call("Deploy", request))
         distributed = self._io.run(self._handle(response, request.layers, encodings))
         distributed.load_state_dict(module.state_dict())
+        distributed.train(module.training)
         self._models.append(distributed)
         return distributed
 

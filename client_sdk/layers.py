@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from client_sdk.layer_list import LayerList
+from client_sdk.modes import ModeReads, untouched
 from shardtrain.capture import LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import Wiring
@@ -61,32 +62,55 @@ def example_input(module: torch.nn.Module, layers: Sequence[Layer]) -> torch.Ten
                           "pass example_input=<a tensor shaped like one batch>")
 
 
+def capture_model(module: torch.nn.Module, layers: Sequence[Layer],
+                  example: torch.Tensor | None = None) -> list[shard_pb2.CapturedLayer]:
+    """Captures every layer of `module` (see capture), tracing with `example` or a guessed input, and leaves
+    the module as it was: its buffers (a BatchNorm's running statistics), its layers' train/eval modes, and
+    torch's random stream, which the example and a Dropout would otherwise draw from."""
+    with untouched(module):
+        return capture(layers, example if example is not None else example_input(module, layers))
+
+
 def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.CapturedLayer]:
-    """Captures each layer with the activations an example input produces on the way through."""
+    """Captures each layer in training mode, and in eval mode too where its forward reads `training` (Dropout,
+    BatchNorm, a custom layer's own branch), with the activations an example input produces on the way
+    through (in training mode, as the shards will train). Runs the layers: capture_model keeps the model
+    as it was."""
     captured, saved = [], {}
     x = x[:EXAMPLE_BATCH] if x.dim() and x.shape[0] > EXAMPLE_BATCH else x
     with torch.no_grad():
         for index, layer in enumerate(layers):
-            adapter = LayerAdapter(layer.module, layer.wiring.out_variables)
+            adapter = LayerAdapter(layer.module, layer.wiring.out_variables).train()
             args = (x, *(saved[name] for name in layer.wiring.dependencies))
-            try:
-                program = capture_layer(adapter, args)
-            except Exception as error:  # export reports unsupported code in many exception types
-                raise InvalidArgument(f"layer {index} ({type(layer.module).__name__}) cannot be captured "
-                                      f"with torch.export: {type(error).__name__}: {str(error)[:500]}") from None
-            captured.append(_describe(index, layer, adapter, program))
-            result = adapter(*args)
+            with ModeReads(adapter) as reads:
+                result = adapter(*args)
+            program = _export(index, layer, adapter, args)
+            eval_program = _export(index, layer, adapter.eval(), args) if reads.seen else program
+            adapter.train()
+            eval_program = b"" if eval_program == program else eval_program
+            captured.append(_describe(index, layer, adapter, program, eval_program))
             x = result[0] if layer.wiring.out_variables else result
             saved.update(zip(layer.wiring.out_variables, result[1:] if layer.wiring.out_variables else ()))
     return captured
 
 
-def _describe(index: int, layer: Layer, adapter: LayerAdapter, program: bytes) -> shard_pb2.CapturedLayer:
+def _export(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[torch.Tensor, ...]) -> bytes:
+    try:
+        return capture_layer(adapter, args)
+    except Exception as error:  # export reports unsupported code in many exception types
+        mode = "training" if adapter.training else "eval"
+        raise InvalidArgument(f"layer {index} ({type(layer.module).__name__}) cannot be captured with "
+                              f"torch.export in {mode} mode: {type(error).__name__}: {str(error)[:500]}") from None
+
+
+def _describe(index: int, layer: Layer, adapter: LayerAdapter, program: bytes,
+              eval_program: bytes) -> shard_pb2.CapturedLayer:
     state = [shard_pb2.StateEntry(graph_key=key, model_key=_model_key(layer.prefix, key))
              for key in adapter.state_dict()]
     return shard_pb2.CapturedLayer(index=index, description=_one_line(layer.module), program=program,
                                    dependencies=layer.wiring.dependencies,
-                                   out_variables=layer.wiring.out_variables, state=state, cost=layer.cost)
+                                   out_variables=layer.wiring.out_variables, state=state, cost=layer.cost,
+                                   eval_program=eval_program)
 
 
 def _model_key(prefix: str, graph_key: str) -> str:

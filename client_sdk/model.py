@@ -16,7 +16,7 @@ from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import split_state
-from shardtrain.errors import FailedPrecondition
+from shardtrain.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("shardtrain.sdk")
 
@@ -64,6 +64,7 @@ class DistributedModel:
         self._async_steps: list[int] = []
         self._inflight = InFlight(on_failure=self._abandon_deferred_work)
         self._closed = False
+        self.training = True  # as nn.Module's: train() and eval() set it; every forward says which graphs run
 
     @property
     def deployment_id(self) -> str:
@@ -71,6 +72,18 @@ class DistributedModel:
         return self._clients.deployment_id
 
     # -- the PyTorch-shaped synchronous API ---------------------------------------------------
+    def train(self, mode: bool = True) -> DistributedModel:
+        """Training mode (Dropout drops, BatchNorm normalises by the batch and updates its running statistics),
+        or eval mode with mode=False; as nn.Module.train, for every layer on every shard. Returns the model."""
+        if not isinstance(mode, bool):
+            raise InvalidArgument(f"train(mode) takes True or False, got {mode!r}")
+        self.training = mode
+        return self
+
+    def eval(self) -> DistributedModel:
+        """Eval mode (model.train(False)): Dropout passes its input on, BatchNorm uses its running statistics."""
+        return self.train(False)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)
 
@@ -166,11 +179,13 @@ class DistributedModel:
         await self._synchronize()
         spec = await self._loss_specs(loss_fn, x, y)
         self._zero_grad_pending = False  # a TrainStep starts from zero gradients anyway
-        return await self._trainer.run(self._begin_step(), x, y, spec, microbatches, schedule)
+        return await self._trainer.run(self._begin_step(), x, y, spec, microbatches, schedule,
+                                       eval_mode=not self.training)
 
     async def _predict(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output for `x` without autograd (an example for capturing a loss)."""
-        return await self._forward(self._begin_step(), x, requires_grad=False)
+        """The model's output for `x` without autograd (an example for capturing a loss), in eval mode: it must
+        not move a BatchNorm's running statistics."""
+        return await self._forward(self._begin_step(), x, requires_grad=False, training=False)
 
     def _check_single_replica(self) -> None:
         if self.replicas > 1:
@@ -192,11 +207,12 @@ class DistributedModel:
         return self._io.run(self._backward(step, grad_output, wait=input_requires_grad))
 
     async def _forward(self, step: int, x: torch.Tensor, requires_grad: bool,
-                       input_requires_grad: bool = False) -> torch.Tensor:
+                       input_requires_grad: bool = False, training: bool | None = None) -> torch.Tensor:
         self._inflight.raise_failures()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
+        training = self.training if training is None else training
         return await self._clients.forward(step, x.detach(), requires_grad, zero_grad, self._settle_before_forward,
-                                           input_requires_grad)
+                                           input_requires_grad, eval_mode=not training)
 
     async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool) -> torch.Tensor | None:
         """Sends a backward; with `wait`, waits for it and returns the input's gradient (if the forward asked)."""

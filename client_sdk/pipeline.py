@@ -47,24 +47,25 @@ class PipelineTrainer:
         return self._plans[key]
 
     async def run(self, step: int, x: torch.Tensor, y: torch.Tensor, loss: shard_pb2.LossSpec,
-                  microbatches: int, schedule: str) -> float:
-        """One training step; returns the batch's loss (the mean loss for averaging losses)."""
+                  microbatches: int, schedule: str, eval_mode: bool = False) -> float:
+        """One training step (on the layers' eval-mode graphs with `eval_mode`); returns the batch's loss (the
+        mean loss for averaging losses)."""
         plan = await self._plan(microbatches, schedule)
         shares = split_batch(x.detach(), y.detach(), len(self.replicas), microbatches)
         calls = [call for clients, share in zip(self.replicas, shares)
-                 for call in self._replica_calls(clients, step, share, x.shape[0], plan, loss)]
+                 for call in self._replica_calls(clients, step, share, x.shape[0], plan, loss, eval_mode)]
         responses = await _all_or_nothing(calls)
         self.stats = [_stats_dict(response.stats) for response in responses]
         return sum(response.loss for response in responses)
 
     def _replica_calls(self, clients: StageClients, step: int, share: list[tuple], batch_size: int,
-                       plan: list, loss: shard_pb2.LossSpec) -> list:
+                       plan: list, loss: shard_pb2.LossSpec, eval_mode: bool) -> list:
         last = len(clients.stages) - 1
         calls = []
         for stage, actions in enumerate(plan):
             header = shard_pb2.TrainStepHeader(key=clients.key(step), microbatch_sizes=[len(mx) for mx, _ in share],
                                                batch_size=batch_size, actions=actions,
-                                               loss=loss if stage == last else None)
+                                               loss=loss if stage == last else None, eval_mode=eval_mode)
             tensors = {f"input/{k}": mx for k, (mx, _) in enumerate(share)} if stage == 0 else {}
             tensors.update({f"target/{k}": my for k, (_, my) in enumerate(share)} if stage == last else {})
             calls.append(clients.train_step(stage, header, tensors))

@@ -51,11 +51,12 @@ class StageClients:
         return await peer.call("TrainStep", requests)
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
-                      after_optimizer_step: int, input_requires_grad: bool = False) -> torch.Tensor:
+                      after_optimizer_step: int, input_requires_grad: bool = False,
+                      eval_mode: bool = False) -> torch.Tensor:
         """Sends x into the first stage over the input Link; returns the last stage's output."""
         header = shard_pb2.ForwardHeader(key=self.key(step), requires_grad=requires_grad, zero_grad=zero_grad,
                                          after_optimizer_step=after_optimizer_step,
-                                         input_requires_grad=input_requires_grad)
+                                         input_requires_grad=input_requires_grad, eval_mode=eval_mode)
         return await self._links.forward(header, x.detach())
 
     async def backward(self, step: int, grad: torch.Tensor | None) -> torch.Tensor | None:

@@ -229,7 +229,7 @@ class LinkedLoop:
             if header.zero_grad:
                 await shard.run(stage.zero_grad)
             result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
-                                               header.requires_grad, header.input_requires_grad)
+                                               header.requires_grad, header.input_requires_grad, not header.eval_mode)
             self._forwarded = max(self._forwarded, header.key.step)
             # The activation first: the next stage needs it now, a residual's consumer only later.
             await self._send_activation(header, result)

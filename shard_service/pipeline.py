@@ -100,7 +100,8 @@ class PipelineRun:
         key = (self.header.key.step, k)
         x = self.tensors[f"input/{k}"] if self.first else await self.shard.scheduled_input(self._key(k), "activation")
         incoming = await self.shard.fetch_residuals(self.stage, self._key(k))
-        (output, outgoing), seconds = await self._timed(self.stage.forward, key, x, incoming, True)
+        (output, outgoing), seconds = await self._timed(self.stage.forward, key, x, incoming, True, False,
+                                                        not self.header.eval_mode)
         self.figures.forward_seconds += seconds
         self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, self.stage.in_flight_bytes)
         self.shard.offer_residuals(self.stage, key, outgoing)

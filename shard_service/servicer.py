@@ -107,7 +107,7 @@ class ShardServicer:
     async def LoadStage(self, request, context):
         sources = [LayerSource(layer.index, layer.description, layer.program,
                                Wiring(tuple(layer.dependencies), tuple(layer.out_variables)),
-                               {entry.graph_key: entry.model_key for entry in layer.state})
+                               {entry.graph_key: entry.model_key for entry in layer.state}, layer.eval_program)
                    for layer in request.layers]
         plan = request.plan
         residuals = StageResiduals({r.name: r.producer_stage for r in plan.incoming_residuals},
@@ -168,7 +168,7 @@ class ShardServicer:
             if header.zero_grad:
                 await self._run(stage.zero_grad)
             result, outgoing = await self._run(stage.forward, key, x, incoming, header.requires_grad,
-                                               header.input_requires_grad)
+                                               header.input_requires_grad, not header.eval_mode)
             self.offer_residuals(stage, key, outgoing)
             if header.requires_grad and self._plan.previous_address:
                 self._backward_links.add(key, self.links.open_backward(header.key))

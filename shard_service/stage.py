@@ -29,6 +29,7 @@ class LayerSource:
     program: bytes
     wiring: Wiring
     state_keys: dict[str, str]  # graph key -> the user's state-dict key
+    eval_program: bytes = b""   # the layer's eval-mode graph, where it differs from `program`'s
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Stage:
         self.layer_indexes = [source.index for source in sources]
         self.descriptions = [source.description for source in sources]
         self._wirings = [source.wiring for source in sources]
-        self._layers, self._state, self._input_specs = self._build(sources)
+        self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
         self._unloaded = set(self._state)
         # Weights are updated in place (load_state, the optimizer), so their storages never change.
         self._weight_storages = {t.untyped_storage().data_ptr() for t in self._state.values()}
@@ -65,7 +66,9 @@ class Stage:
         self._max_in_flight = max_in_flight
 
     def _build(self, sources: Sequence[LayerSource]):
-        layers, state, inputs = [], {}, []
+        """(training-mode layers, eval-mode layers, weights by state-dict key, each layer's input specs); a layer
+        without an eval-mode graph of its own is the same module in both lists, and both share the weights."""
+        layers, eval_layers, state, inputs = [], [], {}, []
         for source in sources:
             program = CapturedProgram(source.program)
             graph_state = {}
@@ -77,7 +80,8 @@ class Stage:
                 graph_state[spec.graph_key] = state[source.state_keys[spec.graph_key]] = tensor
             layers.append(program.load(graph_state))
             inputs.append(program.input_specs())
-        return layers, state, inputs
+            eval_layers.append(_eval_layer(source, program, graph_state) if source.eval_program else layers[-1])
+        return layers, eval_layers, state, inputs
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -125,10 +129,12 @@ class Stage:
         raise NotFound(f"stage {self.index} does not consume residual {name!r}")
 
     def forward(self, key: StepKey, x: torch.Tensor, incoming: dict[str, torch.Tensor], requires_grad: bool,
-                input_requires_grad: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                input_requires_grad: bool = False,
+                training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Runs the stage; keeps autograd state under `key` when requires_grad. Returns output and outgoing residuals.
 
         A later stage always differentiates into its input; the first only when `input_requires_grad`.
+        `training` False runs the layers' eval-mode graphs (the model's eval()).
         """
         self._check_ready(key, requires_grad)
         self.check_input(x)
@@ -136,33 +142,36 @@ class Stage:
         x = x.to(self.device).detach().requires_grad_(requires_grad and (self.index > 0 or input_requires_grad))
         leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
+        layers = self._layers if training else self._eval_layers
         with torch.set_grad_enabled(requires_grad):
-            output, saved_bytes = self._run_counted(x, saved) if requires_grad else (self._run(x, saved), 0)
+            output, saved_bytes = self._run_counted(layers, x, saved) if requires_grad else \
+                (self._run(layers, x, saved), 0)
         outgoing = {name: saved[name] for name in self.residuals.outgoing}
         if requires_grad:
             self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing, saved_bytes))
         return output.detach(), {name: t.detach() for name, t in outgoing.items()}
 
-    def _run_counted(self, x: torch.Tensor, saved: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def _run_counted(self, layers: list[torch.nn.Module], x: torch.Tensor,
+                     saved: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """_run, and the bytes autograd saved for backward. Those depend only on the inputs' shapes, dtypes and
         which of them require grad (a captured graph has no data-dependent branch), so they are counted, with a
         Python hook on every saved tensor, once per such signature: on every call the hook cost ~80 us of a
         ~310 us forward (Stage.forward of ReLU + Linear(512, 512) at batch 32, timed in one process)."""
-        signature = tuple((t.shape, t.dtype, t.requires_grad) for t in (x, *saved.values()))
+        signature = (layers is self._layers, *((t.shape, t.dtype, t.requires_grad) for t in (x, *saved.values())))
         known = self._saved_bytes.get(signature)
         if known is not None:
-            return self._run(x, saved), known
+            return self._run(layers, x, saved), known
         counter = _SavedBytes(self._weight_storages)
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
-            output = self._run(x, saved)
+            output = self._run(layers, x, saved)
         if len(self._saved_bytes) >= SIGNATURES_KEPT:  # batches of ever new sizes: nothing grows without bound
             self._saved_bytes.clear()
         self._saved_bytes[signature] = counter.total
         return output, counter.total
 
-    def _run(self, x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _run(self, layers: list[torch.nn.Module], x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
         try:
-            return run_chain(self._layers, self._wirings, x, saved)
+            return run_chain(layers, self._wirings, x, saved)
         except Exception as error:  # a layer failing on its data: report which stage and layers
             raise InternalError(f"stage {self.index} (layers {self.layer_indexes[0]}-{self.layer_indexes[-1]}) "
                                 f"failed: {type(error).__name__}: {error}") from None
@@ -239,6 +248,24 @@ class Stage:
     def state(self) -> dict[str, torch.Tensor]:
         """The stage's weights under the user's state-dict keys."""
         return {key: tensor.detach() for key, tensor in self._state.items()}
+
+
+def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The layer's eval-mode graph on the training graph's own weights (some of them: BatchNorm's eval graph
+    leaves num_batches_tracked out); InvalidArgument if it wants others, or other inputs."""
+    eval_program = CapturedProgram(source.eval_program)
+    weights = {}
+    for spec in eval_program.state_specs():
+        tensor = graph_state.get(spec.graph_key)
+        if tensor is None or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or \
+                isinstance(tensor, torch.nn.Parameter) != spec.is_parameter:
+            raise InvalidArgument(f"layer {source.index}: the eval-mode graph wants weight {spec.graph_key!r} as "
+                                  f"{spec.dtype} of shape {list(spec.shape)}, which the training graph does not have")
+        weights[spec.graph_key] = tensor
+    if eval_program.input_specs() != program.input_specs():
+        raise InvalidArgument(f"layer {source.index}: the eval-mode graph takes other inputs than the training graph "
+                              f"({eval_program.input_specs()} against {program.input_specs()})")
+    return eval_program.load(weights)
 
 
 class _SavedBytes:

@@ -34,7 +34,7 @@ from shardtrain.v1 import shard_pb2, tensor_pb2
 
 PACKED_MARK = 0xFFFFFFFF  # never a LinkMessage's length: a frame holds at most carrier.MAX_FRAME_BYTES
 MAX_DIMS = 8
-TENSOR, SHARED, REQUIRES_GRAD, ZERO_GRAD, INPUT_REQUIRES_GRAD = 1, 2, 4, 8, 16
+TENSOR, SHARED, REQUIRES_GRAD, ZERO_GRAD, INPUT_REQUIRES_GRAD, EVAL_MODE = 1, 2, 4, 8, 16, 32
 
 _FIELDS = shard_pb2.LinkMessage.DESCRIPTOR.fields_by_name
 FORWARD, BACKWARD = _FIELDS["forward"].number, _FIELDS["backward"].number
@@ -70,7 +70,7 @@ def pack(message: shard_pb2.LinkMessage, tensor: torch.Tensor | None, options: w
         if item.scheduled or item.HasField("step_first"):
             return None
         flags = (REQUIRES_GRAD * item.requires_grad | ZERO_GRAD * item.zero_grad
-                 | INPUT_REQUIRES_GRAD * item.input_requires_grad)
+                 | INPUT_REQUIRES_GRAD * item.input_requires_grad | EVAL_MODE * item.eval_mode)
         after = item.after_optimizer_step
     elif number == BACKWARD:
         if item.scheduled:
@@ -133,7 +133,8 @@ def _message(number: int, kind: str, key: shard_pb2.StepKey, flags: int, after: 
     if number == FORWARD:
         return shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(
             key=key, requires_grad=bool(flags & REQUIRES_GRAD), zero_grad=bool(flags & ZERO_GRAD),
-            after_optimizer_step=after, input_requires_grad=bool(flags & INPUT_REQUIRES_GRAD)))
+            after_optimizer_step=after, input_requires_grad=bool(flags & INPUT_REQUIRES_GRAD),
+            eval_mode=bool(flags & EVAL_MODE)))
     if number == BACKWARD:
         return shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key))
     try:

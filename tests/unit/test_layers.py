@@ -94,3 +94,44 @@ def test_layer_that_cannot_be_captured_is_named():
     layers = layer_tools.layers_of(nn.Sequential(nn.Identity(), DataDependent()))
     with pytest.raises(InvalidArgument, match=r"layer 1 \(DataDependent\) cannot be captured with torch.export"):
         layer_tools.capture(layers, torch.randn(2, 3))
+
+
+class TrainingNoise(nn.Module):
+    """A custom layer that reads its own mode: adds 1 in training mode only."""
+
+    def forward(self, x):
+        return x + 1 if self.training else x
+
+
+class CountsCalls(nn.Module):
+    """A layer that assigns a new tensor to its buffer on every call, rather than updating it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return x
+
+
+def test_an_eval_mode_graph_is_captured_for_the_layers_that_read_their_mode_only():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Dropout(0.2), TrainingNoise())
+    captured = layer_tools.capture(layer_tools.layers_of(model), torch.randn(4, 3))
+    assert [bool(c.eval_program) for c in captured] == [False, True, False, True, True]
+    noise = CapturedProgram(captured[4].eval_program).load({})
+    assert torch.equal(noise(torch.zeros(2, 3)), torch.zeros(2, 3))
+
+
+def test_capture_model_leaves_buffers_modes_and_the_random_stream_as_they_were():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Dropout(0.5), CountsCalls())
+    model[1].eval()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    calls = model[3].calls
+    random_state = torch.get_rng_state()
+    captured = layer_tools.capture_model(model, layer_tools.layers_of(model))
+    assert len(captured) == 4
+    assert torch.equal(torch.get_rng_state(), random_state)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    assert model[3].calls is calls
+    assert [m.training for m in model.modules()] == [True, True, False, True, True]

@@ -14,7 +14,7 @@ from shardtrain.v1 import shard_pb2
 
 KEY = shard_pb2.StepKey(deployment_id="d", step=12, microbatch=3)
 FORWARD = shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(
-    key=KEY, requires_grad=True, zero_grad=True, after_optimizer_step=11, input_requires_grad=True))
+    key=KEY, requires_grad=True, zero_grad=True, after_optimizer_step=11, input_requires_grad=True, eval_mode=True))
 ITEMS = {
     "forward": FORWARD,
     "backward": shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)),
@@ -53,6 +53,14 @@ def test_every_frequent_item_comes_back_as_sent(kind, tensor):
         assert received is None
     else:
         assert received.dtype == tensor.dtype and received.shape == tensor.shape and torch.equal(received, tensor)
+
+
+def test_the_forward_item_above_sets_every_field_a_packed_forward_carries():
+    """A field added to ForwardHeader is either packed (and set above, so the round trip checks it) or makes the
+    item go as a LinkMessage, as `scheduled` and `step_first` do."""
+    unpacked = {"scheduled", "step_first"}
+    fields = {field.name for field in shard_pb2.ForwardHeader.DESCRIPTOR.fields}
+    assert {field.name for field, _ in FORWARD.forward.ListFields()} == fields - unpacked
 
 
 @pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")

@@ -409,3 +409,37 @@ def test_in_flight_bytes_count_saved_activations_not_weights(monkeypatch):
     for step, rows in enumerate([5, 8, 5, 3], start=4):
         stage.forward((step, 0), torch.randn(rows, 16), {}, True)
     assert stage.in_flight_bytes == (8 + 8 + 3 + 5 + 8 + 5 + 3) * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def batchnorm_programs() -> tuple[bytes, bytes]:
+    """A BatchNorm1d(3) captured in training mode and in eval mode."""
+    adapter = LayerAdapter(torch.nn.BatchNorm1d(3))
+    return capture_layer(adapter.train(), (torch.randn(2, 3),)), capture_layer(adapter.eval(), (torch.randn(2, 3),))
+
+
+def test_eval_mode_runs_the_eval_graph_on_the_training_graphs_weights(batchnorm_programs):
+    torch.manual_seed(0)
+    batchnorm = torch.nn.Sequential(torch.nn.BatchNorm1d(3))  # state-dict keys "0.<name>", as source() gives
+    train, evaluation = batchnorm_programs
+    keys = {key: f"0.{key.removeprefix('layer.')}" for key in LayerAdapter(batchnorm[0]).state_dict()}
+    stage = Stage(0, [LayerSource(0, "BatchNorm1d", train, Wiring(), keys, evaluation)], StageResiduals(), SGD, "cpu")
+    stage.load_state(model_state(batchnorm))
+    x = torch.randn(5, 3) * 3 + 1
+
+    output, _ = stage.forward((0, 0), x, {}, requires_grad=False, training=True)
+    assert torch.allclose(output, batchnorm(x), atol=TOLERANCE)  # by the batch, and the statistics move
+    assert_same_state(stage, batchnorm)
+    output, _ = stage.forward((1, 0), x, {}, requires_grad=True, training=False)
+    assert torch.allclose(output, batchnorm.eval()(x), atol=TOLERANCE)  # by the running statistics, which stay
+    assert_same_state(stage, batchnorm)
+    stage.backward((1, 0), torch.ones(5, 3), {})
+    assert all(p.grad is not None for p in stage.parameters)  # eval mode still trains the affine weights
+
+
+def test_an_eval_graph_that_wants_other_weights_is_refused(programs, batchnorm_programs):
+    keys = {key: f"0.{key.removeprefix('layer.')}" for key in LayerAdapter(torch.nn.BatchNorm1d(3)).state_dict()}
+    wrong = LayerSource(0, "BatchNorm1d", batchnorm_programs[0], Wiring(), keys, programs["linear_3_4"])
+    with pytest.raises(InvalidArgument, match=r"layer 0: the eval-mode graph wants weight 'layer.weight' as "
+                                              r"torch.float32 of shape \[4, 3\]"):
+        Stage(0, [wrong], StageResiduals(), SGD, "cpu")

@@ -36,7 +36,7 @@ class ProbeSharedMemoryResponse(_message.Message):
     def __init__(self, token: _Optional[bytes] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class CapturedLayer(_message.Message):
-    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost")
+    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost", "eval_program")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class CapturedLayer(_message.Message):
     OUT_VARIABLES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    EVAL_PROGRAM_FIELD_NUMBER: _ClassVar[int]
     index: int
     description: str
     program: bytes
@@ -51,7 +52,8 @@ class CapturedLayer(_message.Message):
     out_variables: _containers.RepeatedScalarFieldContainer[str]
     state: _containers.RepeatedCompositeFieldContainer[StateEntry]
     cost: int
-    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ...) -> None: ...
+    eval_program: bytes
+    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ...) -> None: ...
 
 class StateEntry(_message.Message):
     __slots__ = ("graph_key", "model_key")
@@ -170,7 +172,7 @@ class StepKey(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "scheduled")
+    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "scheduled", "eval_mode")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class ForwardHeader(_message.Message):
     STEP_FIRST_FIELD_NUMBER: _ClassVar[int]
     INPUT_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    EVAL_MODE_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     requires_grad: bool
     zero_grad: bool
@@ -185,7 +188,8 @@ class ForwardHeader(_message.Message):
     step_first: StepRequest
     input_requires_grad: bool
     scheduled: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., scheduled: _Optional[bool] = ...) -> None: ...
+    eval_mode: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., scheduled: _Optional[bool] = ..., eval_mode: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("header", "tensor")
@@ -320,18 +324,20 @@ class PipelineAction(_message.Message):
     def __init__(self, backward: _Optional[bool] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class TrainStepHeader(_message.Message):
-    __slots__ = ("key", "microbatch_sizes", "batch_size", "actions", "loss")
+    __slots__ = ("key", "microbatch_sizes", "batch_size", "actions", "loss", "eval_mode")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_MODE_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     microbatch_sizes: _containers.RepeatedScalarFieldContainer[int]
     batch_size: int
     actions: _containers.RepeatedCompositeFieldContainer[PipelineAction]
     loss: LossSpec
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., microbatch_sizes: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., actions: _Optional[_Iterable[_Union[PipelineAction, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ...) -> None: ...
+    eval_mode: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., microbatch_sizes: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., actions: _Optional[_Iterable[_Union[PipelineAction, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., eval_mode: _Optional[bool] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
     __slots__ = ("header", "tensor")
