@@ -122,13 +122,14 @@ class Cluster:
                                                     layers_per_stage=layers_per_stage),
             replicas=replicas)
         response = self._io.run(self._coordinator.call("Deploy", request))
-        distributed = self._io.run(self._handle(response, request.layers, encodings))
+        parameter_keys = [name for name, _ in module.named_parameters()]  # torch.optim's order over net.parameters()
+        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys))
         distributed.load_state_dict(module.state_dict())
         distributed.train(module.training)
         self._models.append(distributed)
         return distributed
 
-    async def _handle(self, response, captured, encodings) -> DistributedModel:
+    async def _handle(self, response, captured, encodings, parameter_keys: list[str]) -> DistributedModel:
         owners, placements = {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
@@ -142,7 +143,7 @@ class Cluster:
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas, self._plan_schedule)
         key_order = [entry.model_key for layer in captured for entry in layer.state]
-        return DistributedModel(self._io, trainer, placements, owners, key_order)
+        return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys)
 
     async def _plan_schedule(self, num_stages: int, microbatches: int, schedule: str) -> list:
         """Every stage's actions for a pipelined step, as the coordinator plans them."""

@@ -16,6 +16,7 @@ from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import split_state
+from shardtrain import optim
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("shardtrain.sdk")
@@ -46,7 +47,7 @@ class DistributedModel:
     """
 
     def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
-                 owners: dict[str, int], key_order: Sequence[str]):
+                 owners: dict[str, int], key_order: Sequence[str], parameter_keys: Sequence[str] = ()):
         self._io = io
         self._trainer = trainer
         self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
@@ -54,6 +55,7 @@ class DistributedModel:
         self.placements = list(placements)
         self._owners = owners
         self._key_order = list(key_order)
+        self._parameter_keys = [key for key in parameter_keys if key in owners]  # net.parameters()'s order
         self._anchor = torch.zeros((), requires_grad=True)
         self._steps = itertools.count()
         self._last_step = -1
@@ -117,6 +119,20 @@ class DistributedModel:
         self._check_open()
         per_stage = split_state(state, self._owners, len(self.placements), strict)
         self._io.run(self._load_state(per_stage))
+
+    def optimizer_state_dict(self) -> dict:
+        """The shards' optimizer state (Adam's moments, step counts, hyperparameters...) as torch.optim's
+        state_dict() of one optimizer over net.parameters() would hold it. Save it with model.state_dict() to
+        resume training exactly; it loads into a local optimizer over the same model too."""
+        self._check_open()
+        return self._io.run(self._read_optimizer_state())
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Replaces the shards' optimizer state with one from optimizer_state_dict() (or from a local optimizer
+        of the same class over net.parameters()); a state that does not fit is refused and changes nothing."""
+        self._check_open()
+        per_stage = optim.split(optim.from_torch(state, self._parameter_keys), self._owners, len(self.placements))
+        self._io.run(self._load_optimizer_state(per_stage))
 
     def describe(self) -> list:
         """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals."""
@@ -249,6 +265,17 @@ class DistributedModel:
         await self._synchronize()
         state = await self._clients.read_state()
         return {key: state[key] for key in self._key_order if key in state}
+
+    async def _read_optimizer_state(self) -> dict:
+        await self._synchronize()
+        return optim.indexed(optim.merged(await self._clients.read_optimizer_state()), self._parameter_keys)
+
+    async def _load_optimizer_state(self, per_stage) -> None:
+        """Every stage checks its share before any loads it: a state that one stage refuses changes none."""
+        await self._synchronize()
+        for check_only in (True, False):
+            await asyncio.gather(*(clients.load_optimizer_state(per_stage, check_only)
+                                   for clients in self._trainer.replicas))
 
     async def _load_state(self, per_stage) -> None:
         await self._synchronize()

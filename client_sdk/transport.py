@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import torch
 
 from client_sdk.links import SdkLinks
-from shardtrain import shm, wire
+from shardtrain import optim, shm, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts
+from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 
@@ -91,6 +92,24 @@ class StageClients:
         await asyncio.gather(*(
             stage.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, header, tensors))
             for stage, tensors in zip(self.stages, per_stage)))
+
+    async def read_optimizer_state(self) -> list[optim.KeyedState]:
+        """Every stage's optimizer state, keyed by parameter name."""
+        request = shard_pb2.ReadStateRequest(deployment_id=self.deployment_id)
+
+        async def read(stage: Peer) -> optim.KeyedState:
+            reader = RequestReader(stage.stream("ReadOptimizerState", request))
+            header = await reader.header()
+            return optim.KeyedState.parse(header.layout, await reader.tensors())
+        return list(await asyncio.gather(*(read(stage) for stage in self.stages)))
+
+    async def load_optimizer_state(self, per_stage: Sequence[optim.KeyedState], check_only: bool = False) -> None:
+        """Replaces each stage's optimizer state with its share; with `check_only`, raises where a stage would not."""
+        async def load(stage: Peer, state: optim.KeyedState) -> None:
+            header = shard_pb2.OptimizerStateHeader(deployment_id=self.deployment_id, layout=state.layout(),
+                                                    check_only=check_only)
+            await stage.call("LoadOptimizerState", wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors))
+        await asyncio.gather(*(load(stage, state) for stage, state in zip(self.stages, per_stage)))
 
     async def describe(self) -> list[shard_pb2.DescribeResponse]:
         """What each stage's shard reports about itself."""

@@ -17,14 +17,14 @@ from shard_service.ordering import StepOrder
 from shard_service.pipeline import PipelineRun
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
-from shard_service.streams import RequestReader
 from shard_service.threads import ThreadChoice, work_kind
-from shardtrain import carrier, link, losses, shm, wire
+from shardtrain import carrier, link, losses, optim, shm, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
 from shardtrain.rpc import OpenedCalls, boundary
 from shardtrain.settings import ShardSettings
+from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard")
@@ -145,6 +145,24 @@ class ShardServicer:
         for name, tensor in (await self._run(stage.state)).items():
             for frame in wire.tensor_frames(tensor, name, wire.SendOptions(self.settings.chunk_bytes)):
                 yield frame  # weights always travel exact
+
+    @boundary
+    async def ReadOptimizerState(self, request, context):
+        stage = self.stage_for(request.deployment_id)
+        state = await self._run(stage.optimizer_state)
+        header = shard_pb2.OptimizerStateHeader(deployment_id=request.deployment_id, layout=state.layout())
+        for frame in wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors,
+                                 wire.SendOptions(self.settings.chunk_bytes)):
+            yield frame  # exact, as weights
+
+    @boundary
+    async def LoadOptimizerState(self, request_iterator, context):
+        reader = RequestReader(request_iterator)
+        header = await reader.header()
+        stage = self.stage_for(header.deployment_id)
+        state = optim.KeyedState.parse(header.layout, await reader.tensors())
+        await self._run(stage.load_optimizer_state, state, header.check_only)
+        return shard_pb2.LoadOptimizerStateResponse()
 
     @boundary
     async def Forward(self, request_iterator, context):

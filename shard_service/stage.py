@@ -249,6 +249,35 @@ class Stage:
         """The stage's weights under the user's state-dict keys."""
         return {key: tensor.detach() for key, tensor in self._state.items()}
 
+    def optimizer_state(self) -> optim.KeyedState:
+        """The optimizer's state and hyperparameters, keyed by the parameters' state-dict keys."""
+        if self._optimizer is None:
+            return optim.KeyedState([], {}, {})
+        return optim.keyed(self._optimizer.state_dict(), self._parameter_keys())
+
+    def load_optimizer_state(self, state: optim.KeyedState, check_only: bool = False) -> None:
+        """Replaces the optimizer's state and hyperparameters (with `check_only`, only checks that it could);
+        InvalidArgument, with the state left as it was, unless `state` names exactly this stage's parameters
+        and holds what this optimizer keeps."""
+        if self._optimizer is None:
+            if state.groups or state.tensors or state.values:
+                raise InvalidArgument(f"stage {self.index} has no parameters, so no optimizer state to load")
+            return
+        keys = self._parameter_keys()
+        loaded = optim.indexed(state, keys)
+        optim.check_state(self._optimizer, loaded, keys)
+        if check_only:
+            return
+        try:
+            self._optimizer.load_state_dict(loaded)
+        except (ValueError, KeyError, TypeError) as error:  # torch's own checks: group counts and sizes
+            raise InvalidArgument(f"stage {self.index}: the optimizer state does not fit its optimizer: "
+                                  f"{error}") from None
+
+    def _parameter_keys(self) -> list[str]:
+        """The state-dict keys of the optimizer's parameters, in its order."""
+        return [key for key, tensor in self._state.items() if isinstance(tensor, torch.nn.Parameter)]
+
 
 def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The layer's eval-mode graph on the training graph's own weights (some of them: BatchNorm's eval graph

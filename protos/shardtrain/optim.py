@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from shardtrain.errors import InvalidArgument
+from shardtrain.errors import FailedPrecondition, InvalidArgument
 
 ALLOWED = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "NAdam", "RAdam", "Rprop", "ASGD")
 
@@ -38,3 +40,215 @@ def build(name: str, kwargs_json: str, parameters: Iterable[torch.nn.Parameter])
         return getattr(torch.optim, name)(list(parameters), **kwargs)
     except Exception as error:  # optimizers check their arguments with many exception types
         raise InvalidArgument(f"cannot build {name} with {kwargs}: {type(error).__name__}: {error}") from None
+
+
+# --- optimizer state by parameter name ------------------------------------------------------------------
+# torch keys an optimizer's state by position in that optimizer's parameter list; shards and the SDK each
+# hold different lists, so state travels keyed by the parameters' state-dict keys instead: tensors named
+# "<key>/<name>", everything else (hyperparameters, plain values) as JSON, never pickle.
+_STATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@dataclass
+class KeyedState:
+    """An optimizer's state keyed by parameter name: param groups (hyperparameters, "params" as keys), the state's
+    tensors as "<key>/<name>", and its plain values (numbers, booleans, None) the same way."""
+
+    groups: list[dict]
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, bool | int | float | None]
+
+    def layout(self) -> str:
+        """The JSON that travels beside the tensors."""
+        try:
+            return json.dumps({"param_groups": self.groups, "values": self.values}, allow_nan=True)
+        except (TypeError, ValueError) as error:
+            raise FailedPrecondition(f"the optimizer's hyperparameters do not fit in JSON: {error}") from None
+
+    @classmethod
+    def parse(cls, layout: str, tensors: dict[str, torch.Tensor]) -> KeyedState:
+        """The state whose JSON is `layout`; InvalidArgument when it is not shaped as layout() writes it."""
+        try:
+            tree = json.loads(layout)
+        except ValueError as error:
+            raise InvalidArgument(f"optimizer state: the layout is not valid JSON: {error}") from None
+        groups = tree.get("param_groups") if isinstance(tree, dict) else None
+        values = tree.get("values", {}) if isinstance(tree, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not isinstance(values, dict):
+            raise InvalidArgument('optimizer state: the layout must be {"param_groups": [{...}], "values": {...}}')
+        for group in groups:
+            params = group.get("params")
+            if not isinstance(params, list) or not all(isinstance(key, str) for key in params):
+                raise InvalidArgument("optimizer state: each param group needs \"params\", a list of parameter keys")
+            for name, value in group.items():
+                if name != "params" and not _json_plain(value):
+                    raise InvalidArgument(f"optimizer state: hyperparameter {name!r} is {value!r}; numbers, strings, "
+                                          "booleans, null and lists of them are allowed")
+        for name, value in values.items():
+            if not isinstance(value, (bool, int, float, type(None))):
+                raise InvalidArgument(f"optimizer state: value {name!r} is {value!r}, not a number, boolean or null")
+        return cls(groups, dict(tensors), values)
+
+
+def _json_plain(value) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, list) and all(isinstance(v, _PLAIN) for v in value))
+
+
+def keyed(state_dict: dict, keys: Sequence[str]) -> KeyedState:
+    """A torch optimizer's state_dict, whose positions index `keys`, keyed by parameter name."""
+    groups = [{**{name: list(value) if isinstance(value, tuple) else value for name, value in group.items()
+                  if name != "params"}, "params": [keys[i] for i in group["params"]]}
+              for group in state_dict["param_groups"]]
+    tensors, values = {}, {}
+    for index, entries in state_dict["state"].items():
+        for name, value in entries.items():
+            where = f"{keys[index]}/{name}"
+            if isinstance(value, torch.Tensor):
+                tensors[where] = value.detach()
+            elif isinstance(value, (bool, int, float, type(None))):
+                values[where] = value
+            else:
+                raise FailedPrecondition(f"optimizer state {where!r} is a {type(value).__name__}, which only "
+                                         "tensors, numbers, booleans and None can be")
+    return KeyedState(groups, tensors, values)
+
+
+def indexed(state: KeyedState, keys: Sequence[str]) -> dict:
+    """torch's state_dict of an optimizer over the parameters named `keys`, in that order, from `state`;
+    InvalidArgument when it names other parameters, or a state entry outside its groups."""
+    position = {key: i for i, key in enumerate(keys)}
+    named = [key for group in state.groups for key in group["params"]]
+    if sorted(named) != sorted(keys):
+        missing, extra = sorted(set(keys) - set(named)), sorted(set(named) - set(keys))
+        raise InvalidArgument(f"optimizer state: its param groups must name each of these parameters once; "
+                              f"missing {missing[:5]}, unknown or repeated {extra[:5] or _repeated(named)[:5]}")
+    groups = [{**{name: tuple(value) if isinstance(value, list) else value for name, value in group.items()
+                  if name != "params"}, "params": sorted(position[key] for key in group["params"])}
+              for group in state.groups]
+    entries: dict[int, dict] = {}
+    for where, value in [*state.tensors.items(), *state.values.items()]:
+        key, _, name = where.rpartition("/")
+        if key not in position or not _STATE_NAME.fullmatch(name):
+            raise InvalidArgument(f"optimizer state entry {where!r} is not '<parameter key>/<state name>' for a "
+                                  f"parameter here ({list(keys)[:5]}...)")
+        entries.setdefault(position[key], {})[name] = value
+    return {"state": dict(sorted(entries.items())), "param_groups": groups}
+
+
+def _repeated(keys: list[str]) -> list[str]:
+    seen: set[str] = set()
+    return [key for key in keys if key in seen or seen.add(key)]
+
+
+def check_state(optimizer: torch.optim.Optimizer, state: dict, keys: Sequence[str]) -> None:
+    """InvalidArgument unless each parameter's entries in `state` (torch's form, for `optimizer` over the parameters
+    named `keys`) are the ones a step of this optimizer makes: the same names, each tensor shaped as a step would
+    shape it. Where a dry step on meta tensors cannot tell, a tensor must be a scalar or shaped like its parameter."""
+    _check_groups(optimizer, state["param_groups"])
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    expected = _one_step_state(optimizer)
+    for index, entries in state["state"].items():
+        parameter, key = parameters[index], keys[index]
+        if expected is not None and set(entries) != set(expected[index]):
+            raise InvalidArgument(f"optimizer state of {key!r} has {sorted(entries)}; {type(optimizer).__name__} "
+                                  f"keeps {sorted(expected[index])}")
+        for name, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            shapes = [expected[index][name]] if expected is not None else [(), tuple(parameter.shape)]
+            if tuple(value.shape) not in shapes:
+                raise InvalidArgument(f"optimizer state {key}/{name} has shape {list(value.shape)}; expected "
+                                      f"{' or '.join(str(list(s)) for s in shapes)}")
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """InvalidArgument unless `groups` match the optimizer's in number and sizes, and each hyperparameter the
+    optimizer has is of the same kind (a number for a number, a boolean for a boolean; None goes with anything)."""
+    sizes, own = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != own:
+        raise InvalidArgument(f"optimizer state has param groups of {sizes} parameters; this stage's "
+                              f"{type(optimizer).__name__} has {own}")
+    for group, current in zip(groups, optimizer.param_groups):
+        for name, value in group.items():
+            if name != "params" and name in current and not _same_kind(value, current[name]):
+                raise InvalidArgument(f"optimizer state: hyperparameter {name!r} is {value!r}, where "
+                                      f"{type(optimizer).__name__} has {current[name]!r}")
+
+
+def _same_kind(value, current) -> bool:
+    if value is None or current is None:
+        return True
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(current, bool)
+    if isinstance(current, (int, float)):
+        return isinstance(value, (int, float))
+    if isinstance(current, (tuple, list)):
+        return isinstance(value, (tuple, list)) and len(value) == len(current) and all(
+            _same_kind(v, c) for v, c in zip(value, current))
+    return isinstance(value, type(current))
+
+
+def _one_step_state(optimizer: torch.optim.Optimizer) -> list[dict] | None:
+    """Per parameter, {state name: tensor shape or None} after one step of a copy on meta tensors (no memory, no
+    arithmetic); None where that copy cannot step (a fused optimizer, ASGD's .item())."""
+    groups, probes = [], []
+    for group in optimizer.param_groups:
+        metas = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in group["params"]]
+        for meta in metas:
+            meta.grad = torch.empty_like(meta)
+        probes += metas
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": metas})
+    try:
+        probe = type(optimizer)(groups)
+        probe.step()
+    except Exception:  # noqa: BLE001 - a copy that cannot step on meta tensors says nothing about the state
+        return None
+    return [{name: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+             for name, value in probe.state[meta].items()} for meta in probes]
+
+
+def merged(states: Sequence[KeyedState]) -> KeyedState:
+    """One state from the stages' states: groups with the same hyperparameters become one group."""
+    groups: list[dict] = []
+    tensors, values = {}, {}
+    for state in states:
+        for group in state.groups:
+            settings = {name: value for name, value in group.items() if name != "params"}
+            same = next((g for g in groups if {n: v for n, v in g.items() if n != "params"} == settings), None)
+            if same is None:
+                groups.append({**settings, "params": list(group["params"])})
+            else:
+                same["params"] += group["params"]
+        tensors.update(state.tensors)
+        values.update(state.values)
+    return KeyedState(groups, tensors, values)
+
+
+def split(state: KeyedState, owners: dict[str, int], stages: int) -> list[KeyedState]:
+    """Each stage's share of `state`, by the stage that owns each parameter key (`owners`)."""
+    shares = [KeyedState([], {}, {}) for _ in range(stages)]
+    for group in state.groups:
+        settings = {name: value for name, value in group.items() if name != "params"}
+        for stage, share in enumerate(shares):
+            keys = [key for key in group["params"] if owners.get(key) == stage]
+            if keys:
+                share.groups.append({**settings, "params": keys})
+    for entries, field in ((state.tensors, "tensors"), (state.values, "values")):
+        for where, value in entries.items():
+            owner = owners.get(where.rpartition("/")[0])
+            if owner is None:
+                raise InvalidArgument(f"optimizer state entry {where!r} names no parameter of this model")
+            getattr(shares[owner], field)[where] = value
+    return shares
+
+
+def from_torch(state_dict, keys: Sequence[str]) -> KeyedState:
+    """keyed() for a state_dict a user hands in: InvalidArgument unless it is torch's form for `keys`."""
+    try:
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise TypeError("not a dict of 'state' and 'param_groups'")
+        return keyed(state_dict, keys)
+    except (KeyError, IndexError, TypeError, AttributeError) as error:
+        raise InvalidArgument(f"not the state_dict() of a torch.optim optimizer over this model's {len(keys)} "
+                              f"parameters ({type(error).__name__}: {error})") from None

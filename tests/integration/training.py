@@ -20,15 +20,20 @@ def regression_batches(steps: int, batch: int, features: int, outputs: int = 1, 
     return data
 
 
-def train_locally(module: torch.nn.Module, batches: Batches, optimizer: tuple) -> dict[str, torch.Tensor]:
-    """Trains a deep copy of `module` in this process; returns its state dict."""
+def train_copy(module: torch.nn.Module, batches: Batches, optimizer: tuple):
+    """Trains a deep copy of `module` in this process; returns (the copy, its optimizer)."""
     local = copy.deepcopy(module)
     opt = optimizer[0](local.parameters(), **optimizer[1])
     for x, y in batches:
         torch.nn.functional.mse_loss(local(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return local.state_dict()
+    return local, opt
+
+
+def train_locally(module: torch.nn.Module, batches: Batches, optimizer: tuple) -> dict[str, torch.Tensor]:
+    """Trains a deep copy of `module` in this process; returns its state dict."""
+    return train_copy(module, batches, optimizer)[0].state_dict()
 
 
 def train_remotely(model, batches: Batches) -> list[float]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
 from shardtrain.errors import InvalidArgument
-from shardtrain.optim import ALLOWED, build, encode
+from shardtrain.optim import (ALLOWED, KeyedState, build, check_state, encode, from_torch, indexed, keyed, merged,
+                              split)
 
 
 def parameters():
@@ -121,3 +123,103 @@ def test_build_refuses_kwargs_that_are_not_a_json_object(kwargs):
 def test_build_refuses_invalid_json():
     with pytest.raises(InvalidArgument, match="optimizer arguments are not valid JSON"):
         build("SGD", "{lr: 0.1}", parameters())
+
+
+# --- optimizer state by parameter name ---------------------------------------------------------------------
+
+def stepped(optimizer_class=torch.optim.Adam, steps: int = 2, **kwargs):
+    """(a model, an optimizer over its parameters that has stepped, the parameters' keys)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = optimizer_class(model.parameters(), lr=0.01, **kwargs)
+    for _ in range(steps):
+        model(torch.randn(5, 3)).sum().backward()
+        optimizer.step()
+    return model, optimizer, [name for name, _ in model.named_parameters()]
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys() and all(
+        a["state"][i].keys() == b["state"][i].keys() and all(
+            torch.equal(v, b["state"][i][n]) if isinstance(v, torch.Tensor) else v == b["state"][i][n]
+            for n, v in a["state"][i].items()) for i in a["state"])
+
+
+@pytest.mark.parametrize("name", ALLOWED)
+def test_every_allowed_optimizers_state_survives_keying_splitting_and_the_json_it_travels_in(name):
+    _, optimizer, keys = stepped(getattr(torch.optim, name))
+    original = optimizer.state_dict()
+    state = keyed(original, keys)
+    assert set(state.tensors) >= {f"0.weight/{n}" for n, v in original["state"].get(0, {}).items()
+                                if torch.is_tensor(v)}
+    owners = {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": 1}
+    shares = [KeyedState.parse(share.layout(), share.tensors) for share in split(state, owners, 2)]
+    assert [share.groups[0]["params"] for share in shares] == [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
+    assert same_state(indexed(merged(shares), keys), original)
+    check_state(optimizer, indexed(merged(shares), keys), keys)
+
+
+def test_indexed_refuses_a_state_for_other_parameters():
+    _, optimizer, keys = stepped()
+    state = keyed(optimizer.state_dict(), keys)
+    with pytest.raises(InvalidArgument, match=r"missing \[\], unknown or repeated \['1.bias'\]"):
+        indexed(state, keys[:3])  # names 1.bias, which is not a parameter here
+    state.tensors["9.weight/exp_avg"] = torch.zeros(1)
+    with pytest.raises(InvalidArgument, match=r"'9.weight/exp_avg' is not '<parameter key>/<state name>'"):
+        indexed(state, keys)
+
+
+def test_check_state_refuses_other_names_and_shapes_and_falls_back_where_a_dry_step_cannot_tell():
+    _, optimizer, keys = stepped()
+    state = copy.deepcopy(optimizer.state_dict())  # state_dict() shares the optimizer's own per-parameter dicts
+    state["state"][0]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(InvalidArgument, match=r"optimizer state 0.weight/exp_avg has shape \[3\]; expected \[4, 3\]"):
+        check_state(optimizer, state, keys)
+    state = copy.deepcopy(optimizer.state_dict())
+    state["state"][1]["momentum_buffer"] = state["state"][1].pop("exp_avg")
+    with pytest.raises(InvalidArgument, match=r"of '0.bias' has \['exp_avg_sq', 'momentum_buffer', 'step'\]; "
+                                              r"Adam keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        check_state(optimizer, state, keys)
+    _, fused, keys = stepped(fused=True)  # fused Adam cannot step on meta tensors: shapes only
+    state = copy.deepcopy(fused.state_dict())
+    check_state(fused, state, keys)
+    state["state"][0]["exp_avg_sq"] = torch.zeros(4)
+    with pytest.raises(InvalidArgument, match=r"expected \[\] or \[4, 3\]"):
+        check_state(fused, state, keys)
+
+
+def test_check_state_refuses_other_param_groups_and_hyperparameters_of_another_kind():
+    _, optimizer, keys = stepped()
+    state = copy.deepcopy(optimizer.state_dict())
+    state["param_groups"] = [{**state["param_groups"][0], "params": [0, 1]},
+                             {**state["param_groups"][0], "params": [2, 3]}]
+    with pytest.raises(InvalidArgument, match=r"param groups of \[2, 2\] parameters; this stage's Adam has \[4\]"):
+        check_state(optimizer, state, keys)
+    for name, value in (("lr", "fast"), ("betas", (0.9,)), ("amsgrad", 1)):
+        state = copy.deepcopy(optimizer.state_dict())
+        state["param_groups"][0][name] = value
+        with pytest.raises(InvalidArgument, match=f"hyperparameter '{name}' is"):
+            check_state(optimizer, state, keys)
+    state = copy.deepcopy(optimizer.state_dict())
+    state["param_groups"][0].update(lr=1, foreach=True)  # an int for a float, a bool for None: the same kinds
+    check_state(optimizer, state, keys)
+
+
+@pytest.mark.parametrize("layout, match", [
+    ("{", "not valid JSON"),
+    ('{"param_groups": {}}', "must be"),
+    ('{"param_groups": [{"lr": 1}]}', "needs \"params\""),
+    ('{"param_groups": [{"params": ["a"], "lr": {"x": 1}}]}', "hyperparameter 'lr'"),
+    ('{"param_groups": [], "values": {"a/step": "one"}}', "value 'a/step' is 'one'"),
+])
+def test_a_layout_that_is_not_what_layout_writes_is_refused(layout, match):
+    with pytest.raises(InvalidArgument, match=match):
+        KeyedState.parse(layout, {})
+
+
+def test_from_torch_refuses_what_is_not_an_optimizers_state_dict():
+    _, optimizer, keys = stepped()
+    with pytest.raises(InvalidArgument, match=r"not the state_dict\(\) of a torch.optim optimizer over this model's 4"):
+        from_torch({"state": {}, "param_groups": [{"params": [7]}]}, keys)
+    with pytest.raises(InvalidArgument, match="not the state_dict"):
+        from_torch(optimizer, keys)

@@ -161,6 +161,28 @@ class ReadStateRequest(_message.Message):
     deployment_id: str
     def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
 
+class OptimizerStateHeader(_message.Message):
+    __slots__ = ("deployment_id", "layout", "check_only")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    layout: str
+    check_only: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., layout: _Optional[str] = ..., check_only: _Optional[bool] = ...) -> None: ...
+
+class OptimizerStateMessage(_message.Message):
+    __slots__ = ("header", "tensor")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    header: OptimizerStateHeader
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[OptimizerStateHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class LoadOptimizerStateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StepKey(_message.Message):
     __slots__ = ("deployment_id", "step", "microbatch")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]

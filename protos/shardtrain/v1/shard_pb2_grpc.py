@@ -50,6 +50,16 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.ReadStateRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
                 _registered_method=True)
+        self.ReadOptimizerState = channel.unary_stream(
+                '/shardtrain.v1.ShardService/ReadOptimizerState',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.ReadStateRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.OptimizerStateMessage.FromString,
+                _registered_method=True)
+        self.LoadOptimizerState = channel.stream_unary(
+                '/shardtrain.v1.ShardService/LoadOptimizerState',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.OptimizerStateMessage.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadOptimizerStateResponse.FromString,
+                _registered_method=True)
         self.Forward = channel.stream_unary(
                 '/shardtrain.v1.ShardService/Forward',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.ForwardRequest.SerializeToString,
@@ -116,6 +126,21 @@ class ShardServiceServicer:
 
     def ReadState(self, request, context):
         """Streams the stage's weights back, one tensor after another (model.state_dict).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadOptimizerState(self, request, context):
+        """Streams the stage optimizer's state back: hyperparameters and plain values in the header, then
+        its tensors (Adam's moments, SGD's momentum buffers...); what a checkpoint needs to resume training.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadOptimizerState(self, request_iterator, context):
+        """Replaces the stage optimizer's state with one read before (from this stage or one process's optimizer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,6 +231,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ReadState,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.ReadStateRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_tensor__pb2.TensorChunk.SerializeToString,
+            ),
+            'ReadOptimizerState': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadOptimizerState,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.ReadStateRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.OptimizerStateMessage.SerializeToString,
+            ),
+            'LoadOptimizerState': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadOptimizerState,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.OptimizerStateMessage.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadOptimizerStateResponse.SerializeToString,
             ),
             'Forward': grpc.stream_unary_rpc_method_handler(
                     servicer.Forward,
@@ -334,6 +369,60 @@ class ShardService:
             '/shardtrain.v1.ShardService/ReadState',
             shardtrain_dot_v1_dot_shard__pb2.ReadStateRequest.SerializeToString,
             shardtrain_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadOptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/ReadOptimizerState',
+            shardtrain_dot_v1_dot_shard__pb2.ReadStateRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.OptimizerStateMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadOptimizerState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shardtrain.v1.ShardService/LoadOptimizerState',
+            shardtrain_dot_v1_dot_shard__pb2.OptimizerStateMessage.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.LoadOptimizerStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

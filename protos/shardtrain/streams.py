@@ -1,4 +1,5 @@
-"""Client-streaming requests as the shard reads them: a header on the first message, tensor chunks after."""
+"""Streams of a header on the first message and tensor chunks after, as their receiver reads them: a client
+stream on a shard (LoadState, Forward...), a server stream in the SDK (ReadOptimizerState)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from shardtrain.errors import InvalidArgument
 
 
 class RequestReader:
-    """Reads a client stream of Frames: a header on the first message, and any message may carry a tensor chunk."""
+    """Reads a stream of Frames: a header on the first message, and any message may carry a tensor chunk."""
 
     def __init__(self, requests: AsyncIterator):
         self._requests = requests.__aiter__()
