@@ -280,8 +280,9 @@ class Stage:
 
 
 def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The layer's eval-mode graph on the training graph's own weights (some of them: BatchNorm's eval graph
-    leaves num_batches_tracked out); InvalidArgument if it wants others, or other inputs."""
+    """The layer's eval-mode graph on the training graph's own weights (all of them, or those it uses: a branch
+    taken only in training mode may be the only user of a weight); InvalidArgument if it wants others, or other
+    inputs."""
     eval_program = CapturedProgram(source.eval_program)
     weights = {}
     for spec in eval_program.state_specs():
