@@ -84,10 +84,11 @@ def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.Captured
             args = (x, *(saved[name] for name in layer.wiring.dependencies))
             with ModeReads(adapter) as reads:
                 result = adapter(*args)
-            program = _export(index, layer, adapter, args)
-            eval_program = _export(index, layer, adapter.eval(), args) if reads.seen else program
-            adapter.train()
-            eval_program = b"" if eval_program == program else eval_program
+            program, eval_program = _export(index, layer, adapter, args), b""
+            if reads.seen:
+                eval_program = _export(index, layer, adapter.eval(), args)
+                adapter.train()
+                eval_program = b"" if eval_program == program else eval_program
             captured.append(_describe(index, layer, adapter, program, eval_program))
             x = result[0] if layer.wiring.out_variables else result
             saved.update(zip(layer.wiring.out_variables, result[1:] if layer.wiring.out_variables else ()))

@@ -59,7 +59,7 @@ class Stage:
         self._unloaded = set(self._state)
         # Weights are updated in place (load_state, the optimizer), so their storages never change.
         self._weight_storages = {t.untyped_storage().data_ptr() for t in self._state.values()}
-        parameters = [t for t in self._state.values() if isinstance(t, torch.nn.Parameter)]
+        parameters = self.parameters
         self._optimizer = optim.build(*optimizer, parameters) if parameters else None
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
         self._saved_bytes: dict[tuple, int] = {}  # per input signature: what autograd saves (see _run_counted)
@@ -85,13 +85,13 @@ class Stage:
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
-        """The stage's trainable tensors, in layer order."""
-        return [t for t in self._state.values() if isinstance(t, torch.nn.Parameter)]
+        """The stage's trainable tensors, in layer order: the optimizer's, in its order."""
+        return [self._state[key] for key in self._parameter_keys()]
 
     @property
     def parameter_count(self) -> int:
         """Number of trainable scalars in the stage."""
-        return sum(t.numel() for t in self._state.values() if isinstance(t, torch.nn.Parameter))
+        return sum(t.numel() for t in self.parameters)
 
     @property
     def in_flight_steps(self) -> list[StepKey]:

@@ -47,7 +47,13 @@ def build(name: str, kwargs_json: str, parameters: Iterable[torch.nn.Parameter])
 # hold different lists, so state travels keyed by the parameters' state-dict keys instead: tensors named
 # "<key>/<name>", everything else (hyperparameters, plain values) as JSON, never pickle.
 _STATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_PLAIN = (bool, int, float, str, type(None))
+_VALUE = (bool, int, float, type(None))  # a state entry that is not a tensor
+_PLAIN = (*_VALUE, str)                  # a hyperparameter, or an item of a list-valued one
+
+
+def _settings(group: dict) -> dict:
+    """A param group's hyperparameters: everything but its "params"."""
+    return {name: value for name, value in group.items() if name != "params"}
 
 
 @dataclass
@@ -81,12 +87,12 @@ class KeyedState:
             params = group.get("params")
             if not isinstance(params, list) or not all(isinstance(key, str) for key in params):
                 raise InvalidArgument("optimizer state: each param group needs \"params\", a list of parameter keys")
-            for name, value in group.items():
-                if name != "params" and not _json_plain(value):
+            for name, value in _settings(group).items():
+                if not _json_plain(value):
                     raise InvalidArgument(f"optimizer state: hyperparameter {name!r} is {value!r}; numbers, strings, "
                                           "booleans, null and lists of them are allowed")
         for name, value in values.items():
-            if not isinstance(value, (bool, int, float, type(None))):
+            if not isinstance(value, _VALUE):
                 raise InvalidArgument(f"optimizer state: value {name!r} is {value!r}, not a number, boolean or null")
         return cls(groups, dict(tensors), values)
 
@@ -97,16 +103,15 @@ def _json_plain(value) -> bool:
 
 def keyed(state_dict: dict, keys: Sequence[str]) -> KeyedState:
     """A torch optimizer's state_dict, whose positions index `keys`, keyed by parameter name."""
-    groups = [{**{name: list(value) if isinstance(value, tuple) else value for name, value in group.items()
-                  if name != "params"}, "params": [keys[i] for i in group["params"]]}
-              for group in state_dict["param_groups"]]
+    groups = [{**{name: list(value) if isinstance(value, tuple) else value for name, value in _settings(group).items()},
+               "params": [keys[i] for i in group["params"]]} for group in state_dict["param_groups"]]
     tensors, values = {}, {}
     for index, entries in state_dict["state"].items():
         for name, value in entries.items():
             where = f"{keys[index]}/{name}"
             if isinstance(value, torch.Tensor):
                 tensors[where] = value.detach()
-            elif isinstance(value, (bool, int, float, type(None))):
+            elif isinstance(value, _VALUE):
                 values[where] = value
             else:
                 raise FailedPrecondition(f"optimizer state {where!r} is a {type(value).__name__}, which only "
@@ -123,9 +128,8 @@ def indexed(state: KeyedState, keys: Sequence[str]) -> dict:
         missing, extra = sorted(set(keys) - set(named)), sorted(set(named) - set(keys))
         raise InvalidArgument(f"optimizer state: its param groups must name each of these parameters once; "
                               f"missing {missing[:5]}, unknown or repeated {extra[:5] or _repeated(named)[:5]}")
-    groups = [{**{name: tuple(value) if isinstance(value, list) else value for name, value in group.items()
-                  if name != "params"}, "params": sorted(position[key] for key in group["params"])}
-              for group in state.groups]
+    groups = [{**{name: tuple(value) if isinstance(value, list) else value for name, value in _settings(group).items()},
+               "params": sorted(position[key] for key in group["params"])} for group in state.groups]
     entries: dict[int, dict] = {}
     for where, value in [*state.tensors.items(), *state.values.items()]:
         key, _, name = where.rpartition("/")
@@ -170,8 +174,8 @@ def _check_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
         raise InvalidArgument(f"optimizer state has param groups of {sizes} parameters; this stage's "
                               f"{type(optimizer).__name__} has {own}")
     for group, current in zip(groups, optimizer.param_groups):
-        for name, value in group.items():
-            if name != "params" and name in current and not _same_kind(value, current[name]):
+        for name, value in _settings(group).items():
+            if name in current and not _same_kind(value, current[name]):
                 raise InvalidArgument(f"optimizer state: hyperparameter {name!r} is {value!r}, where "
                                       f"{type(optimizer).__name__} has {current[name]!r}")
 
@@ -198,7 +202,7 @@ def _one_step_state(optimizer: torch.optim.Optimizer) -> list[dict] | None:
         for meta in metas:
             meta.grad = torch.empty_like(meta)
         probes += metas
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": metas})
+        groups.append({**_settings(group), "params": metas})
     try:
         probe = type(optimizer)(groups)
         probe.step()
@@ -214,8 +218,8 @@ def merged(states: Sequence[KeyedState]) -> KeyedState:
     tensors, values = {}, {}
     for state in states:
         for group in state.groups:
-            settings = {name: value for name, value in group.items() if name != "params"}
-            same = next((g for g in groups if {n: v for n, v in g.items() if n != "params"} == settings), None)
+            settings = _settings(group)
+            same = next((g for g in groups if _settings(g) == settings), None)
             if same is None:
                 groups.append({**settings, "params": list(group["params"])})
             else:
@@ -229,7 +233,7 @@ def split(state: KeyedState, owners: dict[str, int], stages: int) -> list[KeyedS
     """Each stage's share of `state`, by the stage that owns each parameter key (`owners`)."""
     shares = [KeyedState([], {}, {}) for _ in range(stages)]
     for group in state.groups:
-        settings = {name: value for name, value in group.items() if name != "params"}
+        settings = _settings(group)
         for stage, share in enumerate(shares):
             keys = [key for key in group["params"] if owners.get(key) == stage]
             if keys:
