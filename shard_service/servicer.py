@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from shard_service import polling
 from shard_service.links import Links
 from shard_service.loop import LinkedLoop
 from shard_service.mailbox import Mailbox
@@ -89,8 +90,10 @@ class ShardServicer:
             if self._durations.get(name, INLINE_SECONDS) < INLINE_SECONDS:
                 result, elapsed = _with_threads(threads, function, *args)
             else:
-                result, elapsed = await asyncio.get_running_loop().run_in_executor(
-                    self._compute, _with_threads, threads, function, *args)
+                loop = asyncio.get_running_loop()
+                with polling.held(loop):  # the compute thread needs the GIL that each poll takes
+                    result, elapsed = await loop.run_in_executor(self._compute, _with_threads, threads, function,
+                                                                 *args)
             self._durations[name] = elapsed
             self._threads.record(name, threads, elapsed)
             return result

@@ -55,6 +55,7 @@ class ShardSettings:
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
+    poll: float = 1e-3          # seconds the event loop polls its sockets after each event before it sleeps
     simulate_compute: float = 0.0  # seconds added to each TrainStep action, standing for device work (benchmarks)
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -146,6 +147,10 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                         help="CPU arithmetic treats denormal floats as zero, as torch.set_flush_denormal(True) "
                              "does in one process: long CPU runs whose optimizer state decays toward zero "
                              "stay fast; results may differ in the smallest values (default off)")
+    parser.add_argument("--poll-ms", type=float, default=_env(env, "POLL_MS", "1"),
+                        help="after each event, keep polling the sockets this long (yielding the core to any "
+                             "other runnable thread) before sleeping: the next item is taken at once, warm; "
+                             "costs up to this much CPU after each event, none when idle (default 1; 0: off)")
     parser.add_argument("--simulate-compute-ms", type=float, default=_env(env, "SIMULATE_COMPUTE_MS", "0"),
                         help="add this much time to each pipelined forward and backward "
                              "(benchmarks: it stands for GPU work)")
@@ -153,11 +158,13 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
+    if not 0 <= args.poll_ms <= 1000:
+        parser.error(f"--poll-ms is between 0 (off) and 1000 milliseconds, got {args.poll_ms:g}")
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", flush_denormal=args.flush_denormal == "on",
-                         simulate_compute=args.simulate_compute_ms / 1e3,
+                         poll=args.poll_ms / 1e3, simulate_compute=args.simulate_compute_ms / 1e3,
                          security=security_from(args))
 
 
