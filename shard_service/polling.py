@@ -33,13 +33,11 @@ import selectors
 import time
 from collections.abc import Iterator
 
-DEFAULT_WINDOW = 1e-3  # seconds; see the figures above
-
 
 class PollingSelector(selectors.DefaultSelector):
     """A selector that, asked to wait, first polls without blocking for up to `window` seconds."""
 
-    def __init__(self, window: float = DEFAULT_WINDOW):
+    def __init__(self, window: float):
         super().__init__()
         if window < 0:
             raise ValueError(f"a polling window is at least 0 seconds, got {window}")
@@ -75,7 +73,7 @@ class PollingSelector(selectors.DefaultSelector):
 class PollingLoop(asyncio.SelectorEventLoop):
     """An event loop on a PollingSelector."""
 
-    def __init__(self, window: float = DEFAULT_WINDOW):
+    def __init__(self, window: float):
         self.polling = PollingSelector(window)
         super().__init__(self.polling)
 

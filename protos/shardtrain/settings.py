@@ -55,7 +55,8 @@ class ShardSettings:
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
-    poll: float = 1e-3          # seconds the event loop polls its sockets after each event before it sleeps
+    poll: float = 1e-3          # seconds the event loop polls after each event before it sleeps (why 1 ms:
+                                # shard_service/polling.py)
     simulate_compute: float = 0.0  # seconds added to each TrainStep action, standing for device work (benchmarks)
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
