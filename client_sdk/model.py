@@ -135,7 +135,8 @@ class DistributedModel:
         self._io.run(self._load_optimizer_state(per_stage))
 
     def describe(self) -> list:
-        """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals."""
+        """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals,
+        whether it applies optimizer steps ahead and how many of those a failed backward elsewhere undid."""
         return self._io.run(self._clients.describe())
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -228,6 +229,19 @@ class Stage:
         if self._optimizer is not None:
             self._optimizer.step()
 
+    def step_ahead(self, zero_grad: bool) -> StepUndo:
+        """Applies an optimizer step before it is known that every stage will (see shard_service/loop.py), and
+        returns what undoes it. A step whose optimizer raises is undone here, so it leaves nothing half-applied."""
+        undo = StepUndo(self._optimizer, self.parameters)
+        try:
+            if zero_grad:
+                self.zero_grad()
+            self.step()
+        except BaseException:
+            undo.restore()
+            raise
+        return undo
+
     def forget(self, up_to_step: int) -> None:
         """Drops the state of steps up to `up_to_step` whose backward never came."""
         for key in [k for k in self._in_flight if k[0] <= up_to_step]:
@@ -277,6 +291,47 @@ class Stage:
     def _parameter_keys(self) -> list[str]:
         """The state-dict keys of the optimizer's parameters, in its order."""
         return [key for key, tensor in self._state.items() if isinstance(tensor, torch.nn.Parameter)]
+
+
+class StepUndo:
+    """A copy of what an optimizer step changes: the parameters' values, the optimizer's state and its
+    hyperparameters (copied), and the gradients (the tensors themselves: an optimizer reads them, zero_grad
+    drops them). It costs the parameters' memory again plus the optimizer's state (Adam: three times the
+    parameters in all) until the step is known to stand."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, parameters: list[torch.nn.Parameter]):
+        self._optimizer = optimizer
+        self._parameters = parameters
+        with torch.no_grad():
+            self._values = [p.detach().clone() for p in parameters]
+        self._grads = [p.grad for p in parameters]
+        self._state = {}
+        self._groups = []
+        if optimizer is not None:
+            self._state = {p: {k: _copied(v) for k, v in optimizer.state[p].items()}
+                           for p in parameters if p in optimizer.state}
+            self._groups = [{k: _copied(v) for k, v in group.items() if k != "params"}
+                            for group in optimizer.param_groups]
+
+    def restore(self) -> None:
+        """Puts everything back as it was when the copy was taken (values in place: storages never change)."""
+        with torch.no_grad():
+            for parameter, value in zip(self._parameters, self._values):
+                parameter.copy_(value)
+        for parameter, grad in zip(self._parameters, self._grads):
+            parameter.grad = grad
+        if self._optimizer is not None:
+            for parameter in self._parameters:
+                if parameter in self._state:
+                    self._optimizer.state[parameter] = self._state[parameter]
+                else:
+                    self._optimizer.state.pop(parameter, None)
+            for group, saved in zip(self._optimizer.param_groups, self._groups):
+                group.update(saved)
+
+
+def _copied(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor]) -> torch.nn.Module:

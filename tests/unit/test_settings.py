@@ -72,6 +72,20 @@ def test_shard_poll_outside_0_to_1000_ms_exits_naming_the_range(value, capsys):
     assert "--poll-ms is between 0 (off) and 1000 milliseconds" in capsys.readouterr().err
 
 
+def test_shard_applies_steps_ahead_automatically_unless_told_otherwise():
+    assert shard_settings([], COORDINATOR).step_ahead == "auto"
+    assert shard_settings(["--step-ahead", "off"], COORDINATOR).step_ahead == "off"
+    env = {**COORDINATOR, "SHARDTRAIN_STEP_AHEAD": "on"}
+    assert shard_settings([], env).step_ahead == "on"
+    assert shard_settings(["--step-ahead", "auto"], env).step_ahead == "auto"
+
+
+def test_shard_step_ahead_takes_auto_on_or_off(capsys):
+    with pytest.raises(SystemExit):
+        shard_settings(["--step-ahead", "yes"], COORDINATOR)
+    assert "--step-ahead" in capsys.readouterr().err
+
+
 def test_shard_coordinator_from_model_host_and_port():
     assert shard_settings([], {"MODEL_HOST": "seed-host", "MODEL_PORT": "5000"}).coordinator == "seed-host:5000"
 

@@ -135,6 +135,81 @@ def test_zero_grad_clears_accumulated_gradients(programs, mlp):
     assert_same_state(stage, mlp)
 
 
+def adam_stage_with_gradients(programs, mlp, steps: int = 2) -> Stage:
+    """An Adam stage that has stepped `steps` times (so it has optimizer state) and holds fresh gradients."""
+    stage = mlp_stage(programs, mlp, optimizer=("Adam", '{"lr": 0.01}'))
+    torch.manual_seed(2)
+    for step in range(steps + 1):
+        stage.zero_grad()
+        stage.forward((step, 0), torch.randn(4, 3), {}, requires_grad=True)
+        stage.backward((step, 0), torch.randn(4, 2), {})
+        if step < steps:
+            stage.step()
+    return stage
+
+
+def snapshot(stage: Stage) -> tuple:
+    """Weights, gradients and the optimizer's state dict, copied."""
+    return ({k: v.clone() for k, v in stage.state().items()},
+            [None if p.grad is None else p.grad.clone() for p in stage.parameters],
+            copy.deepcopy(stage._optimizer.state_dict()))
+
+
+def assert_snapshots_equal(a: tuple, b: tuple) -> None:
+    (weights_a, grads_a, optimizer_a), (weights_b, grads_b, optimizer_b) = a, b
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(grads_a, grads_b, strict=True))
+    assert optimizer_a["param_groups"] == optimizer_b["param_groups"]
+    assert optimizer_a["state"].keys() == optimizer_b["state"].keys()
+    for index, state in optimizer_a["state"].items():
+        assert state.keys() == optimizer_b["state"][index].keys()
+        assert all(torch.equal(v, optimizer_b["state"][index][k]) for k, v in state.items())
+
+
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_a_step_applied_ahead_is_undone_exactly(programs, mlp, zero_grad):
+    stage = adam_stage_with_gradients(programs, mlp)
+    before = snapshot(stage)
+    undo = stage.step_ahead(zero_grad)
+    assert not torch.equal(stage.state()["0.weight"], before[0]["0.weight"]) or zero_grad  # it did step
+    undo.restore()
+    assert_snapshots_equal(snapshot(stage), before)
+
+
+def test_a_step_applied_ahead_that_stands_is_the_plain_step(programs, mlp):
+    ahead, plain = adam_stage_with_gradients(programs, mlp), adam_stage_with_gradients(programs, mlp)
+    ahead.step_ahead(zero_grad=False)
+    plain.step()
+    assert_snapshots_equal(snapshot(ahead), snapshot(plain))
+
+
+def test_the_first_step_applied_ahead_undoes_to_no_optimizer_state(programs, mlp):
+    stage = adam_stage_with_gradients(programs, mlp, steps=0)
+    before = snapshot(stage)
+    stage.step_ahead(zero_grad=False).restore()
+    assert_snapshots_equal(snapshot(stage), before)
+    assert before[2]["state"] == {}
+    stage.step()  # Adam starts its state afresh, as on a first step
+    assert int(stage._optimizer.state_dict()["state"][0]["step"]) == 1
+
+
+def test_a_step_ahead_whose_optimizer_fails_leaves_the_stage_as_it_was(programs, mlp, monkeypatch):
+    stage = adam_stage_with_gradients(programs, mlp)
+    before = snapshot(stage)
+    parameters = stage.parameters
+
+    def half_a_step():  # the first tensor changes, then the optimizer fails
+        with torch.no_grad():
+            parameters[0].add_(1.0)
+        raise RuntimeError("optimizer failed half-way")
+
+    monkeypatch.setattr(stage._optimizer, "step", half_a_step)
+    with pytest.raises(RuntimeError, match="half-way"):
+        stage.step_ahead(zero_grad=True)
+    assert_snapshots_equal(snapshot(stage), before)
+
+
 def test_parameter_count(programs, mlp):
     assert mlp_stage(programs, mlp).parameter_count == 3 * 4 + 4 + 4 * 2 + 2
 
