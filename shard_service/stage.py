@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Stage:
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
         self._saved_bytes: dict[tuple, int] = {}  # per input signature: what autograd saves (see _run_counted)
         self._max_in_flight = max_in_flight
+        self.last_step_seconds = 0.0  # how long the optimizer's last step took
 
     def _build(self, sources: Sequence[LayerSource]):
         """(training-mode layers, eval-mode layers, weights by state-dict key, each layer's input specs); a layer
@@ -227,7 +229,9 @@ class Stage:
     def step(self) -> None:
         """Applies the optimizer to the accumulated gradients."""
         if self._optimizer is not None:
+            start = time.perf_counter()
             self._optimizer.step()
+            self.last_step_seconds = time.perf_counter() - start
 
     def step_ahead(self, zero_grad: bool) -> StepUndo:
         """Applies an optimizer step before it is known that every stage will (see shard_service/loop.py), and

@@ -6,6 +6,7 @@ the first stage's backward, which ends last, decides whether the step stands eve
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -37,9 +38,29 @@ def deploy_on_three_stages(cluster: Cluster, net: nn.Module):
     return cluster.deploy(net, optimizer=ADAM, split_points=[2, 3], example_input=torch.randn(4, 3))
 
 
-def test_a_failed_first_stage_backward_undoes_the_steps_applied_ahead(cluster4):
+@contextlib.contextmanager
+def three_shards(step_ahead: str):
+    """A cluster of 3 shards started with --step-ahead `step_ahead`."""
+    services = LocalServices(3, "cpu", shard_flags=["--step-ahead", step_ahead])
+    try:
+        with Cluster(services.coordinator_address, services=services) as cluster:
+            cluster.wait_for_shards(3, 120.0)
+            yield cluster
+    finally:
+        services.stop()
+        shutil.rmtree(services.log_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stepping_ahead():
+    """Shards that apply every step ahead ("auto" would not, for optimizer steps as quick as these)."""
+    with three_shards("on") as cluster:
+        yield cluster
+
+
+def test_a_failed_first_stage_backward_undoes_the_steps_applied_ahead(stepping_ahead):
     net = failing_first_stage_net()
-    model = deploy_on_three_stages(cluster4, net)
+    model = deploy_on_three_stages(stepping_ahead, net)
     batches = regression_batches(steps=3, batch=4, features=3)
     train_remotely(model, batches[:2])  # the optimizer has state to undo to
     weights, optimizer_state = model.state_dict(), model.optimizer_state_dict()
@@ -71,20 +92,15 @@ def test_a_failed_first_stage_backward_undoes_the_steps_applied_ahead(cluster4):
         assert torch.allclose(trained[key], value, atol=1e-6, rtol=0), key
 
 
-def test_shards_told_not_to_step_ahead_train_the_same_and_say_so():
-    services = LocalServices(3, "cpu", shard_flags=["--step-ahead", "off"])
-    try:
-        with Cluster(services.coordinator_address, services=services) as cluster:
-            cluster.wait_for_shards(3, 120.0)
-            net = failing_first_stage_net()
-            model = deploy_on_three_stages(cluster, net)
-            batches = regression_batches(steps=5, batch=4, features=3)
-            train_remotely(model, batches)
-            assert [r.step_ahead for r in model.describe()] == [False, False, False]
-            expected = train_locally(net, batches, ADAM)
-            trained = model.state_dict()
-            for key, value in expected.items():
-                assert torch.allclose(trained[key], value, atol=1e-6, rtol=0), key
-    finally:
-        services.stop()
-        shutil.rmtree(services.log_dir, ignore_errors=True)
+@pytest.mark.parametrize("step_ahead", ["on", "off"])
+def test_training_is_the_same_with_steps_applied_ahead_or_not(step_ahead, stepping_ahead):
+    with contextlib.nullcontext(stepping_ahead) if step_ahead == "on" else three_shards("off") as cluster:
+        net = failing_first_stage_net()
+        model = deploy_on_three_stages(cluster, net)
+        batches = regression_batches(steps=5, batch=4, features=3)
+        train_remotely(model, batches)
+        assert [r.step_ahead for r in model.describe()] == [False, step_ahead == "on", step_ahead == "on"]
+        expected = train_locally(net, batches, ADAM)
+        trained = model.state_dict()
+        for key, value in expected.items():
+            assert torch.allclose(trained[key], value, atol=1e-6, rtol=0), key

@@ -518,3 +518,10 @@ def test_an_eval_graph_that_wants_other_weights_is_refused(programs, batchnorm_p
     with pytest.raises(InvalidArgument, match=r"layer 0: the eval-mode graph wants weight 'layer.weight' as "
                                               r"torch.float32 of shape \[4, 3\]"):
         Stage(0, [wrong], StageResiduals(), SGD, "cpu")
+
+
+def test_a_stage_remembers_how_long_its_last_optimizer_step_took(programs, mlp):
+    stage = adam_stage_with_gradients(programs, mlp, steps=0)
+    assert stage.last_step_seconds == 0.0
+    stage.step()
+    assert 0 < stage.last_step_seconds < 10
