@@ -342,8 +342,8 @@ class LinkedLoop:
                 await self._pass_down(shard_pb2.LinkMessage(step_ahead=request))
             if shard.steps_ahead:
                 stage = shard.stage_for(request.deployment_id)
-                failures = await shard.order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
-                if not failures:
+                timeout = shard.settings.timeouts.peer_wait
+                if not await shard.order.backward_failures(request.backward_steps, timeout):
                     undo = await shard.run_ahead(stage.step_ahead, request.zero_grad)
         except Exception as error:  # noqa: BLE001 - the verdict runs the step the usual way, and reports what fails
             log.debug("%s: optimizer step %d not applied ahead: %s", shard.location, request.optimizer_step, error)

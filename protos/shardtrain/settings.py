@@ -173,7 +173,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", flush_denormal=args.flush_denormal == "on",
-                         poll=args.poll_ms / 1e3, step_ahead=args.step_ahead, simulate_compute=args.simulate_compute_ms / 1e3,
+                         poll=args.poll_ms / 1e3, step_ahead=args.step_ahead,
+                         simulate_compute=args.simulate_compute_ms / 1e3,
                          security=security_from(args))
 
 
