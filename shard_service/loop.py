@@ -45,7 +45,7 @@ from shardtrain.v1 import shard_pb2
 
 if TYPE_CHECKING:
     from shard_service.servicer import ShardServicer
-    from shard_service.stage import Stage
+    from shard_service.stage import Stage, StepUndo
 
 log = logging.getLogger("shardtrain.shard.loop")
 _ROLES = shard_pb2.LinkRole
@@ -219,10 +219,11 @@ class LinkedLoop:
             self._spawn(self._backward(message.backward, tensor))
         elif kind == "step":
             request = message.step.request
-            if end is self._input and self._shard.plan.next_address:
-                self._spawn(self._pass_down(shard_pb2.LinkMessage(step_ahead=request)))
-            if request.backwards_end_with_step and end is self._input:
-                self._ended_by_step.update(request.backward_steps)
+            if end is self._input:
+                if self._shard.plan.next_address:
+                    self._spawn(self._pass_down(shard_pb2.LinkMessage(step_ahead=request)))
+                if request.backwards_end_with_step:
+                    self._ended_by_step.update(request.backward_steps)
             self._spawn(self._step(message.step))
         elif kind == "step_ahead":
             outcome = asyncio.get_running_loop().create_future()
@@ -359,23 +360,7 @@ class LinkedLoop:
         if self._shard.plan.next_address:
             await self._pass_down(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure)))
         ahead = self._ahead.pop(request.optimizer_step, None)
-        undo = await ahead if ahead is not None else None
-        if undo is not None:
-            await self._settle_ahead(stage, request, undo, failure)
-        else:
-            await self._apply_step(stage, request, failure)
-
-    async def _settle_ahead(self, stage: Stage | None, request: shard_pb2.StepRequest, undo, failure: str) -> None:
-        """The verdict on a step applied ahead: it stands, or (refused) it is undone."""
-        shard = self._shard
-        try:
-            if failure and stage is not None:
-                await shard.run(undo.restore)
-                shard.steps_undone += 1
-        finally:
-            await shard.order.optimizer_step_settled(request.optimizer_step)
-            if stage is not None:
-                await shard.forget(stage, request.step)
+        await self._apply_step(stage, request, failure, await ahead if ahead is not None else None)
 
     async def _undo_ahead(self) -> None:
         """The previous stage went away: the verdicts on the steps applied ahead here will not come, and those
@@ -384,8 +369,7 @@ class LinkedLoop:
         for number, outcome in sorted(pending.items()):
             undo = await outcome
             if undo is not None:
-                await self._shard.run(undo.restore)
-                self._shard.steps_undone += 1
+                await self._shard.undo_step(undo)
                 log.warning("%s: undid optimizer step %d, applied ahead: the previous stage went away before "
                             "its verdict", self._shard.location, number)
 
@@ -403,11 +387,16 @@ class LinkedLoop:
             failure = f"the backward of step {step} failed: {reason}"
         return stage, failure
 
-    async def _apply_step(self, stage: Stage | None, request: shard_pb2.StepRequest, failure: str) -> None:
-        """Applies the step unless it was refused; either way it counts as settled here, and the step's state goes."""
+    async def _apply_step(self, stage: Stage | None, request: shard_pb2.StepRequest, failure: str,
+                          undo: StepUndo | None = None) -> None:
+        """Applies the step unless it was refused (one applied ahead, given its `undo`, stands or is undone);
+        either way it counts as settled here, and the step's state goes."""
         shard = self._shard
         try:
-            if stage is not None and not failure:
+            if undo is not None:
+                if failure and stage is not None:
+                    await shard.undo_step(undo)
+            elif stage is not None and not failure:
                 if request.zero_grad:
                     await shard.run(stage.zero_grad)
                 await shard.run(stage.step)

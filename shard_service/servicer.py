@@ -17,7 +17,7 @@ from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.pipeline import PipelineRun
 from shard_service.replicas import GradientAverager
-from shard_service.stage import LayerSource, Stage
+from shard_service.stage import LayerSource, Stage, StepUndo
 from shard_service.threads import ThreadChoice, lowest_priority, work_kind
 from shardtrain import carrier, link, losses, optim, shm, wire
 from shardtrain.capture import CapturedProgram
@@ -404,6 +404,11 @@ class ShardServicer:
     async def run_ahead(self, function, *args):
         """Stage work that has time to spare, one piece at a time with the rest, on the lowest-priority thread."""
         return await self._run(function, *args, executor=self._ahead)
+
+    async def undo_step(self, undo: StepUndo) -> None:
+        """Puts back what a step applied ahead changed (a verdict refused it), and counts it."""
+        await self._run(undo.restore)
+        self.steps_undone += 1
 
     @property
     def steps_ahead(self) -> bool:
