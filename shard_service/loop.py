@@ -15,8 +15,10 @@ Outcomes travel as items too, so no stage waits for an answer:
 - Ahead of it, the first stage passes a step_ahead item down at once, and a stage that applies steps
   ahead (ShardSettings.step_ahead) applies the step as soon as its own backwards of it are over, on
   its lowest-priority thread, keeping a copy of what the step changes (stage.StepUndo). The step item
-  is then the verdict: the copy is dropped, or put back if a backward failed on an earlier stage. So
-  the weights still never drift apart, while a later stage's optimizer, which its next forward needs
+  is then the verdict: the copy is dropped, or put back if a backward failed on an earlier stage. If
+  the previous stage goes away before its verdict, the stage puts the copy back and passes a
+  step_withdrawn item down, which makes every later stage do the same. So the weights still never
+  drift apart, while a later stage's optimizer, which its next forward needs
   only after the earlier stages' forwards, runs beside the earlier stages' backwards instead of after
   them. Why, on the 2-core development VM (seed model, batch 32, 3 shards): the first stage's backward
   ends the step's critical path, then its own optimizer runs, then its next forward; stage 1's and 2's
@@ -73,6 +75,8 @@ class LinkedLoop:
         self._forwarded = -1          # the highest step this stage ran a forward for (steps count from 0)
         self._ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
         self._ahead: dict[int, asyncio.Future] = {}  # optimizer step -> its StepUndo once applied ahead, else None
+        self._notices: dict[int, shard_pb2.StepRequest] = {}  # optimizer step -> its step_ahead notice
+        self._withdrawing: dict[int, asyncio.Future] = {}  # optimizer step -> done once undone and passed on
         self._tasks: set[asyncio.Task] = set()
 
     # --- links ---------------------------------------------------------------------------------------
@@ -82,6 +86,7 @@ class LinkedLoop:
         self._forwarded = -1
         self._ended_by_step.clear()
         self._ahead.clear()  # applied to the stage that goes now
+        self._notices.clear()
         self._input = self._output = None
         self._output_opened.clear()
         self._from_stage.clear()
@@ -127,7 +132,7 @@ class LinkedLoop:
             error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard broke")
             self._tell_soon(link.error_item(None, error, self._shard.location), up=False)
             if self._shard.plan.stage - 1 in stages:
-                self._spawn(self._undo_ahead())
+                self._spawn(self._withdraw(list(self._notices.values())))
 
     def _client(self, address: str, role: int) -> link.ClientLink:
         """The Link this stage opened to `address`, opened again if it broke."""
@@ -228,7 +233,10 @@ class LinkedLoop:
         elif kind == "step_ahead":
             outcome = asyncio.get_running_loop().create_future()
             self._ahead[message.step_ahead.optimizer_step] = outcome
+            self._notices[message.step_ahead.optimizer_step] = message.step_ahead
             self._spawn(self._step_ahead(message.step_ahead, outcome))
+        elif kind == "step_withdrawn":
+            self._spawn(self._withdraw([message.step_withdrawn]))
         elif kind == "flush":
             self._spawn(self._flush(message.flush))
         elif kind == "residual":
@@ -357,21 +365,49 @@ class LinkedLoop:
         unless one of them failed here or on a stage before (or keeps or undoes it, if it was applied ahead)."""
         request = item.request
         stage, failure = await self._step_verdict(request, item.failure)
+        # Settled from here on by this verdict: a withdrawal that comes later undoes nothing here.
+        ahead = self._ahead.pop(request.optimizer_step, None)
+        self._notices.pop(request.optimizer_step, None)
+        withdrawal = self._withdrawing.get(request.optimizer_step)
+        if withdrawal is not None:
+            await withdrawal  # undone and withdrawn below first: this verdict applies the step the usual way
         if self._shard.plan.next_address:
             await self._pass_down(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure)))
-        ahead = self._ahead.pop(request.optimizer_step, None)
         await self._apply_step(stage, request, failure, await ahead if ahead is not None else None)
 
-    async def _undo_ahead(self) -> None:
-        """The previous stage went away: the verdicts on the steps applied ahead here will not come, and those
-        steps never happened as far as the stages before know, so they are undone."""
-        pending, self._ahead = self._ahead, {}
-        for number, outcome in sorted(pending.items()):
-            undo = await outcome
-            if undo is not None:
-                await self._shard.undo_step(undo)
-                log.warning("%s: undid optimizer step %d, applied ahead: the previous stage went away before "
-                            "its verdict", self._shard.location, number)
+    async def _withdraw(self, requests: list[shard_pb2.StepRequest]) -> None:
+        """The verdicts on these steps may never come (the previous stage went away, or a stage before withdrew
+        them): for the stages before, the steps have not happened. Each one applied ahead here is undone (latest
+        first) unless its verdict came first, and the withdrawal goes on down, so that no stage keeps a step
+        that a stage before it does not have. A verdict that comes after all applies the step as usual."""
+        loop = asyncio.get_running_loop()
+        pending = []
+        for request in sorted(requests, key=lambda r: r.optimizer_step):
+            number = request.optimizer_step
+            self._notices.pop(number, None)
+            pending.append((request, self._ahead.pop(number, None), loop.create_future()))
+            self._withdrawing[number] = pending[-1][2]
+        try:
+            for request, outcome, _ in reversed(pending):
+                undo = await outcome if outcome is not None else None
+                if undo is None:
+                    continue
+                try:
+                    await self._shard.undo_step(undo)
+                except Exception as error:  # noqa: BLE001 - nobody waits for this; the stages after still hear
+                    log.error("%s: could not undo optimizer step %d, applied ahead: %r", self._shard.location,
+                              request.optimizer_step, error)
+                else:
+                    log.warning("%s: undid optimizer step %d, applied ahead: a stage before this one went away "
+                                "before its verdict", self._shard.location, request.optimizer_step)
+            if self._shard.plan.next_address:
+                for request, _, _ in pending:
+                    await self._pass_down(shard_pb2.LinkMessage(step_withdrawn=request))
+        finally:
+            for request, _, done in pending:
+                if self._withdrawing.get(request.optimizer_step) is done:
+                    del self._withdrawing[request.optimizer_step]
+                done.set_result(None)
 
     async def _step_verdict(self, request: shard_pb2.StepRequest, failure: str) -> tuple[Stage | None, str]:
         """Once this stage's backwards of the step are over: the stage, and why the step is refused ("" if it is

@@ -7,7 +7,10 @@ the first stage's backward, which ends last, decides whether the step stands eve
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from torch import nn
 
 from client_sdk import Cluster
 from client_sdk.processes import LocalServices
-from shardtrain import errors
+from shardtrain import errors, optim, wire
+from shardtrain.streams import RequestReader
+from shardtrain.v1 import shard_pb2
 from tests.integration.training import regression_batches, train_locally, train_remotely
 
 ADAM = (torch.optim.Adam, {"lr": 0.01})
@@ -104,3 +109,61 @@ def test_training_is_the_same_with_steps_applied_ahead_or_not(step_ahead, steppi
         trained = model.state_dict()
         for key, value in expected.items():
             assert torch.allclose(trained[key], value, atol=1e-6, rtol=0), key
+
+
+def stage_state(model, index: int) -> tuple[shard_pb2.DescribeResponse, dict, optim.KeyedState]:
+    """Stage `index`'s shard's own report, weights and optimizer state, asked of that shard alone."""
+    shard = model._clients.stages[index]
+    request = shard_pb2.ReadStateRequest(deployment_id=model.deployment_id)
+
+    async def read():
+        report = await shard.call("Describe", shard_pb2.DescribeRequest())
+        weights = await wire.collect(shard.stream("ReadState", request))
+        reader = RequestReader(shard.stream("ReadOptimizerState", request))
+        header = await reader.header()
+        return report, weights, optim.KeyedState.parse(header.layout, await reader.tensors())
+    return model._io.run(read())
+
+
+def test_steps_applied_ahead_are_undone_on_every_later_stage_when_the_first_stage_goes_away():
+    # Stage 0 passes the step's notice down, stages 1 and 2 apply the step ahead, then stage 0 dies before
+    # its verdict. Stage 1 sees its link from stage 0 break; stage 2 does not (stage 1 is still there), so
+    # unless stage 1 withdraws the step from it, stage 2 would keep a step that stage 1 undid.
+    with three_shards("on") as cluster:
+        torch.manual_seed(0)
+        model = cluster.deploy(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1)), optimizer=ADAM,
+                               split_points=[1, 2])
+        batches = regression_batches(steps=3, batch=4, features=3)
+        train_remotely(model, batches[:2])
+        before = [stage_state(model, index) for index in (1, 2)]
+        process = {s.address: s.process for s in cluster._services.services}
+        first, last = (process[model.placements[i].shard_address] for i in (0, 2))
+
+        x, y = batches[2]
+        pred = model(x)
+        os.kill(last.pid, signal.SIGSTOP)  # holds every backward of the step back, and with them the verdict
+        try:
+            torch.nn.functional.mse_loss(pred, y).backward()  # its gradient waits in stage 2's socket
+            model.step()  # stage 0 passes the notice on at once; its own backward waits for stage 2's
+            time.sleep(1.0)
+            os.kill(first.pid, signal.SIGSTOP)  # after the notice, before the verdict: it cannot come now
+        finally:
+            os.kill(last.pid, signal.SIGCONT)
+        time.sleep(2.0)  # stage 2's backward, then stage 1's, and each one's step applied ahead
+        first.kill()
+        first.wait()
+
+        deadline = time.monotonic() + 30
+        while True:
+            after = [stage_state(model, index) for index in (1, 2)]
+            if all(report.steps_undone for report, _, _ in after) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert [report.steps_undone for report, _, _ in after] == [1, 1], \
+            "stages 1 and 2 applied the step ahead, then undid it when stage 0 went away before its verdict"
+        for (_, weights, state), (_, weights_after, state_after) in zip(before, after):
+            assert all(torch.equal(value, weights_after[key]) for key, value in weights.items())
+            assert state.values == state_after.values
+            assert all(torch.equal(value, state_after.tensors[key]) for key, value in state.tensors.items())
+        with pytest.raises(errors.ShardtrainError):
+            model.synchronize()
