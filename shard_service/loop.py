@@ -18,14 +18,14 @@ Outcomes travel as items too, so no stage waits for an answer:
   is then the verdict: the copy is dropped, or put back if a backward failed on an earlier stage. If
   the previous stage goes away before its verdict, the stage puts the copy back and passes a
   step_withdrawn item down, which makes every later stage do the same. So the weights still never
-  drift apart, while a later stage's optimizer, which its next forward needs
-  only after the earlier stages' forwards, runs beside the earlier stages' backwards instead of after
-  them. Why, on the 2-core development VM (seed model, batch 32, 3 shards): the first stage's backward
-  ends the step's critical path, then its own optimizer runs, then its next forward; stage 1's and 2's
-  optimizers (1.5-1.8 ms of CPU each) started there too and took both cores from that path, and a
-  stage that came back from its optimizer waited for a core (stage 0 1.5 ms between the end of its
-  optimizer and its next forward, in a trace of 600 steps). Ahead, they run while a core is free,
-  and at the lowest priority they give way to the critical path whenever it needs the core.
+  drift apart, while a later stage's optimizer, which its next forward needs only after the earlier
+  stages' forwards, runs beside the earlier stages' backwards instead of after them. Why, on the
+  2-core development VM (seed model, batch 32, 3 shards): the first stage's backward ends the step's
+  critical path, then its own optimizer runs, then its next forward; stage 1's and 2's optimizers
+  (1.5-1.8 ms of CPU each) started there too and took both cores from that path, and a stage that
+  came back from its optimizer waited for a core (stage 0 1.5 ms between the end of its optimizer
+  and its next forward, in a trace of 600 steps). Ahead, they run while a core is free, and at the
+  lowest priority they give way to the critical path whenever it needs the core.
 - Nothing says "done" on its own: the next output tells the SDK that every stage settled the
   optimizer step before it (each forward waits for it), and a Flush item asks when nothing will.
   That also ends the backwards the step lists, so the first stage sends no backward_done for a
