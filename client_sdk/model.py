@@ -136,7 +136,8 @@ class DistributedModel:
 
     def describe(self) -> list:
         """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals,
-        whether it applies optimizer steps ahead and how many of those a failed backward elsewhere undid."""
+        whether it applies optimizer steps ahead and how many of those it undid (a backward failed, or a stage
+        went away before its verdict)."""
         return self._io.run(self._clients.describe())
 
     @property

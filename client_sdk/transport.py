@@ -82,9 +82,13 @@ class StageClients:
 
     async def read_state(self) -> dict[str, torch.Tensor]:
         """Every stage's weights, merged under the user's state-dict keys."""
-        request = shard_pb2.ReadStateRequest(deployment_id=self.deployment_id)
-        parts = await asyncio.gather(*(wire.collect(stage.stream("ReadState", request)) for stage in self.stages))
+        parts = await asyncio.gather(*(self.stage_state(index) for index in range(len(self.stages))))
         return {key: value for part in parts for key, value in part.items()}
+
+    async def stage_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Stage `index`'s weights, under the user's state-dict keys."""
+        request = shard_pb2.ReadStateRequest(deployment_id=self.deployment_id)
+        return await wire.collect(self.stages[index].stream("ReadState", request))
 
     async def load_state(self, per_stage: Sequence[dict[str, torch.Tensor]]) -> None:
         """Sends each stage its share of a state dict."""
@@ -95,13 +99,14 @@ class StageClients:
 
     async def read_optimizer_state(self) -> list[optim.KeyedState]:
         """Every stage's optimizer state, keyed by parameter name."""
-        request = shard_pb2.ReadStateRequest(deployment_id=self.deployment_id)
+        return list(await asyncio.gather(*(self.stage_optimizer_state(index) for index in range(len(self.stages)))))
 
-        async def read(stage: Peer) -> optim.KeyedState:
-            reader = RequestReader(stage.stream("ReadOptimizerState", request))
-            header = await reader.header()
-            return optim.KeyedState.parse(header.layout, await reader.tensors())
-        return list(await asyncio.gather(*(read(stage) for stage in self.stages)))
+    async def stage_optimizer_state(self, index: int) -> optim.KeyedState:
+        """Stage `index`'s optimizer state, keyed by parameter name."""
+        request = shard_pb2.ReadStateRequest(deployment_id=self.deployment_id)
+        reader = RequestReader(self.stages[index].stream("ReadOptimizerState", request))
+        header = await reader.header()
+        return optim.KeyedState.parse(header.layout, await reader.tensors())
 
     async def load_optimizer_state(self, per_stage: Sequence[optim.KeyedState], check_only: bool = False) -> None:
         """Replaces each stage's optimizer state with its share; with `check_only`, raises where a stage would not."""

@@ -74,8 +74,8 @@ class LinkedLoop:
         self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
         self._forwarded = -1          # the highest step this stage ran a forward for (steps count from 0)
         self._ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
-        self._ahead: dict[int, asyncio.Future] = {}  # optimizer step -> its StepUndo once applied ahead, else None
-        self._notices: dict[int, shard_pb2.StepRequest] = {}  # optimizer step -> its step_ahead notice
+        # optimizer step -> (its step_ahead notice, a future of its StepUndo once applied ahead, else of None)
+        self._ahead: dict[int, tuple[shard_pb2.StepRequest, asyncio.Future]] = {}
         self._withdrawing: dict[int, asyncio.Future] = {}  # optimizer step -> done once undone and passed on
         self._tasks: set[asyncio.Task] = set()
 
@@ -86,7 +86,6 @@ class LinkedLoop:
         self._forwarded = -1
         self._ended_by_step.clear()
         self._ahead.clear()  # applied to the stage that goes now
-        self._notices.clear()
         self._input = self._output = None
         self._output_opened.clear()
         self._from_stage.clear()
@@ -132,7 +131,7 @@ class LinkedLoop:
             error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard broke")
             self._tell_soon(link.error_item(None, error, self._shard.location), up=False)
             if self._shard.plan.stage - 1 in stages:
-                self._spawn(self._withdraw(list(self._notices.values())))
+                self._spawn(self._withdraw([notice for notice, _ in self._ahead.values()]))
 
     def _client(self, address: str, role: int) -> link.ClientLink:
         """The Link this stage opened to `address`, opened again if it broke."""
@@ -232,8 +231,7 @@ class LinkedLoop:
             self._spawn(self._step(message.step))
         elif kind == "step_ahead":
             outcome = asyncio.get_running_loop().create_future()
-            self._ahead[message.step_ahead.optimizer_step] = outcome
-            self._notices[message.step_ahead.optimizer_step] = message.step_ahead
+            self._ahead[message.step_ahead.optimizer_step] = (message.step_ahead, outcome)
             self._spawn(self._step_ahead(message.step_ahead, outcome))
         elif kind == "step_withdrawn":
             self._spawn(self._withdraw([message.step_withdrawn]))
@@ -366,8 +364,7 @@ class LinkedLoop:
         request = item.request
         stage, failure = await self._step_verdict(request, item.failure)
         # Settled from here on by this verdict: a withdrawal that comes later undoes nothing here.
-        ahead = self._ahead.pop(request.optimizer_step, None)
-        self._notices.pop(request.optimizer_step, None)
+        _, ahead = self._ahead.pop(request.optimizer_step, (None, None))
         withdrawal = self._withdrawing.get(request.optimizer_step)
         if withdrawal is not None:
             await withdrawal  # undone and withdrawn below first: this verdict applies the step the usual way
@@ -383,10 +380,9 @@ class LinkedLoop:
         loop = asyncio.get_running_loop()
         pending = []
         for request in sorted(requests, key=lambda r: r.optimizer_step):
-            number = request.optimizer_step
-            self._notices.pop(number, None)
-            pending.append((request, self._ahead.pop(number, None), loop.create_future()))
-            self._withdrawing[number] = pending[-1][2]
+            _, outcome = self._ahead.pop(request.optimizer_step, (None, None))
+            pending.append((request, outcome, loop.create_future()))
+            self._withdrawing[request.optimizer_step] = pending[-1][2]
         try:
             for request, outcome, _ in reversed(pending):
                 undo = await outcome if outcome is not None else None

@@ -74,7 +74,7 @@ class ShardServicer:
         # Optimizer steps applied ahead (shard_service/loop.py) run here, on a thread the host runs only when
         # nothing else wants the core: the stage has until its next forward to finish them.
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="step-ahead", initializer=lowest_priority)
-        self.steps_undone = 0  # steps applied ahead here that another stage's failed backward refused
+        self.steps_undone = 0  # steps applied ahead here, then undone: a backward failed, or a stage went away
 
     @property
     def location(self) -> str:
@@ -406,7 +406,7 @@ class ShardServicer:
         return await self._run(function, *args, executor=self._ahead)
 
     async def undo_step(self, undo: StepUndo) -> None:
-        """Puts back what a step applied ahead changed (a verdict refused it), and counts it."""
+        """Puts back what a step applied ahead changed (its verdict refused it, or was withdrawn), and counts it."""
         await self._run(undo.restore)
         self.steps_undone += 1
 

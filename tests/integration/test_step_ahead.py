@@ -18,8 +18,7 @@ from torch import nn
 
 from client_sdk import Cluster
 from client_sdk.processes import LocalServices
-from shardtrain import errors, optim, wire
-from shardtrain.streams import RequestReader
+from shardtrain import errors, optim
 from shardtrain.v1 import shard_pb2
 from tests.integration.training import regression_batches, train_locally, train_remotely
 
@@ -113,15 +112,11 @@ def test_training_is_the_same_with_steps_applied_ahead_or_not(step_ahead, steppi
 
 def stage_state(model, index: int) -> tuple[shard_pb2.DescribeResponse, dict, optim.KeyedState]:
     """Stage `index`'s shard's own report, weights and optimizer state, asked of that shard alone."""
-    shard = model._clients.stages[index]
-    request = shard_pb2.ReadStateRequest(deployment_id=model.deployment_id)
+    clients = model._clients
 
     async def read():
-        report = await shard.call("Describe", shard_pb2.DescribeRequest())
-        weights = await wire.collect(shard.stream("ReadState", request))
-        reader = RequestReader(shard.stream("ReadOptimizerState", request))
-        header = await reader.header()
-        return report, weights, optim.KeyedState.parse(header.layout, await reader.tensors())
+        report = await clients.stages[index].call("Describe", shard_pb2.DescribeRequest())
+        return report, await clients.stage_state(index), await clients.stage_optimizer_state(index)
     return model._io.run(read())
 
 
