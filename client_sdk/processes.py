@@ -45,7 +45,8 @@ class Service:
 
     def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict[str, str]):
         self.name = name
-        self.address = ""  # set from the ready line
+        self.address = ""  # set from the ready line: where others reach it (a shard's --advertise, if given)
+        self.port = 0      # the port it listens on, from the same line
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
@@ -64,6 +65,7 @@ class Service:
                 if line.startswith(b"{"):
                     ready = json.loads(line)
                     self.address = ready.get("address", f"127.0.0.1:{ready.get('port')}")
+                    self.port = int(ready.get("port", 0))
                     return ready
         raise Unavailable(f"{self.name} did not become ready within {timeout:g} s: {self.log_tail()}")
 
@@ -105,6 +107,15 @@ class LocalServices:
         except BaseException:
             self.stop()
             raise
+
+    def add_shard(self, flags: Sequence[str] = (), device: str = "cpu", timeout: float = 120.0) -> Service:
+        """Starts one more shard with its own `flags` and returns it once it serves. It registers after every
+        shard before it, and the coordinator places stages in registration order."""
+        shard = self._start(f"shard-{len(self.shard_addresses)}",
+                            ["-m", "shard_service", "--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0",
+                             "--device", device, *flags])
+        self.shard_addresses.append(shard.wait_ready(timeout)["address"])
+        return shard
 
     def _start(self, name: str, argv: list[str]) -> Service:
         service = Service(name, argv, self.log_dir, self._env)

@@ -26,6 +26,9 @@ Outcomes travel as items too, so no stage waits for an answer:
   came back from its optimizer waited for a core (stage 0 1.5 ms between the end of its optimizer
   and its next forward, in a trace of 600 steps). Ahead, they run while a core is free, and at the
   lowest priority they give way to the critical path whenever it needs the core.
+- A link to the next stage that breaks while both stages live may lose a verdict: the stage opens it again
+  and sends its last verdicts first (_Verdicts); the next stage takes each once, and runs no forward before
+  the steps whose verdicts came before it.
 - Nothing says "done" on its own: the next output tells the SDK that every stage settled the
   optimizer step before it (each forward waits for it), and a Flush item asks when nothing will.
   That also ends the backwards the step lists, so the first stage sends no backward_done for a
@@ -35,6 +38,7 @@ Outcomes travel as items too, so no stage waits for an answer:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import TYPE_CHECKING
 
@@ -51,6 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardtrain.shard.loop")
 _ROLES = shard_pb2.LinkRole
+REOPEN_DELAYS = (0.0, 0.2, 0.5, 1.0, 2.0)  # before each attempt to reopen a broken link to the next stage
+VERDICTS_KEPT = 4  # step items passed down, sent again over a new link to the next stage (a step settles before
+                   # the forward after it runs, and the SDK runs at most one step ahead: the last one or two matter)
 
 
 def _check_forward(header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
@@ -77,6 +84,9 @@ class LinkedLoop:
         # optimizer step -> (its step_ahead notice, a future of its StepUndo once applied ahead, else of None)
         self._ahead: dict[int, tuple[shard_pb2.StepRequest, asyncio.Future]] = {}
         self._withdrawing: dict[int, asyncio.Future] = {}  # optimizer step -> done once undone and passed on
+        self._verdicts = _Verdicts()  # the step items this stage took, and the last ones it passed down
+        self._reopening: set[link.ClientLink] = set()  # links to the next stage opened again to resend verdicts
+        self._reopen_attempt = 0
         self._tasks: set[asyncio.Task] = set()
 
     # --- links ---------------------------------------------------------------------------------------
@@ -86,6 +96,8 @@ class LinkedLoop:
         self._forwarded = -1
         self._ended_by_step.clear()
         self._ahead.clear()  # applied to the stage that goes now
+        self._verdicts = _Verdicts()
+        self._reopening.clear()
         self._input = self._output = None
         self._output_opened.clear()
         self._from_stage.clear()
@@ -142,7 +154,10 @@ class LinkedLoop:
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
                                          from_stage=self._shard.plan.stage, shared_memory=peer.same_host,
                                          local_carrier=local, packed_to_opener=local)
-            client = link.ClientLink(peer, opening, self.on_item, self._broke)
+            # A link to the next stage starts with the last verdicts passed down: one may have been lost with the
+            # link before (the next stage takes each verdict once).
+            first = self._verdicts.passed if address == self._shard.plan.next_address else ()
+            client = link.ClientLink(peer, opening, self.on_item, self._broke, first_items=first)
             client.toward_first = False
             self._opened[address] = client
         return client
@@ -150,9 +165,35 @@ class LinkedLoop:
     def _broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
         """A link this stage opened broke: the backwards and residual gradients it would bring back for the steps
         sent on it will not come, so those steps' optimizer steps are refused here; the SDK hears why."""
-        if self._opened.get(client.peer.address) is client:
-            self._spawn(self._shard.order.backwards_lost(self._forwarded, str(error)))
+        if self._opened.get(client.peer.address) is not client:
+            return
+        address = client.peer.address
+        # A link opened again only to resend verdicts, which the next stage never accepted: the SDK heard already.
+        quiet = client in self._reopening and not client.accepted
+        self._reopening.discard(client)
+        self._spawn(self._shard.order.backwards_lost(self._forwarded, str(error)))
+        if not quiet:
+            log.warning("%s: the link to %s broke: %s", self._shard.location, client.name, error)
             self._tell_soon(link.error_item(None, error, self._shard.location), up=True)
+        if address != self._shard.plan.next_address or not self._verdicts.passed or not (client.accepted or quiet):
+            return
+        # A verdict this stage passed down may have been lost with the link: the step would stand here and not on
+        # the stages after. The link opens again now, not with the next forward, so that they have it when the
+        # SDK next reads their weights; a few times, while the channel reconnects. (Not for a link the next stage
+        # never accepted in the first place: it is gone.)
+        attempt = 0 if client.accepted else self._reopen_attempt + 1
+        if attempt < len(REOPEN_DELAYS):
+            self._reopen_attempt = attempt
+            self._spawn(self._reopen(address, REOPEN_DELAYS[attempt]))
+
+    async def _reopen(self, address: str, delay: float) -> None:
+        """Opens the link to the next stage again after `delay` seconds, unless something opened it meanwhile."""
+        deployment = self._deployment_id
+        await asyncio.sleep(delay)
+        current = self._opened.get(address)
+        if self._deployment_id != deployment or (current is not None and current.broken is None):
+            return
+        self._reopening.add(self._client(address, _ROLES.LINK_ROLE_NEXT))
 
     # --- sending ---------------------------------------------------------------------------------------
     def _down(self) -> link.LinkEnd | None:
@@ -218,11 +259,15 @@ class LinkedLoop:
         waits for the compute thread, so the reader is never held up for long."""
         kind = message.WhichOneof("item")
         if kind == "forward":
-            self._spawn(self._forward(message.forward, tensor))
+            self._spawn(self._forward(message.forward, tensor, self._verdicts.last))
         elif kind == "backward":
             self._spawn(self._backward(message.backward, tensor))
         elif kind == "step":
             request = message.step.request
+            if not self._verdicts.take(request.optimizer_step) and end is not self._input:
+                log.debug("%s: optimizer step %d's verdict came again (over a new link); taken once already",
+                          self._shard.location, request.optimizer_step)
+                return
             if end is self._input:
                 if self._shard.plan.next_address:
                     self._spawn(self._pass_down(shard_pb2.LinkMessage(step_ahead=request)))
@@ -248,13 +293,17 @@ class LinkedLoop:
         else:
             raise errors.InvalidArgument(f"a shard takes no {kind} item on a Link")
 
-    async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
+    async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None, after_verdict: int = 0) -> None:
+        """Runs the stage's forward once the optimizer step the SDK names has settled here, and every step whose
+        verdict came before this forward (the SDK stops naming one after a failure, when a verdict sent again
+        over a new link may still come first), then sends the activation and residuals on."""
         shard = self._shard
         try:
             stage = shard.stage_for(header.key.deployment_id)
             _check_forward(header, x)
             incoming = await self._incoming_residuals(stage, header.key)
-            await shard.order.after_optimizer_step(header.after_optimizer_step, shard.settings.timeouts.peer_wait)
+            await shard.order.after_optimizer_step(max(header.after_optimizer_step, after_verdict),
+                                                   shard.settings.timeouts.peer_wait)
             if header.zero_grad:
                 await shard.run(stage.zero_grad)
             result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
@@ -369,7 +418,9 @@ class LinkedLoop:
         if withdrawal is not None:
             await withdrawal  # undone and withdrawn below first: this verdict applies the step the usual way
         if self._shard.plan.next_address:
-            await self._pass_down(shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure)))
+            verdict = shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
+            self._verdicts.passed_down(verdict)
+            await self._pass_down(verdict)
         await self._apply_step(stage, request, failure, await ahead if ahead is not None else None)
 
     async def _withdraw(self, requests: list[shard_pb2.StepRequest]) -> None:
@@ -474,3 +525,37 @@ class LinkedLoop:
         await self.reset("")
         for task in list(self._tasks):
             task.cancel()
+
+
+class _Verdicts:
+    """The optimizer steps whose verdict (step item) a stage took, so that one sent again is taken once, and the
+    last verdicts it passed down, to send again over a new link to the next stage.
+
+    Why: a verdict lost with a broken link left the step applied on the stages before the break and on none
+    after it, for good. Sent again, the stages after apply it (or refuse it) as they would have."""
+
+    def __init__(self) -> None:
+        self.last = 0                      # the highest optimizer step whose verdict came
+        self._taken: set[int] = set()      # recent optimizer steps whose verdict came
+        self._taken_up_to = 0              # and every one up to this
+        self._passed: collections.deque[shard_pb2.LinkMessage] = collections.deque(maxlen=VERDICTS_KEPT)
+
+    def take(self, number: int) -> bool:
+        """Records that optimizer step `number`'s verdict came; False if it had come before."""
+        if number <= self._taken_up_to or number in self._taken:
+            return False
+        self._taken.add(number)
+        self.last = max(self.last, number)
+        if len(self._taken) > 4 * VERDICTS_KEPT:
+            oldest = min(self._taken)
+            self._taken.discard(oldest)
+            self._taken_up_to = oldest
+        return True
+
+    def passed_down(self, verdict: shard_pb2.LinkMessage) -> None:
+        """Keeps a verdict passed to the next stage (the last VERDICTS_KEPT)."""
+        self._passed.append(verdict)
+
+    @property
+    def passed(self) -> list[shard_pb2.LinkMessage]:
+        return list(self._passed)

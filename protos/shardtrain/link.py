@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -168,12 +168,15 @@ class ClientLink(LinkEnd):
     another deployment) instead of failing a write halfway, which gRPC reports as an internal error.
     When the answer offers a same-host socket (shardtrain.carrier), items go both ways on it instead.
     `on_item` runs on a reading task and must not block (it starts tasks or fills mailboxes);
-    `on_broken` hears once why the link ended, unless close() ended it.
+    `on_broken` hears once why the link ended, unless close() ended it. `first_items` (items without a tensor)
+    go right after the peer accepted the link, before any item send() is given.
     """
 
     def __init__(self, peer, opening: shard_pb2.LinkOpen, on_item: Callable[[LinkEnd, shard_pb2.LinkMessage,
-                 torch.Tensor | None], None], on_broken: Callable[[ClientLink, errors.ShardtrainError], None]):
+                 torch.Tensor | None], None], on_broken: Callable[[ClientLink, errors.ShardtrainError], None],
+                 first_items: Sequence[shard_pb2.LinkMessage] = ()):
         self.peer = peer
+        self._first_items = list(first_items)
         self._call = peer.stub.Link(metadata=peer.metadata, wait_for_ready=False)
         super().__init__(peer.name, self._call.write, opening)
         self._closing = False
@@ -192,6 +195,11 @@ class ClientLink(LinkEnd):
     async def _ready(self) -> None:
         await asyncio.shield(self._accepted)
 
+    @property
+    def accepted(self) -> bool:
+        """Whether the peer accepted the link (it may have broken since)."""
+        return self._accepted.done() and not self._accepted.cancelled() and self._accepted.exception() is None
+
     async def _read(self) -> None:
         first = await self._call.read()
         if first is not grpc.aio.EOF:
@@ -199,6 +207,8 @@ class ClientLink(LinkEnd):
                 raise errors.InvalidArgument(f"{self.name} did not answer the link's open item")
             if first.message.open.local_address:
                 await self._take_carrier(first.message.open)
+            for item in self._first_items:
+                await self._write(Frame(item))
             self._accepted.set_result(None)
             await _deliver(self._stream_frames(), self, self._on_item)
         status = await self._call.code()
