@@ -85,8 +85,7 @@ class LinkedLoop:
         self._ahead: dict[int, tuple[shard_pb2.StepRequest, asyncio.Future]] = {}
         self._withdrawing: dict[int, asyncio.Future] = {}  # optimizer step -> done once undone and passed on
         self._verdicts = _Verdicts()  # the step items this stage took, and the last ones it passed down
-        self._reopening: set[link.ClientLink] = set()  # links to the next stage opened again to resend verdicts
-        self._reopen_attempt = 0
+        self._reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
         self._tasks: set[asyncio.Task] = set()
 
     # --- links ---------------------------------------------------------------------------------------
@@ -169,8 +168,8 @@ class LinkedLoop:
             return
         address = client.peer.address
         # A link opened again only to resend verdicts, which the next stage never accepted: the SDK heard already.
-        quiet = client in self._reopening and not client.accepted
-        self._reopening.discard(client)
+        attempt = self._reopening.pop(client, None)
+        quiet = attempt is not None and not client.accepted
         self._spawn(self._shard.order.backwards_lost(self._forwarded, str(error)))
         if not quiet:
             log.warning("%s: the link to %s broke: %s", self._shard.location, client.name, error)
@@ -181,19 +180,18 @@ class LinkedLoop:
         # the stages after. The link opens again now, not with the next forward, so that they have it when the
         # SDK next reads their weights; a few times, while the channel reconnects. (Not for a link the next stage
         # never accepted in the first place: it is gone.)
-        attempt = 0 if client.accepted else self._reopen_attempt + 1
+        attempt = 0 if client.accepted else attempt + 1
         if attempt < len(REOPEN_DELAYS):
-            self._reopen_attempt = attempt
-            self._spawn(self._reopen(address, REOPEN_DELAYS[attempt]))
+            self._spawn(self._reopen(address, attempt))
 
-    async def _reopen(self, address: str, delay: float) -> None:
-        """Opens the link to the next stage again after `delay` seconds, unless something opened it meanwhile."""
+    async def _reopen(self, address: str, attempt: int) -> None:
+        """Opens the link to the next stage again after REOPEN_DELAYS[attempt], unless something opened it meanwhile."""
         deployment = self._deployment_id
-        await asyncio.sleep(delay)
+        await asyncio.sleep(REOPEN_DELAYS[attempt])
         current = self._opened.get(address)
         if self._deployment_id != deployment or (current is not None and current.broken is None):
             return
-        self._reopening.add(self._client(address, _ROLES.LINK_ROLE_NEXT))
+        self._reopening[self._client(address, _ROLES.LINK_ROLE_NEXT)] = attempt
 
     # --- sending ---------------------------------------------------------------------------------------
     def _down(self) -> link.LinkEnd | None:
@@ -558,4 +556,5 @@ class _Verdicts:
 
     @property
     def passed(self) -> list[shard_pb2.LinkMessage]:
+        """The last verdicts passed down, oldest first."""
         return list(self._passed)
