@@ -40,6 +40,7 @@ class SdkLinks:
         self._settles: dict[int, asyncio.Future] = {}    # optimizer step -> None once settled everywhere
         self._follows: dict[int, int] = {}               # forward step -> the optimizer step it follows
         self._ends_with: dict[int, list[int]] = {}       # optimizer step -> the backwards it ends
+        self._after_forward: dict[int, int] = {}         # optimizer step -> the last forward step sent before it
         self._flushed = 0                                # the highest optimizer step a Flush was sent for
 
     def _link(self, role: int) -> link.ClientLink:
@@ -104,6 +105,7 @@ class SdkLinks:
         if a stage's optimizer failed); nothing answers a step by itself: a later output or flush() does."""
         number = request.optimizer_step
         settled = self._expect(self._settles, number)  # now, so that a flush() right after knows of it
+        self._after_forward[number] = request.step
         if request.backwards_end_with_step:
             self._ends_with[number] = list(request.backward_steps)
         sent = asyncio.ensure_future(self._send(_ROLES.LINK_ROLE_INPUT,
@@ -117,6 +119,7 @@ class SdkLinks:
         finally:
             if self._settles.get(number) is settled:
                 del self._settles[number]
+            self._after_forward.pop(number, None)
 
     async def flush(self) -> None:
         """Asks every stage to confirm the optimizer steps sent so far, unless a later output already did;
@@ -167,16 +170,28 @@ class SdkLinks:
             self._end_backwards(error.optimizer_step, exception)
             return
         if not error.HasField("key"):
-            for pending in (self._outputs, self._backwards, self._settles):
-                for future in pending.values():
-                    _resolve(future, None, exception)
-            self._ends_with.clear()
+            self._link_broke(exception, error.through_step if error.HasField("through_step") else None)
             return
         step = error.key.step
         first, second = (self._backwards, self._outputs) if error.backward else (self._outputs, self._backwards)
         _resolve(first.get(step), None, exception)
         if not error.backward:
             _resolve(second.get(step), None, exception)  # a step whose forward failed has no backward
+
+    def _link_broke(self, exception: errors.ShardtrainError, through_step: int | None) -> None:
+        """Fails what a broken link may have cost: the steps through `through_step` and the optimizer steps sent after
+        no later forward, or everything in flight (None). A stage's report may be read only after the failure it
+        caused ended the user's iteration and the next one began: that one went out later and stays."""
+        def lost(step: int) -> bool:
+            return through_step is None or step <= through_step
+        for pending in (self._outputs, self._backwards):
+            for step, future in pending.items():
+                if lost(step):
+                    _resolve(future, None, exception)
+        for number, future in list(self._settles.items()):
+            if lost(self._after_forward.get(number, -1)):
+                _resolve(future, None, exception)
+                self._end_backwards(number, exception)
 
     def _broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
         self._failed(shard_pb2.LinkError(code=error.code, message=str(error)))

@@ -140,9 +140,15 @@ class LinkedLoop:
             self._output_opened.clear()
         if current and stages and broke:
             error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard broke")
-            self._tell_soon(link.error_item(None, error, self._shard.location), up=False)
+            self._tell_soon(self._break_item(error), up=False)
             if self._shard.plan.stage - 1 in stages:
                 self._spawn(self._withdraw([notice for notice, _ in self._ahead.values()]))
+
+    def _break_item(self, error: errors.ShardtrainError) -> shard_pb2.LinkMessage:
+        """The SDK hears that a link of this stage broke: it fails the steps this stage ran a forward for, whose items
+        may have been on it, and no later one. A later step opens the link again (or fails by itself if the stage
+        is gone); without the bound, a report the SDK read after the failure it caused failed the next step too."""
+        return link.error_item(None, error, self._shard.location, through_step=self._forwarded)
 
     def _client(self, address: str, role: int) -> link.ClientLink:
         """The Link this stage opened to `address`, opened again if it broke."""
@@ -173,7 +179,7 @@ class LinkedLoop:
         self._spawn(self._shard.order.backwards_lost(self._forwarded, str(error)))
         if not quiet:
             log.warning("%s: the link to %s broke: %s", self._shard.location, client.name, error)
-            self._tell_soon(link.error_item(None, error, self._shard.location), up=True)
+            self._tell_soon(self._break_item(error), up=True)
         if address != self._shard.plan.next_address or not self._verdicts.passed or not (client.accepted or quiet):
             return
         # A verdict this stage passed down may have been lost with the link: the step would stand here and not on

@@ -85,12 +85,15 @@ class ItemReader:
 
 
 def error_item(key: shard_pb2.StepKey | None, error: BaseException, where: str, backward: bool = False,
-               optimizer_step: int = 0) -> shard_pb2.LinkMessage:
-    """An error item for `key` (None: the whole link or an optimizer step), coded and worded as a call's status."""
+               optimizer_step: int = 0, through_step: int | None = None) -> shard_pb2.LinkMessage:
+    """An error item for `key` (None: the whole link or an optimizer step), coded and worded as a call's status.
+    A broken link's names the last step it may have cost (through_step; None: every step in flight)."""
     code, text = status_message(error, where)
     item = shard_pb2.LinkError(code=code.name, message=text, backward=backward, optimizer_step=optimizer_step)
     if key is not None:
         item.key.CopyFrom(key)
+    if through_step is not None:
+        item.through_step = through_step
     return shard_pb2.LinkMessage(error=item)
 
 

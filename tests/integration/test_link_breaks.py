@@ -113,3 +113,24 @@ def test_an_optimizer_step_reaches_every_stage_when_the_link_carrying_it_breaks(
         # way both do the same.
         undone = [report.steps_undone for report in model.describe()]
         assert undone in ([[0, 0, 0], [0, 1, 1]] if step_ahead == "on" else [[0, 0, 0]])
+
+
+def test_a_link_that_breaks_between_steps_fails_no_later_step():
+    """Both stages report the break to the SDK, which reads the reports only when it next runs: in the next step's
+    forward. That step travels on a new link, and the reports must not fail it (they did, before they named the
+    last step the link may have cost)."""
+    with stage_one_behind_a_proxy("auto") as (cluster, proxy):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+        model = cluster.deploy(net, optimizer=ADAM, split_points=[1, 2])
+        batches = regression_batches(steps=5, batch=4, features=3)
+        train_remotely(model, batches[:2])
+        model.synchronize()
+        proxy.drop()
+        time.sleep(1.0)  # the reports wait in the SDK's sockets: nobody runs its loop between calls
+        train_remotely(model, batches[2:])
+        trained = model.state_dict()
+        assert [optimizer_steps(model, stage) for stage in range(3)] == [5, 5, 5]
+        expected = train_locally(net, batches, ADAM)
+        for key, value in expected.items():
+            assert torch.allclose(trained[key], value, atol=1e-6, rtol=0), key

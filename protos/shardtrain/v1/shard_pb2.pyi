@@ -426,18 +426,20 @@ class LinkOpen(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., from_stage: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., local_carrier: _Optional[bool] = ..., local_address: _Optional[str] = ..., local_token: _Optional[bytes] = ..., packed_to_opener: _Optional[bool] = ..., packed_to_answerer: _Optional[bool] = ...) -> None: ...
 
 class LinkError(_message.Message):
-    __slots__ = ("key", "code", "message", "backward", "optimizer_step")
+    __slots__ = ("key", "code", "message", "backward", "optimizer_step", "through_step")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_STEP_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     code: str
     message: str
     backward: bool
     optimizer_step: int
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., backward: _Optional[bool] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
+    through_step: int
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., backward: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., through_step: _Optional[int] = ...) -> None: ...
 
 class LinkStep(_message.Message):
     __slots__ = ("request", "failure")
