@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from shard_service.mailbox import Mailbox
+from shard_service.stage import StepDone
 from shardtrain import eager, errors, link
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
@@ -81,8 +83,10 @@ class LinkedLoop:
         self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
         self._forwarded = -1          # the highest step this stage ran a forward for (steps count from 0)
         self._ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
-        # optimizer step -> (its step_ahead notice, a future of its StepUndo once applied ahead, else of None)
+        # optimizer step -> (its step_ahead notice, a future of its StepUndo once applied ahead, StepDone if applied
+        # after its verdict came, else of None)
         self._ahead: dict[int, tuple[shard_pb2.StepRequest, asyncio.Future]] = {}
+        self._settling: dict[int, str] = {}  # optimizer step -> its verdict ("" or why not), for its step still ahead
         self._withdrawing: dict[int, asyncio.Future] = {}  # optimizer step -> done once undone and passed on
         self._verdicts = _Verdicts()  # the step items this stage took, and the last ones it passed down
         self._reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
@@ -95,6 +99,7 @@ class LinkedLoop:
         self._forwarded = -1
         self._ended_by_step.clear()
         self._ahead.clear()  # applied to the stage that goes now
+        self._settling.clear()
         self._verdicts = _Verdicts()
         self._reopening.clear()
         self._input = self._output = None
@@ -394,7 +399,8 @@ class LinkedLoop:
 
     async def _step_ahead(self, request: shard_pb2.StepRequest, outcome: asyncio.Future) -> None:
         """Passes the notice on, then (where steps are applied ahead) applies the step once this stage's own
-        backwards of it are over and none failed. `outcome` gets its StepUndo, or None if it was not applied."""
+        backwards of it are over and none failed. `outcome` gets its StepUndo, StepDone if the verdict came before
+        the step's thread got a core (Stage.step_ahead), or None if it was not applied."""
         shard = self._shard
         undo = None
         try:
@@ -404,7 +410,8 @@ class LinkedLoop:
                 stage = shard.stage_for(request.deployment_id)
                 timeout = shard.settings.timeouts.peer_wait
                 if not await shard.order.backward_failures(request.backward_steps, timeout):
-                    undo = await shard.run_ahead(stage.step_ahead, request.zero_grad)
+                    undo = await shard.run_ahead(stage.step_ahead, request.zero_grad,
+                                                 functools.partial(self._settling.get, request.optimizer_step))
         except Exception as error:  # noqa: BLE001 - the verdict runs the step the usual way, and reports what fails
             log.debug("%s: optimizer step %d not applied ahead: %s", shard.location, request.optimizer_step, error)
         finally:
@@ -418,6 +425,8 @@ class LinkedLoop:
         stage, failure = await self._step_verdict(request, item.failure)
         # Settled from here on by this verdict: a withdrawal that comes later undoes nothing here.
         _, ahead = self._ahead.pop(request.optimizer_step, (None, None))
+        if ahead is not None:  # its thread, if it has not started yet, applies the step as this verdict says
+            self._settling[request.optimizer_step] = failure
         withdrawal = self._withdrawing.get(request.optimizer_step)
         if withdrawal is not None:
             await withdrawal  # undone and withdrawn below first: this verdict applies the step the usual way
@@ -425,7 +434,10 @@ class LinkedLoop:
             verdict = shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
             self._verdicts.passed_down(verdict)
             await self._pass_down(verdict)
-        await self._apply_step(stage, request, failure, await ahead if ahead is not None else None)
+        try:
+            await self._apply_step(stage, request, failure, await ahead if ahead is not None else None)
+        finally:
+            self._settling.pop(request.optimizer_step, None)
 
     async def _withdraw(self, requests: list[shard_pb2.StepRequest]) -> None:
         """The verdicts on these steps may never come (the previous stage went away, or a stage before withdrew
@@ -475,12 +487,16 @@ class LinkedLoop:
         return stage, failure
 
     async def _apply_step(self, stage: Stage | None, request: shard_pb2.StepRequest, failure: str,
-                          undo: StepUndo | None = None) -> None:
-        """Applies the step unless it was refused (one applied ahead, given its `undo`, stands or is undone);
-        either way it counts as settled here, and the step's state goes."""
+                          undo: StepUndo | StepDone | None = None) -> None:
+        """Applies the step unless it was refused (one applied ahead, given its `undo`, stands or is undone;
+        one applied ahead after this verdict came stands, StepDone); either way it counts as settled here, and
+        the step's state goes."""
         shard = self._shard
         try:
-            if undo is not None:
+            if isinstance(undo, StepDone):
+                if undo.error is not None:
+                    raise undo.error
+            elif undo is not None:
                 if failure and stage is not None:
                     await shard.undo_step(undo)
             elif stage is not None and not failure:

@@ -6,7 +6,7 @@ import copy
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -233,9 +233,25 @@ class Stage:
             self._optimizer.step()
             self.last_step_seconds = time.perf_counter() - start
 
-    def step_ahead(self, zero_grad: bool) -> StepUndo:
+    def step_ahead(self, zero_grad: bool, verdict: Callable[[], str | None] = lambda: None) -> StepUndo | StepDone | None:
         """Applies an optimizer step before it is known that every stage will (see shard_service/loop.py), and
-        returns what undoes it. A step whose optimizer raises is undone here, so it leaves nothing half-applied."""
+        returns what undoes it. A step whose optimizer raises is undone here, so it leaves nothing half-applied.
+
+        `verdict()` tells whether the step's verdict has come meanwhile (None: not yet; "": the step stands; else
+        why it does not), for a thread that got its core only after it: then there is nothing to copy. A step that
+        stands is applied as the verdict would have (StepDone, with its optimizer's error if it raised), and a
+        refused one is not (None). The copy is as long as a third of Adam's step, on the same busy cores."""
+        known = verdict()
+        if known is not None:
+            if known:
+                return None
+            try:
+                if zero_grad:
+                    self.zero_grad()
+                self.step()
+            except Exception as error:  # noqa: BLE001 - reported by the verdict, as when it applies the step itself
+                return StepDone(error)
+            return StepDone()
         undo = StepUndo(self._optimizer, self.parameters)
         try:
             if zero_grad:
@@ -295,6 +311,13 @@ class Stage:
     def _parameter_keys(self) -> list[str]:
         """The state-dict keys of the optimizer's parameters, in its order."""
         return [key for key, tensor in self._state.items() if isinstance(tensor, torch.nn.Parameter)]
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A step applied ahead after its verdict came: it stands (or its optimizer raised `error`), nothing to undo."""
+
+    error: Exception | None = None
 
 
 class StepUndo:

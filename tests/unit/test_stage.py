@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from shard_service.stage import LayerSource, Stage
+from shard_service import stage as stage_module
+from shard_service.stage import LayerSource, Stage, StepDone
 from shardtrain.capture import InputSpec, LayerAdapter, capture_layer
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring
@@ -208,6 +209,35 @@ def test_a_step_ahead_whose_optimizer_fails_leaves_the_stage_as_it_was(programs,
     with pytest.raises(RuntimeError, match="half-way"):
         stage.step_ahead(zero_grad=True)
     assert_snapshots_equal(snapshot(stage), before)
+
+
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_a_step_whose_verdict_came_before_its_thread_is_the_plain_step_with_nothing_to_undo(programs, mlp, zero_grad,
+                                                                                           monkeypatch):
+    ahead, plain = adam_stage_with_gradients(programs, mlp), adam_stage_with_gradients(programs, mlp)
+    monkeypatch.setattr(stage_module, "StepUndo", None)  # no copy is taken
+    assert ahead.step_ahead(zero_grad, verdict=lambda: "") == StepDone()
+    if zero_grad:
+        plain.zero_grad()
+    plain.step()
+    assert_snapshots_equal(snapshot(ahead), snapshot(plain))
+
+
+def test_a_step_whose_refusal_came_before_its_thread_is_not_applied(programs, mlp):
+    stage = adam_stage_with_gradients(programs, mlp)
+    before = snapshot(stage)
+    assert stage.step_ahead(zero_grad=True, verdict=lambda: "the backward of step 2 failed") is None
+    assert_snapshots_equal(snapshot(stage), before)
+
+
+def test_an_optimizer_that_fails_after_the_verdict_came_is_reported_with_the_step(programs, mlp, monkeypatch):
+    stage = adam_stage_with_gradients(programs, mlp)
+    failure = RuntimeError("optimizer failed")
+
+    def fail():
+        raise failure
+    monkeypatch.setattr(stage._optimizer, "step", fail)
+    assert stage.step_ahead(zero_grad=False, verdict=lambda: "") == StepDone(failure)
 
 
 def test_parameter_count(programs, mlp):
