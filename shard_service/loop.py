@@ -132,8 +132,10 @@ class LinkedLoop:
                 f"stage {plan.stage} of {plan.num_stages} takes no {_ROLES.Name(opening.role)} link from "
                 f"{'the SDK' if opening.from_stage < 0 else f'stage {opening.from_stage}'}")
 
-    def closed(self, end: link.LinkEnd, broke: bool) -> None:
-        """A Link opened here ended; if a stage of this deployment went away, the SDK hears of it."""
+    def closed(self, end: link.LinkEnd) -> None:
+        """A Link opened here ended; if it came from a stage of this deployment, that stage went away or its link
+        broke, and the SDK hears of it. (Whether the stage closed the link or died, this end cannot tell reliably,
+        link.serve: a killed stage's stream could end as if closed, and its steps applied ahead here then stood.)"""
         current = end.deployment_id == self._deployment_id
         stages = [stage for stage, known in self._from_stage.items() if known is end]
         for stage in stages:
@@ -143,8 +145,8 @@ class LinkedLoop:
         if end is self._output:
             self._output = None
             self._output_opened.clear()
-        if current and stages and broke:
-            error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard broke")
+        if current and stages:
+            error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard ended")
             self._tell_soon(self._break_item(error), up=False)
             if self._shard.plan.stage - 1 in stages:
                 self._spawn(self._withdraw([notice for notice, _ in self._ahead.values()]))

@@ -298,11 +298,13 @@ class _AnsweringEnd(LinkEnd):
 
 async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkOpen, LinkEnd], None],
                 on_item: Callable[[LinkEnd, shard_pb2.LinkMessage, torch.Tensor | None], None],
-                on_closed: Callable[[LinkEnd, bool], None], listener: carrier.Listener | None = None) -> None:
+                on_closed: Callable[[LinkEnd], None], listener: carrier.Listener | None = None) -> None:
     """The answering end: checks the opening item, then hands each item to `on_item` until the opener ends.
 
     With a `listener`, an opener that asks for it gets a same-host socket to carry the items.
-    `on_closed(end, broke)` hears when the link is over: broke is False when the opener finished it.
+    `on_closed(end)` hears when the link is over, closed by the opener or broken alike: a grpc.aio server sees the
+    stream of a client that was killed end just as one the client finished (the handler is cancelled a moment
+    later, or not), so the two cannot be told apart reliably here.
     An exception from on_open or on_item ends the call with its status.
     """
     requests = requests.__aiter__()
@@ -316,9 +318,8 @@ async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkO
     readers = {asyncio.ensure_future(_read_stream(requests, end, on_item))}
     if offer is not None:
         readers.add(asyncio.ensure_future(_read_carrier(offer, end, on_item)))
-    broke = True
     try:
-        broke = await _until_closed(readers)
+        await _until_closed(readers)
     finally:
         for reader in readers:
             reader.cancel()
@@ -328,7 +329,7 @@ async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkO
         end.broken = errors.Unavailable(f"{name}: the link was closed")
         if not end.decided.done():
             end.decided.set_result(None)  # a sender waiting for the opener's choice finds the link broken
-        on_closed(end, broke)
+        on_closed(end)
 
 
 async def _answer(opening: shard_pb2.LinkOpen, end: _AnsweringEnd,
@@ -350,20 +351,19 @@ async def _answer(opening: shard_pb2.LinkOpen, end: _AnsweringEnd,
     return answer, None
 
 
-async def _until_closed(readers: set[asyncio.Future]) -> bool:
-    """Waits for the link's readers; True when it broke, False when the opener finished its stream."""
+async def _until_closed(readers: set[asyncio.Future]) -> None:
+    """Waits until one of the link's readers ended it (raising what ended that reader)."""
     while readers:
         done, readers = await asyncio.wait(readers, return_when=asyncio.FIRST_COMPLETED)
         for reader in done:
             if reader.result() != "declined":  # raises what ended the reader
-                return reader.result() == "broke"
-    return True
+                return
 
 
 async def _read_stream(requests, end: _AnsweringEnd, on_item) -> str:
     """Reads items from the gRPC stream until the opener finishes it."""
     await _deliver(_declines_taken(requests, end), end, on_item)
-    return "finished"
+    return "ended"
 
 
 async def _declines_taken(requests, end: _AnsweringEnd) -> AsyncIterator[Frame]:
@@ -387,7 +387,7 @@ async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> s
     end.carry(local, end.reads_packed)
     end.decided.set_result(None)
     await _deliver_carried(local, end, on_item)
-    return "broke"
+    return "ended"
 
 
 async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:

@@ -39,7 +39,7 @@ class EchoShard:
                 return
             asyncio.ensure_future(end.send(message, tensor))
         await link.serve(requests, context, "echo shard", lambda opening, end: self.ends.append(end), on_item,
-                         lambda end, broke: None, self.listener)
+                         lambda end: None, self.listener)
 
 
 async def echo_server(listener: carrier.Listener | None):

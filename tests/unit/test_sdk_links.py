@@ -12,7 +12,7 @@ from client_sdk.links import SdkLinks
 from shardtrain import errors, link
 from shardtrain.v1 import shard_pb2
 
-BROKE = errors.Unavailable("shard at 127.0.0.1:1 (stage 1) is unavailable: its link to this shard broke")
+BROKE = errors.Unavailable("shard at 127.0.0.1:1 (stage 1) is unavailable: its link to this shard ended")
 
 
 def waits(links: SdkLinks, outputs=(), backwards=(), optimizer_steps=()) -> dict:
@@ -62,4 +62,4 @@ def test_the_failure_raised_is_the_reported_one():
         links._on_item(None, link.error_item(None, BROKE, "shard 127.0.0.1:2 (stage 2)", through_step=5), None)
         return output.exception()
     raised = asyncio.run(run())
-    assert isinstance(raised, errors.Unavailable) and "its link to this shard broke" in str(raised)
+    assert isinstance(raised, errors.Unavailable) and "its link to this shard ended" in str(raised)
