@@ -233,7 +233,8 @@ class Stage:
             self._optimizer.step()
             self.last_step_seconds = time.perf_counter() - start
 
-    def step_ahead(self, zero_grad: bool, verdict: Callable[[], str | None] = lambda: None) -> StepUndo | StepDone | None:
+    def step_ahead(self, zero_grad: bool,
+                   verdict: Callable[[], str | None] = lambda: None) -> StepUndo | StepDone | None:
         """Applies an optimizer step before it is known that every stage will (see shard_service/loop.py), and
         returns what undoes it. A step whose optimizer raises is undone here, so it leaves nothing half-applied.
 
