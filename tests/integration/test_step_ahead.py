@@ -127,8 +127,8 @@ def test_steps_applied_ahead_are_undone_on_every_later_stage_when_the_first_stag
     # Stage 0 passes the step's notice down, stages 1 and 2 apply the step ahead, then stage 0 dies before
     # its verdict. Stage 1 sees its link from stage 0 break; stage 2 does not (stage 1 is still there), so
     # unless stage 1 withdraws the step from it, stage 2 would keep a step that stage 1 undid.
-    # With the links on gRPC streams only (as between hosts), stage 1 sees the killed stage's stream end as if
-    # it had been closed: only the missing close item says it broke (it never did before that item).
+    # With the links on gRPC streams only (as between hosts), the killed stage's stream may end at stage 1 just
+    # as a closed one does: stage 1 takes either for the stage going away (LinkedLoop.closed).
     with three_shards("on", local_links) as cluster:
         torch.manual_seed(0)
         model = cluster.deploy(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1)), optimizer=ADAM,
