@@ -201,10 +201,7 @@ class SdkLinks:
         links, self._links = self._links, {}
         for client in links.values():
             await client.close()
-        cancelled = errors.FailedPrecondition(f"deployment {self._deployment_id}: the client closed")
-        for pending in (self._outputs, self._backwards, self._settles):
-            for future in pending.values():
-                _resolve(future, None, cancelled)
+        self._link_broke(errors.FailedPrecondition(f"deployment {self._deployment_id}: the client closed"), None)
         self._ends_with.clear()
 
 

@@ -100,9 +100,7 @@ class LocalServices:
         try:
             coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", "127.0.0.1:0"])
             self.coordinator_address = f"127.0.0.1:{coordinator.wait_ready(startup_timeout)['port']}"
-            shards = [self._start(f"shard-{i}", ["-m", "shard_service", "--coordinator", self.coordinator_address,
-                                                 "--bind", "127.0.0.1:0", "--device", device, *shard_flags])
-                      for i in range(num_shards)]
+            shards = [self._start_shard(i, device, shard_flags) for i in range(num_shards)]
             self.shard_addresses = [shard.wait_ready(startup_timeout)["address"] for shard in shards]
         except BaseException:
             self.stop()
@@ -111,11 +109,14 @@ class LocalServices:
     def add_shard(self, flags: Sequence[str] = (), device: str = "cpu", timeout: float = 120.0) -> Service:
         """Starts one more shard with its own `flags` and returns it once it serves. It registers after every
         shard before it, and the coordinator places stages in registration order."""
-        shard = self._start(f"shard-{len(self.shard_addresses)}",
-                            ["-m", "shard_service", "--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0",
-                             "--device", device, *flags])
+        shard = self._start_shard(len(self.shard_addresses), device, flags)
         self.shard_addresses.append(shard.wait_ready(timeout)["address"])
         return shard
+
+    def _start_shard(self, index: int, device: str, flags: Sequence[str]) -> Service:
+        """Starts shard `index` (not waiting for it to serve), registering with this coordinator."""
+        return self._start(f"shard-{index}", ["-m", "shard_service", "--coordinator", self.coordinator_address,
+                                              "--bind", "127.0.0.1:0", "--device", device, *flags])
 
     def _start(self, name: str, argv: list[str]) -> Service:
         service = Service(name, argv, self.log_dir, self._env)
