@@ -25,7 +25,7 @@ seed's residual model, as bench.train_step does.
 A trap this avoids: the package installed for development (`pip install -e .`) finds `shardtrain`
 in this checkout whatever the current directory, so a child pointed at another worktree by its
 directory alone runs this checkout's shardtrain (and with PYTHONPATH set to this checkout, all of
-it). Each child here has PYTHONPATH set to its worktree and the worktree's `protos/`.
+it). Each child here has PYTHONPATH set to its worktree (and its `protos/`, for trees of the older layout).
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def _child(model_name: str, batch: int, steps: int) -> None:
 
 
 def child_env(tree: pathlib.Path) -> dict[str, str]:
-    """The environment of a process that must run `tree`'s code: its protos/ (where shardtrain lives) comes before
-    the development install's finder, which would find this checkout's."""
+    """The environment of a process that must run `tree`'s code: the tree itself, and its protos/ (where older
+    trees kept `shardtrain`), come before the development install's finder, which would find this checkout's."""
     return {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'protos'}"}
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GENERATED = ROOT / "protos" / "shardtrain" / "v1"
+GENERATED = ROOT / "shardtrain" / "v1"
 
 
 def test_committed_stubs_match_the_protos(tmp_path):

@@ -27,7 +27,7 @@ def test_two_revisions_train_in_alternating_rounds_and_leave_no_worktree(capsys)
 
 def test_a_child_runs_the_code_of_its_own_tree(tmp_path):
     """The trap: with the package installed for development, shardtrain comes from this checkout unless the
-    child's path names the worktree's protos/ first (as a child started from the worktree alone would)."""
+    child's path names the worktree first (as a child started from the worktree alone would)."""
     tree = tmp_path / "tree"
     subprocess.run(["git", "-C", str(ab.ROOT), "worktree", "add", "--detach", "--quiet", str(tree), "HEAD"],
                    check=True)
