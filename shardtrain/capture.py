@@ -3,7 +3,8 @@
 `torch.export.load` falls back to `torch.load(weights_only=False)` and the serialized program it
 reads is trusted input (operator names resolved by getattr, guard strings exec'd, node names
 pasted into generated source). So a shard never calls it: it checks every string in the program
-against an allow-list first, then hands the deserializer weights it received as plain tensors.
+against an allow-list first, every operator against the allow-list of pure tensor operators
+(shardtrain/operators.py), then hands the deserializer weights it received as plain tensors.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import torch
 from torch._export.serde import schema as export_schema
 from torch._export.serde import serialize as export_serde
 
+from shardtrain import operators
 from shardtrain.errors import InvalidArgument
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?")
-_OPERATOR = re.compile(r"torch\.ops\.(aten|prims)\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operator\.getitem")
+_OPERATOR = re.compile(r"torch\.ops\.aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operator\.[a-z_]+")
 # sympy's srepr of shape symbols, e.g. Symbol('s77', positive=True, integer=True); no dots or
 # underscores, so nothing can reach an attribute, and no powers or long numbers, so sympy cannot be
 # made to compute for minutes (Integer(9)**9**9**9).
 _SYMPY_TOKEN = re.compile(r"\s*(Symbol|Integer|Add|Mul|Max|Min|FloorDiv|Mod|CeilToInt|positive|integer|"
+                          r"GreaterThan|LessThan|StrictGreaterThan|StrictLessThan|Equality|Unequality|"
                           r"nonnegative|True|False|'[a-z]\d{1,6}'|\d{1,12}|[()=,+\-/]|\*(?!\*))")
 # e.g. L['x'].size()[0] == L['res'].size()[0]  or  L['x'].size()[1] >= 2
 _GUARD_TERM = r"(L\['[A-Za-z_][A-Za-z0-9_]*'\](\[\d+\])?\.size\(\)\[\d+\]|\d+)"
@@ -37,6 +40,9 @@ _NAME_KEYS = {"name", "parameter_name", "buffer_name", "tensor_constant_name", "
 _FREE_TEXT_KEYS = {"as_string", "torch_version"}  # string constants: emitted with repr(), never parsed
 _TREESPEC_KEYS = {"in_spec", "out_spec"}  # pytree specs, themselves JSON
 _TREESPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict"}
+MAX_PROGRAM_BYTES = 32 << 20  # one layer's serialized graph; a transformer block's is about 100 KB
+MAX_STRING = 4096             # characters in any one string of a program
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,9 @@ def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...])
 
 
 def _check_string(key: str, value: str, path: str) -> None:
+    if len(value) > MAX_STRING:
+        raise InvalidArgument(f"captured program: {path} is a string of {len(value)} characters; "
+                              f"at most {MAX_STRING} are allowed")
     if key == "target":
         ok = _OPERATOR.fullmatch(value) is not None
     elif key == "expr_str":
@@ -134,9 +143,13 @@ def _check_tree(node: Any, key: str = "", path: str = "program") -> None:
             _check_tree(child, key, f"{path}[{index}]")
     elif isinstance(node, str):
         _check_string(key, node, path)
+    elif isinstance(node, int) and not _INT64[0] <= node <= _INT64[1]:
+        raise InvalidArgument(f"captured program: {path} = {str(node)[:40]} does not fit in 64 bits")
 
 
 def _parse_program(program: bytes) -> dict:
+    if len(program) > MAX_PROGRAM_BYTES:
+        raise InvalidArgument(f"captured program is {len(program)} bytes; at most {MAX_PROGRAM_BYTES} are allowed")
     try:
         tree = json.loads(program)
     except (ValueError, RecursionError) as error:
@@ -153,6 +166,12 @@ def _parse_program(program: bytes) -> dict:
         raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
     body = {k: v for k, v in tree.items() if k != "guards_code"}
     _check_tree(body)
+    try:
+        operators.check_graph(tree["graph_module"])
+    except InvalidArgument:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as error:
+        raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
     return tree
 
 
@@ -208,12 +227,17 @@ def _without_input_checks(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _check_targets(exported: torch.export.ExportedProgram) -> None:
-    import operator
-
+    """The built graph calls what the checked program named: allowed operators only (a second look)."""
     for node in exported.graph.nodes:
-        if node.op == "call_function" and not (
-                isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
-            raise InvalidArgument(f"captured program calls {node.target!r}; only torch operators are allowed")
+        if node.op == "call_function":
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+                why = operators.refusal(target._schema.name.removeprefix("aten::"), target._schema)
+            else:
+                allowed = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
+                why = None if allowed in operators.ALLOWED_PYTHON else "is not an allowed operator"
+            if why is not None:
+                raise InvalidArgument(f"captured program calls {target!r}, which {why}")
         if node.op in ("call_module", "call_method"):
             raise InvalidArgument(f"captured program has a {node.op} node; only torch operators are allowed")
 

@@ -1,0 +1,57 @@
+"""A deploy whose captured program reaches for the shard's host is refused, and the cluster keeps training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import layers as layer_tools
+from shardtrain import errors
+from shardtrain.v1 import coordinator_pb2, shard_pb2
+from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+
+
+class Counts(nn.Module):
+    """Adds the sum of seven ones: the node a hostile client turns into from_file(path, size=7)."""
+
+    def forward(self, x):
+        return x + torch.ones(7, dtype=torch.uint8).float().sum()
+
+
+def hostile_request(path: str, shared: bool) -> coordinator_pb2.DeployRequest:
+    """What the SDK would deploy for Linear -> Counts -> Linear, with Counts' ones() made from_file(path)."""
+    net = nn.Sequential(nn.Linear(3, 4), Counts(), nn.Linear(4, 1))
+    module = layer_tools.as_module(net)
+    layers = layer_tools.capture_model(module, layer_tools.layers_of(module), None)
+    tree = json.loads(layers[1].program)
+    node = next(n for n in tree["graph_module"]["graph"]["nodes"] if n["target"] == "torch.ops.aten.ones.default")
+    node["target"] = "torch.ops.aten.from_file.default"
+    node["inputs"] = [{"name": "filename", "arg": {"as_string": path}, "kind": 1},
+                      {"name": "shared", "arg": {"as_bool": shared}, "kind": 1},
+                      {"name": "size", "arg": {"as_int": 7}, "kind": 1}]
+    layers[1].program = json.dumps(tree).encode()
+    return coordinator_pb2.DeployRequest(layers=layers, optimizer=shard_pb2.OptimizerSpec(name="SGD",
+                                                                                           kwargs_json='{"lr": 0.1}'),
+                                         partition=coordinator_pb2.PartitionSpec(num_stages=3))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_program_that_opens_a_file_is_refused_and_training_goes_on(cluster4, tmp_path, shared):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET!")
+    request = hostile_request(str(secret), shared)
+    with pytest.raises(errors.InvalidArgument, match=r"from_file.default'?, which reads or writes outside"):
+        cluster4._io.run(cluster4._coordinator.call("Deploy", request))
+    assert secret.read_bytes() == b"SECRET!"
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    optimizer = (torch.optim.SGD, {"lr": 0.05})
+    batches = regression_batches(steps=3, batch=4, features=3)
+    expected = train_locally(net, batches, optimizer)
+    model = cluster4.deploy(net, optimizer=optimizer, num_stages=3)
+    train_remotely(model, batches)
+    assert largest_difference(model.state_dict(), expected) < 1e-5

@@ -1,0 +1,256 @@
+"""A shipped program may only compute: the operator allow-list, the schema check and the write rule."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._export.serde import serialize as export_serde
+
+from shardtrain import operators
+from shardtrain.capture import MAX_PROGRAM_BYTES, MAX_STRING, CapturedProgram, LayerAdapter, capture_layer
+from shardtrain.errors import InvalidArgument
+
+
+def program_of(module: nn.Module, *example: torch.Tensor) -> bytes:
+    return capture_layer(LayerAdapter(module), example)
+
+
+def tree_of(module: nn.Module, *example: torch.Tensor) -> dict:
+    return json.loads(program_of(module, *example))
+
+
+def dumps(tree: dict) -> bytes:
+    return json.dumps(tree).encode()
+
+
+def nodes(tree: dict) -> list[dict]:
+    return tree["graph_module"]["graph"]["nodes"]
+
+
+def node_calling(tree: dict, target: str) -> dict:
+    return next(node for node in nodes(tree) if node["target"] == target)
+
+
+def aten_operators():
+    """Every aten operator overload in this torch's registry, with its packet name."""
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = qualified.partition("::")
+        packet, _, overload = rest.partition(".")
+        if namespace == "aten" and hasattr(torch.ops.aten, packet):
+            operator = getattr(getattr(torch.ops.aten, packet), overload or "default", None)
+            if isinstance(operator, torch._ops.OpOverload):
+                yield packet, overload or "default", operator
+
+
+def touches_the_host(packet: str, schema) -> bool:
+    """Operators that name a file, take a storage or stream, print, or re-point or resize a tensor's memory."""
+    if re.search(r"file|storage|print|save|load|resize|^set_?$", packet):
+        return True
+    return any("Storage" in str(a.type) or "Stream" in str(a.type) or
+               (str(a.type).removesuffix("?") == "str" and a.name in ("filename", "path", "file", "s"))
+               for a in (*schema.arguments, *schema.returns))
+
+
+def test_every_listed_operator_exists_in_torch_and_is_not_refused_by_name():
+    for packet in operators.ALLOWED_ATEN:
+        assert getattr(torch.ops.aten, packet).overloads(), packet
+        assert all(not pattern.search(packet) for pattern, _ in operators._DENIED), packet
+
+
+def test_every_operator_of_the_registry_that_touches_files_storages_or_output_is_refused():
+    host_reaching = [(p, o, op) for p, o, op in aten_operators() if touches_the_host(p, op._schema)]
+    assert {"from_file", "_print", "set_", "record_stream", "resize_"} <= {p for p, _, _ in host_reaching}
+    for packet, overload, _ in host_reaching:
+        with pytest.raises(InvalidArgument, match="captured program calls"):
+            operators.resolve(f"torch.ops.aten.{packet}.{overload}")
+
+
+def test_operators_of_every_other_namespace_in_the_registry_are_refused():
+    namespaces = {name.partition("::")[0] for name in torch._C._dispatch_get_all_op_names()} - {"aten"}
+    assert {"c10d", "_c10d_functional", "prims"} <= namespaces
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = qualified.partition("::")
+        if namespace != "aten":
+            target = f"torch.ops.{namespace}.{rest.partition('.')[0]}.{rest.partition('.')[2] or 'default'}"
+            with pytest.raises(InvalidArgument, match="only aten operators"):
+                operators.resolve(target)
+
+
+def test_from_file_is_refused_by_name_and_by_schema_even_if_someone_lists_it(monkeypatch):
+    schema = torch.ops.aten.from_file.default._schema
+    monkeypatch.setattr(operators, "ALLOWED_ATEN", operators.ALLOWED_ATEN | {"from_file", "load_file"})
+    assert "outside the computation" in operators.refusal("from_file", schema)
+    monkeypatch.setattr(operators, "_DENIED", ())
+    assert operators.refusal("from_file", schema) == "takes a string argument 'filename'"
+
+
+def test_uninitialized_memory_is_refused_with_what_to_use_instead():
+    with pytest.raises(InvalidArgument, match="uninitialized memory .*zeros_like"):
+        operators.resolve("torch.ops.aten.empty_like.default")
+
+
+def test_unlisted_and_unknown_operators_are_refused():
+    with pytest.raises(InvalidArgument, match="not on the allow-list"):
+        operators.resolve("torch.ops.aten.lu_unpack.default")
+    with pytest.raises(InvalidArgument, match="does not have"):
+        operators.resolve("torch.ops.aten.linear.no_such_overload")
+    with pytest.raises(InvalidArgument, match="only aten operators"):
+        operators.resolve("builtins.eval")
+
+
+class Zoo(nn.Module):
+    """Layers users build models from: convolutions, norms, attention, recurrences, in-place activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.1)
+        self.gru = nn.GRU(16, 16, batch_first=True)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        features = self.conv(x).reshape(x.shape[0], 1, 16)
+        out, _ = self.gru(self.block(features.repeat(1, 3, 1)))
+        return nn.functional.gelu(self.norm(out)).mean(1)
+
+
+@pytest.mark.filterwarnings("ignore:The tensor attributes")  # export's note on nn.GRU's flat weights
+def test_common_layers_pass_the_checks_and_rebuild_to_the_same_function():
+    torch.manual_seed(0)
+    zoo = Zoo().eval()
+    rebuilt = CapturedProgram(program_of(zoo, torch.randn(2, 3, 8, 8))).load(
+        {f"layer.{k}": v for k, v in zoo.state_dict(keep_vars=True).items()})
+    x = torch.randn(5, 3, 8, 8)
+    assert torch.allclose(rebuilt(x), zoo(x), atol=1e-6)
+
+
+class Tracked(nn.Module):
+    """BatchNorm (writes its running statistics and counter) followed by an in-place ReLU on its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return torch.relu_(self.norm(x))
+
+
+@pytest.fixture
+def tracked() -> dict:
+    return tree_of(Tracked(), torch.randn(3, 4))
+
+
+def test_writes_into_buffers_and_into_the_graphs_own_results_are_allowed(tracked):
+    CapturedProgram(dumps(tracked))
+
+
+def test_an_in_place_write_into_the_user_input_is_refused(tracked):
+    node_calling(tracked, "torch.ops.aten.relu_.default")["inputs"][0]["arg"] = {"as_tensor": {"name": "x"}}
+    with pytest.raises(InvalidArgument, match=r"relu_.default writes into 'x', a user input"):
+        CapturedProgram(dumps(tracked))
+
+
+def test_an_in_place_write_into_a_parameter_is_refused(tracked):
+    counter = node_calling(tracked, "torch.ops.aten.add_.Tensor")
+    counter["inputs"][0]["arg"] = {"as_tensor": {"name": "p_layer_norm_weight"}}
+    with pytest.raises(InvalidArgument, match="writes into 'p_layer_norm_weight', a parameter"):
+        CapturedProgram(dumps(tracked))
+
+
+def test_running_statistics_must_be_buffers_even_though_the_schema_does_not_say_batch_norm_writes_them(tracked):
+    batch_norm = node_calling(tracked, "torch.ops.aten.batch_norm.default")
+    running_mean = next(entry for entry in batch_norm["inputs"] if entry["name"] == "running_mean")
+    running_mean["arg"] = {"as_tensor": {"name": "p_layer_norm_bias"}}
+    with pytest.raises(InvalidArgument, match="writes into 'p_layer_norm_bias', a parameter"):
+        CapturedProgram(dumps(tracked))
+
+
+class WritesThroughAView(nn.Module):
+    def forward(self, x):
+        x.view(-1).add_(1)
+        return x * 2
+
+
+def test_an_in_place_write_through_a_view_of_the_input_is_refused():
+    with pytest.raises(InvalidArgument, match="add_.Tensor writes into 'view', a user input"):
+        CapturedProgram(program_of(WritesThroughAView(), torch.randn(3, 4)))
+
+
+class SizeArithmetic(nn.Module):
+    def forward(self, x):
+        return x.reshape(x.shape[0] * 2, -1) + x.shape[0]
+
+
+def test_arithmetic_on_symbolic_sizes_is_allowed():
+    rebuilt = CapturedProgram(program_of(SizeArithmetic(), torch.randn(4, 4))).load({})
+    assert rebuilt(torch.ones(3, 4)).shape == (6, 2)
+
+
+def stealing_program(path: str, shared: bool) -> dict:
+    """A real layer's program whose ones() became from_file(path): what a hostile client would send."""
+    class Counts(nn.Module):
+        def forward(self, x):
+            return x + torch.ones(7, dtype=torch.uint8).float().sum()
+
+    tree = tree_of(Counts(), torch.randn(2, 3))
+    node = node_calling(tree, "torch.ops.aten.ones.default")
+    node["target"] = "torch.ops.aten.from_file.default"
+    node["inputs"] = [{"name": "filename", "arg": {"as_string": path}, "kind": 1},
+                      {"name": "shared", "arg": {"as_bool": shared}, "kind": 1},
+                      {"name": "size", "arg": {"as_int": 7}, "kind": 1},
+                      {"name": "dtype", "arg": {"as_scalar_type": 1}, "kind": 2}]
+    return tree
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_program_that_reads_a_file_is_refused_before_anything_is_built(tmp_path, shared):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET!")
+    with pytest.raises(InvalidArgument, match=r"from_file.default'?, which reads or writes outside"):
+        CapturedProgram(dumps(stealing_program(str(secret), shared)))
+    assert secret.read_bytes() == b"SECRET!"
+
+
+def test_a_graph_with_too_many_operator_calls_is_refused(tracked, monkeypatch):
+    monkeypatch.setattr(operators, "MAX_NODES", 2)
+    with pytest.raises(InvalidArgument, match=r"has 3 operator calls; at most 2"):
+        CapturedProgram(dumps(tracked))
+
+
+def test_an_overlong_string_is_refused(tracked):
+    nodes(tracked)[0]["inputs"][0]["arg"] = {"as_string": "a" * (MAX_STRING + 1)}
+    with pytest.raises(InvalidArgument, match=f"string of {MAX_STRING + 1} characters"):
+        CapturedProgram(dumps(tracked))
+
+
+def test_an_integer_beyond_64_bits_is_refused(tracked):
+    node_calling(tracked, "torch.ops.aten.add_.Tensor")["inputs"][1]["arg"] = {"as_int": 1 << 70}
+    with pytest.raises(InvalidArgument, match="does not fit in 64 bits"):
+        CapturedProgram(dumps(tracked))
+
+
+def test_an_oversized_program_is_refused_unread():
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_PROGRAM_BYTES} are allowed"):
+        CapturedProgram(b" " * (MAX_PROGRAM_BYTES + 1))
+
+
+def test_the_built_graph_is_checked_again(monkeypatch):
+    """Should the deserializer ever build a call the serialized names did not show, the second look refuses it."""
+    program = program_of(SizeArithmetic(), torch.randn(4, 4))
+    loaded = CapturedProgram(program)
+    monkeypatch.setattr(operators, "ALLOWED_PYTHON", frozenset({"_operator.getitem"}))
+    with pytest.raises(InvalidArgument, match="_operator.mul|built-in function mul"):
+        loaded.load({})
+
+
+def test_export_names_python_size_arithmetic_as_the_allow_list_spells_it():
+    tree = json.loads(export_serde.serialize(torch.export.export(
+        SizeArithmetic(), (torch.randn(4, 4),), dynamic_shapes={"x": {0: torch.export.Dim("b")}})).exported_program)
+    targets = {node["target"] for node in nodes(tree)}
+    assert "_operator.mul" in targets and targets - {"_operator.mul"} <= {
+        f"torch.ops.aten.{name}" for name in ("sym_size.int", "reshape.default", "add.Tensor")}
