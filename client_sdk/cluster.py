@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
 import warnings
 from collections.abc import Sequence
 
@@ -44,11 +46,15 @@ class Cluster:
               startup_timeout: float = 120.0, flush_denormal: bool = False) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
-        `security` (a token, TLS files) applies to the services and to this client alike.
+        `security` (a token, TLS files) applies to the services and to this client alike. Without a token
+        of yours the cluster makes a random one, so no other user of this host can call its services;
+        `cluster.security` carries it, for another client: Cluster.connect(address, cluster.security).
         `flush_denormal`: the shards' CPU arithmetic treats denormal floats as zero, as
         torch.set_flush_denormal(True) does in one process (`shardtrain shard --flush-denormal on`).
         """
         security = security or Security()
+        if not security.token:
+            security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
         flags = ["--flush-denormal", "on"] if flush_denormal else []
         services = LocalServices(num_shards, device, env=security_env(security), startup_timeout=startup_timeout,
                                  shard_flags=flags)

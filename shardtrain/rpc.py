@@ -61,9 +61,23 @@ def new_server(security: Security) -> grpc.aio.Server:
 
 
 def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
-    """Binds the server (TLS when security names a certificate) and returns the port it got."""
+    """Binds the server (TLS when security names a certificate) and returns the port it got.
+
+    Without a token a server listens on loopback only, and never over TLS (which proves the server to its
+    callers, not the callers to it), unless security says allow_unauthenticated.
+    """
     if bool(security.tls_cert) != bool(security.tls_key):
         raise errors.InvalidArgument("TLS needs both --tls-cert and --tls-key")
+    if not security.token and not security.allow_unauthenticated:
+        if security.tls_cert:
+            raise errors.FailedPrecondition(
+                "TLS without a token authenticates nobody: give every service and client the same token "
+                "(--auth-token-file or SHARDTRAIN_AUTH_TOKEN), or pass --allow-unauthenticated")
+        if not is_loopback(address):
+            raise errors.FailedPrecondition(
+                f"refusing to serve {address} without a token: anyone who reaches the port could load programs "
+                "and read weights; give every service and client the same token (--auth-token-file or "
+                "SHARDTRAIN_AUTH_TOKEN), bind 127.0.0.1, or pass --allow-unauthenticated")
     if not security.tls_cert:
         port = server.add_insecure_port(address)
     else:
@@ -72,6 +86,14 @@ def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
     if port == 0:
         raise errors.Unavailable(f"could not bind {address}")
     return port
+
+
+def is_loopback(address: str) -> bool:
+    """True when a bind address (host:port, [v6]:port or unix:path) is reachable from this host only."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _coders(descriptor) -> tuple[Callable, Callable]:

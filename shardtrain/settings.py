@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
 ENV_PREFIX = "SHARDTRAIN_"
+
+log = logging.getLogger("shardtrain.settings")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Security:
     tls_key: str = ""         # PEM private key of this server
     tls_ca: str = ""          # PEM roots a client trusts; set it to talk TLS to the services
     tls_server_name: str = ""  # overrides the name checked against the server's certificate
+    allow_unauthenticated: bool = False  # a server may listen beyond loopback, or over TLS, with no token
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -80,6 +84,9 @@ def _env(env: Mapping[str, str], name: str, default: str = "") -> str:
 
 
 def _read_token(args: argparse.Namespace) -> str:
+    if args.auth_token:
+        log.warning("--auth-token puts the token where every user of this host can read it (ps, /proc); "
+                    "prefer --auth-token-file or the SHARDTRAIN_AUTH_TOKEN variable")
     for token, token_file in ((args.auth_token, args.auth_token_file), (args.env_token, args.env_token_file)):
         if token:
             return token
@@ -98,12 +105,16 @@ def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
     parser.add_argument("--tls-key", default=_env(env, "TLS_KEY"))
     parser.add_argument("--tls-ca", default=_env(env, "TLS_CA"))
     parser.add_argument("--tls-server-name", default=_env(env, "TLS_SERVER_NAME"))
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        default=_env(env, "ALLOW_UNAUTHENTICATED") in ("1", "true", "on"),
+                        help="serve callers without a token on a non-loopback address or over TLS (by default a "
+                             "server there refuses to start without a token: TLS alone authenticates nobody)")
 
 
 def security_from(args: argparse.Namespace) -> Security:
     """The Security object that add_security_flags' flags describe."""
-    return Security(token=_read_token(args), tls_cert=args.tls_cert,
-                    tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name)
+    return Security(token=_read_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                    tls_server_name=args.tls_server_name, allow_unauthenticated=args.allow_unauthenticated)
 
 
 def security_from_env(env: Mapping[str, str] | None = None) -> Security:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,62 @@ def test_wrong_or_missing_token_is_unauthenticated():
         for token in ("", "wrong"):
             with pytest.raises(errors.Unauthenticated, match="auth token"):
                 Cluster.connect(cluster.address, security=Security(token=token))
+
+
+def test_a_local_cluster_is_never_open_to_callers_without_its_token():
+    with Cluster.local(num_shards=1) as cluster:
+        token = cluster.security.token
+        assert len(token) >= 32
+        with pytest.raises(errors.Unauthenticated, match="auth token"):
+            Cluster.connect(cluster.address, security=Security())
+        with Cluster.connect(cluster.address, security=cluster.security) as other:
+            shard = other.shards()[0].address
+            assert [s.address for s in other.shards()] == cluster._services.shard_addresses
+        for pid in cluster._services.pids:  # the token travels in the environment, never on a command line
+            assert token not in open(f"/proc/{pid}/cmdline").read()
+        stranger = subprocess.run([sys.executable, "-c", STRANGER, shard], capture_output=True, text=True,
+                                  timeout=60, env=without_shardtrain_variables())
+        assert stranger.returncode != 0 and "Unauthenticated" in stranger.stderr, stranger.stderr[-500:]
+
+
+STRANGER = """
+import asyncio, sys
+from shardtrain import rpc
+from shardtrain.settings import Security
+from shardtrain.v1 import shard_pb2
+
+async def describe():
+    peer = rpc.Peer("shard", sys.argv[1], rpc.SHARD_SERVICE, Security(), 10)
+    await peer.call("Describe", shard_pb2.DescribeRequest())
+
+asyncio.run(describe())
+"""
+
+
+def without_shardtrain_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHARDTRAIN_")}
+
+
+def serve_briefly(*flags: str) -> subprocess.CompletedProcess:
+    """Runs `shardtrain coordinator` with `flags` until it is ready or exits; stops it if it started."""
+    process = subprocess.Popen(["shardtrain", "coordinator", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=without_shardtrain_variables())
+    ready = process.stdout.readline()
+    process.terminate()
+    _, stderr = process.communicate(timeout=30)
+    return subprocess.CompletedProcess(process.args, process.returncode, ready, stderr)
+
+
+def test_a_service_without_a_token_refuses_to_listen_beyond_loopback():
+    refused = serve_briefly("--bind", "0.0.0.0:0")
+    assert '"ready"' not in refused.stdout and "refusing to serve 0.0.0.0:0 without a token" in refused.stderr
+    assert '"ready"' in serve_briefly("--bind", "0.0.0.0:0", "--allow-unauthenticated").stdout
+    assert '"ready"' in serve_briefly("--bind", "127.0.0.1:0").stdout
+
+
+def test_a_token_on_the_command_line_works_and_is_warned_about():
+    started = serve_briefly("--bind", "0.0.0.0:0", "--auth-token", "visible-in-ps")
+    assert '"ready"' in started.stdout and "--auth-token puts the token where every user" in started.stderr
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")

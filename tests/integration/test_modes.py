@@ -14,7 +14,6 @@ from torch import nn
 from shardtrain import rpc, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import OUTPUT
-from shardtrain.settings import Security
 from shardtrain.v1 import shard_pb2
 from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
 
@@ -158,8 +157,8 @@ def test_a_forward_call_in_eval_mode_from_another_language(cluster4):
 
     async def forward_by_call() -> torch.Tensor:
         addresses = [placement.shard_address for placement in model.placements]
-        first = rpc.Peer("stage 0", addresses[0], rpc.SHARD_SERVICE, Security(), timeout=30)
-        last = rpc.Peer("last stage", addresses[-1], rpc.SHARD_SERVICE, Security(), timeout=30)
+        first = rpc.Peer("stage 0", addresses[0], rpc.SHARD_SERVICE, cluster4.security, timeout=30)
+        last = rpc.Peer("last stage", addresses[-1], rpc.SHARD_SERVICE, cluster4.security, timeout=30)
         try:
             key = shard_pb2.StepKey(deployment_id=model.deployment_id, step=10_000)
             header = shard_pb2.ForwardHeader(key=key, eval_mode=True)

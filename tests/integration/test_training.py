@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -106,7 +107,7 @@ def test_custom_layer_class_defined_in_main_trains(cluster4, tmp_path):
     script = tmp_path / "custom_layer.py"
     script.write_text(CUSTOM_LAYER_SCRIPT)
     done = subprocess.run([sys.executable, str(script), cluster4.address], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "SHARDTRAIN_AUTH_TOKEN": cluster4.security.token})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["difference"] <= 1e-5

@@ -17,9 +17,9 @@ from tests.integration.training import SKIP_A_STAGE, largest_difference, regress
 SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 
-async def train_by_calls(addresses: list[str], deployment_id: str, batches) -> None:
+async def train_by_calls(addresses: list[str], deployment_id: str, batches, security: Security) -> None:
     """The loop as plain calls: what an SDK without Links would send for each step."""
-    stages = [rpc.Peer(f"stage {i}", address, rpc.SHARD_SERVICE, Security(), timeout=30)
+    stages = [rpc.Peer(f"stage {i}", address, rpc.SHARD_SERVICE, security, timeout=30)
               for i, address in enumerate(addresses)]
     try:
         for optimizer_step, (x, y) in enumerate(batches, start=1):
@@ -45,5 +45,5 @@ def test_forward_fetch_backward_step_calls_match_one_process(cluster4):
     batches = regression_batches(steps=10, batch=8, features=3)
     model = cluster4.deploy(reference, optimizer=SGD, split_points=[2, 4])
     addresses = [placement.shard_address for placement in model.placements]
-    model._io.run(train_by_calls(addresses, model.deployment_id, batches))
+    model._io.run(train_by_calls(addresses, model.deployment_id, batches, cluster4.security))
     assert largest_difference(model.state_dict(), train_locally(reference, batches, SGD)) <= 1e-5

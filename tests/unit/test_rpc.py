@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from shardtrain import errors
+from shardtrain import errors, rpc
 from shardtrain.errors import ERRORS
 from shardtrain.rpc import OpenedCalls, TokenInterceptor, boundary, translate
+from shardtrain.settings import Security
 
 
 def rpc_error(code: grpc.StatusCode, details: str | None) -> grpc.aio.AioRpcError:
@@ -217,3 +218,33 @@ def test_opened_calls_keep_at_most_their_limit_abandoning_the_oldest():
     assert calls.pop(0) is None and calls.pop(1) is second
     calls.abandon_where(lambda key: key >= 2)
     assert third.abandoned and calls.pop(2) is None
+
+
+@pytest.mark.parametrize("address, local", [
+    ("127.0.0.1:0", True), ("127.0.0.2:50051", True), ("localhost:1", True), ("[::1]:5", True),
+    ("unix:/tmp/socket", True), ("0.0.0.0:50051", False), ("[::]:1", False), ("10.1.2.3:5", False),
+    ("shard-0:50052", False)])
+def test_loopback_addresses_are_told_from_the_rest(address, local):
+    assert rpc.is_loopback(address) is local
+
+
+def bind_without_listening(address: str, security: Security) -> None:
+    async def attempt() -> None:
+        server = grpc.aio.server()
+        try:
+            rpc.bind(server, address, security)
+        finally:
+            await server.stop(None)
+    asyncio.run(attempt())
+
+
+def test_a_server_without_a_token_refuses_a_non_loopback_address_unless_allowed():
+    with pytest.raises(errors.FailedPrecondition, match="refusing to serve 0.0.0.0:0 without a token"):
+        bind_without_listening("0.0.0.0:0", Security())
+    bind_without_listening("0.0.0.0:0", Security(allow_unauthenticated=True))
+    bind_without_listening("0.0.0.0:0", Security(token="t"))
+
+
+def test_tls_without_a_token_refuses_to_start_even_on_loopback():
+    with pytest.raises(errors.FailedPrecondition, match="TLS without a token authenticates nobody"):
+        bind_without_listening("127.0.0.1:0", Security(tls_cert="/no/cert.pem", tls_key="/no/key.pem"))

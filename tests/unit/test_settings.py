@@ -201,3 +201,9 @@ def test_local_links_can_be_turned_off_by_flag_or_variable():
     assert shard_settings(["--coordinator", "c:1"], env={}).local_links
     assert not shard_settings(["--coordinator", "c:1", "--local-links", "off"], env={}).local_links
     assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_LOCAL_LINKS": "off"}).local_links
+
+
+def test_unauthenticated_serving_beyond_loopback_is_off_unless_a_flag_or_variable_allows_it():
+    assert not coordinator_settings([], {}).security.allow_unauthenticated
+    assert coordinator_settings(["--allow-unauthenticated"], {}).security.allow_unauthenticated
+    assert coordinator_settings([], {"SHARDTRAIN_ALLOW_UNAUTHENTICATED": "1"}).security.allow_unauthenticated
