@@ -229,7 +229,11 @@ class Peer:
         """Finds out (once) whether the peer shares this host's /dev/shm and user; False when in doubt."""
         if self.same_host or not shm.available():
             return self.same_host
-        path, token = shm.write_probe()
+        try:
+            path, token = shm.write_probe()
+        except OSError as error:
+            log.warning("%s: no room in shared memory for a probe (%s); tensors go by stream", self.name, error.strerror)
+            return False
         try:
             response = await self.call("ProbeSharedMemory", shard_pb2.ProbeSharedMemoryRequest(path=path))
         except errors.ShardtrainError as error:

@@ -19,6 +19,7 @@ the SDK's local cluster run, at start and at close: a segment whose creator pid 
 from __future__ import annotations
 
 import atexit
+import logging
 import mmap
 import os
 import re
@@ -43,6 +44,9 @@ DATA_OFFSET = 4096  # page aligned, so any dtype's view of the data is aligned
 MIN_BYTES = 64 << 10
 MAX_SEGMENTS = 64      # per sender; when all are busy, tensors go by stream instead
 STALE_AFTER_S = 600.0  # a segment busy this long belongs to a receiver that died: unlink, never reuse
+FULL_RETRY_S = 10.0    # after /dev/shm had no room, tensors go by stream this long before a segment is tried again
+
+log = logging.getLogger("shardtrain.shm")
 
 
 def available() -> bool:
@@ -65,15 +69,23 @@ def _new_path() -> str:
 
 
 class _Segment:
-    """One sender-owned file, mapped for writing."""
+    """One sender-owned file, mapped for writing.
+
+    Its pages are reserved when it is made (posix_fallocate): a file that was only sized would take
+    its pages at first write, and a full tmpfs answers that write with SIGBUS, which kills the process.
+    OSError (ENOSPC) here instead, with nothing left behind.
+    """
 
     def __init__(self, capacity: int):
         self.pid, self.number = os.getpid(), secrets.randbits(64)  # a packed item's handle (shardtrain/packed.py)
         self.path = _path(self.pid, self.number)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, DATA_OFFSET + capacity)
+            os.posix_fallocate(fd, 0, DATA_OFFSET + capacity)
             self.map = mmap.mmap(fd, DATA_OFFSET + capacity)
+        except OSError:
+            os.unlink(self.path)
+            raise
         finally:
             os.close(fd)
         self.capacity, self.generation, self.busy_since = capacity, 0, 0.0
@@ -105,6 +117,7 @@ class SegmentPool:
     def __init__(self, max_segments: int = MAX_SEGMENTS):
         self._segments: list[_Segment] = []
         self._max = max_segments
+        self._full_until = 0.0  # monotonic time before which no new segment is tried (/dev/shm was full)
         self._lock = threading.Lock()
         _live_pools.add(self)
 
@@ -133,9 +146,15 @@ class SegmentPool:
         fits = [s for s in self._segments if s.capacity >= nbytes and s.is_free()]
         if fits:
             return min(fits, key=lambda s: s.capacity)
-        if len(self._segments) >= self._max:
+        if len(self._segments) >= self._max or time.monotonic() < self._full_until:
             return None
-        segment = _Segment(max(nbytes, MIN_BYTES))
+        try:
+            segment = _Segment(max(nbytes, MIN_BYTES))
+        except OSError as error:
+            self._full_until = time.monotonic() + FULL_RETRY_S
+            log.warning("no room for a %d-byte shared segment in %s (%s): tensors go by stream for %g s",
+                        max(nbytes, MIN_BYTES) + DATA_OFFSET, DIRECTORY, error.strerror, FULL_RETRY_S)
+            return None
         self._segments.append(segment)
         return segment
 
@@ -270,11 +289,17 @@ _RECEIVED = Mappings()
 
 
 def write_probe() -> tuple[str, bytes]:
-    """A fresh segment holding a random token, for a peer to read back (ProbeSharedMemory)."""
+    """A fresh segment holding a random token, for a peer to read back (ProbeSharedMemory).
+
+    OSError when /dev/shm has no room for it (nothing is left behind): then there is no same-host path.
+    """
     path, token = _new_path(), secrets.token_bytes(16)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, token)
+    except OSError:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
     return path, token

@@ -165,3 +165,39 @@ def test_a_stale_generation_in_a_kept_mapping_is_data_loss(pool):
     gc.collect()
     with pytest.raises(DataLoss, match="generation"):
         mappings.view(path, offset, generation, nbytes)  # handed back: that handle is spent
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path, monkeypatch):
+    """/dev/shm stood in for by a 1 MiB tmpfs (needs root to mount, as the CI machine has)."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    monkeypatch.setattr(shm, "DIRECTORY", str(mount))
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_segment_that_does_not_fit_goes_by_stream_instead_of_killing_the_sender(small_tmpfs, monkeypatch):
+    pool = shm.SegmentPool()
+    try:
+        assert put(pool, torch.ones(1 << 19))[0] is None  # 2 MiB into 1 MiB: on a sized file, SIGBUS
+        assert not list(small_tmpfs.iterdir())
+        assert put(pool, torch.ones(1 << 14))[0] is None  # 64 KiB would fit, but the pool waits before trying
+        monkeypatch.setattr(shm, "FULL_RETRY_S", 0.0)
+        pool._full_until = 0.0
+        (path, offset, generation), nbytes = put(pool, torch.ones(1 << 14))
+        assert torch.equal(shm.open_segment(path, offset, generation, nbytes).view(torch.float32),
+                           torch.ones(1 << 14))
+    finally:
+        pool.close()
+
+
+def test_a_probe_that_does_not_fit_raises_and_leaves_nothing(small_tmpfs):
+    (small_tmpfs / "filler").write_bytes(b"\0" * (1 << 20))
+    with pytest.raises(OSError):
+        shm.write_probe()
+    assert [p.name for p in small_tmpfs.iterdir()] == ["filler"]
