@@ -74,6 +74,10 @@ class CoordinatorServicer:
 
     @boundary
     async def PlanSchedule(self, request, context):
+        if 2 * request.num_stages * request.microbatches > schedule.MAX_PLAN_ACTIONS:
+            raise InvalidArgument(f"a plan of {request.num_stages} stages x {request.microbatches} micro-batches has "
+                                  f"{2 * request.num_stages * request.microbatches} actions; at most "
+                                  f"{schedule.MAX_PLAN_ACTIONS} are planned at once")
         plans = [schedule.stage_actions(request.schedule, stage, request.num_stages, request.microbatches)
                  for stage in range(max(request.num_stages, 1))]
         return coordinator_pb2.PlanScheduleResponse(stages=[
@@ -102,9 +106,14 @@ class CoordinatorServicer:
             await shard.close()
 
 
+MAX_LAYERS = 10_000  # layers in one deploy; each is checked and shipped, so the count bounds the work
+
+
 def _check_layers(layers) -> None:
     if not layers:
         raise InvalidArgument("a deploy needs at least one layer")
+    if len(layers) > MAX_LAYERS:
+        raise InvalidArgument(f"a deploy of {len(layers)} layers; at most {MAX_LAYERS} are allowed")
     indexes = [layer.index for layer in layers]
     if indexes != list(range(len(layers))):
         raise InvalidArgument(f"layers must be numbered 0..{len(layers) - 1} in order, got {indexes[:10]}")

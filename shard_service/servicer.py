@@ -18,6 +18,7 @@ from shard_service.ordering import StepOrder
 from shard_service.pipeline import PipelineRun
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage, StepUndo
+from shard_service.stage_plan import check_load
 from shard_service.threads import ThreadChoice, lowest_priority, work_kind
 from shardtrain import carrier, link, losses, optim, shm, wire
 from shardtrain.capture import CapturedProgram
@@ -116,6 +117,7 @@ class ShardServicer:
 
     @boundary
     async def LoadStage(self, request, context):
+        check_load(request)
         sources = [LayerSource(layer.index, layer.description, layer.program,
                                Wiring(tuple(layer.dependencies), tuple(layer.out_variables)),
                                {entry.graph_key: entry.model_key for entry in layer.state}, layer.eval_program)
@@ -135,7 +137,9 @@ class ShardServicer:
         self._losses.clear()  # built for the previous deployment's last stage
         if self._averager is not None:
             self._averager.close()
-        self._averager = GradientAverager.for_plan(plan, stage, self.address, self.settings.timeouts.peer_wait)
+        # Off the event loop: joining a replica's rendezvous store blocks until it answers or times out.
+        self._averager = await asyncio.to_thread(GradientAverager.for_plan, plan, stage, self.address,
+                                                 self.settings.timeouts.peer_wait)
         self._order = StepOrder()
         self._backward_links.abandon_where(lambda key: True)
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,

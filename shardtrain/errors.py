@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
+MAX_MESSAGE = 2000  # characters of a status message; gRPC carries it in a header, whose size is bounded
+_TRACEBACK = re.compile(r"(Traceback \(most recent call last\)|Original traceback):.*", re.S)
+_SOURCE_LINE = re.compile(r'\s*File "[^"]*", line \d+')
+_SOURCE_PATH = re.compile(r"(?:/[^\s/:\"']+)+/([^\s/:\"']+\.py)")
+
 
 class ShardtrainError(Exception):
     """Base of every error shardtrain raises on purpose; `code` names its gRPC status code."""
@@ -85,3 +92,13 @@ _BY_CODE: dict[str, type[ShardtrainError]] = {cls.code: cls for cls in ERRORS}
 def error_for_code(code: str, message: str) -> ShardtrainError:
     """The exception for a gRPC status code name; codes with no class of their own become InternalError."""
     return _BY_CODE.get(code, InternalError)(message)
+
+
+def public_message(text: str) -> str:
+    """`text` fit to leave the server: no traceback, no source path of the server, at most MAX_MESSAGE long."""
+    text = _TRACEBACK.sub("(traceback withheld)", text)
+    text = "\n".join(line for line in text.splitlines() if not _SOURCE_LINE.match(line))
+    text = _SOURCE_PATH.sub(r"\1", text)
+    if len(text) > MAX_MESSAGE:
+        text = f"{text[:MAX_MESSAGE - 40]} ... ({len(text)} characters in all)"
+    return text

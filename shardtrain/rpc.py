@@ -122,15 +122,71 @@ class Stub:
 
 
 def add_service(server: grpc.aio.Server, servicer: Any, service) -> None:
-    """Serves the methods of `service` that `servicer` has (others are UNIMPLEMENTED), with Stub's coders."""
+    """Serves the methods of `service` that `servicer` has (others are UNIMPLEMENTED), with Stub's coders.
+
+    A request that does not parse is answered INVALID_ARGUMENT, as a bad value would be (grpc's own
+    answer to a deserializer that raises is INTERNAL, as if the server were at fault).
+    """
     handlers = {}
     for method in (m for m in service.methods if hasattr(servicer, m.name)):
         _, deserialize = _coders(method.input_type)
         serialize, _ = _coders(method.output_type)
-        make = getattr(grpc, f"{_CLIENT_KINDS[method.client_streaming, method.server_streaming]}_rpc_method_handler")
-        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=deserialize,
-                                     response_serializer=serialize)
+        kind = _CLIENT_KINDS[method.client_streaming, method.server_streaming]
+        handler = _refusing_undecodable(getattr(servicer, method.name), method)
+        handlers[method.name] = getattr(grpc, f"{kind}_rpc_method_handler")(
+            handler, request_deserializer=_tolerant(deserialize, servicer, method.input_type.full_name),
+            response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+class Undecodable:
+    """What a request that did not parse becomes, so that its handler can refuse it with the right code."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _tolerant(deserialize: Callable, servicer: Any, type_name: str) -> Callable:
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as error:  # noqa: BLE001 - protobuf and the codec raise several types for bad bytes
+            return Undecodable(f"{getattr(servicer, 'location', 'server')}: a request of {len(raw)} bytes is not a "
+                               f"valid {type_name} ({type(error).__name__})")
+    return parse
+
+
+def _refusing_undecodable(handler: Callable, method) -> Callable:
+    """`handler`, answering INVALID_ARGUMENT for an undecodable request (a streamed one ends the stream so)."""
+    if method.client_streaming and inspect.isasyncgenfunction(handler):
+        async def responding(requests, context):
+            async for response in handler(_decodable(requests), context):
+                yield response
+        return responding
+    if method.client_streaming:  # a unary answer, or responses written with context.write
+        async def client_stream(requests, context):
+            return await handler(_decodable(requests), context)
+        return client_stream
+    if method.server_streaming:
+        async def streaming(request, context):
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            async for response in handler(request, context):
+                yield response
+        return streaming
+
+    async def unary(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return await handler(request, context)
+    return unary
+
+
+async def _decodable(requests: AsyncIterator) -> AsyncIterator:
+    async for request in requests:
+        if isinstance(request, Undecodable):
+            raise errors.InvalidArgument(request.reason)
+        yield request
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -167,14 +223,17 @@ def _deny(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
 
 
 def status_message(error: Exception, where: str) -> tuple[grpc.StatusCode, str]:
-    """The status code of an exception and its message, naming `where` unless the message already names a place."""
+    """The status code of an exception and its message, naming `where` unless the message already names a place.
+
+    The message is fit to leave the server (errors.public_message): a layer's error can carry torch's traceback.
+    """
     if isinstance(error, errors.ShardtrainError):
         code = grpc.StatusCode[error.code]
         # A peer's error already names the peer; do not wrap it in our own name again (nor our own, twice).
         named = getattr(error, "from_peer", False) or str(error).startswith(where)
-        return code, str(error) if named else f"{where}: {error}"
+        return code, errors.public_message(str(error) if named else f"{where}: {error}")
     log.exception("unexpected error in %s", where)
-    return grpc.StatusCode.INTERNAL, f"{where}: unexpected {type(error).__name__}: {error}"
+    return grpc.StatusCode.INTERNAL, errors.public_message(f"{where}: unexpected {type(error).__name__}: {error}")
 
 
 def boundary(method: Callable) -> Callable:

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from shardtrain.errors import InvalidArgument
 
 SCHEDULES = ("gpipe", "1f1b")
+# A plan holds 2 * microbatches actions per stage; these bound what one request can make a server build.
+MAX_STAGES = 1024
+MAX_MICROBATCHES = 4096
+MAX_PLAN_ACTIONS = 1 << 16  # every stage's actions together, in one PlanSchedule answer
 FORWARD = "forward"
 BACKWARD = "backward"
 
@@ -162,14 +166,14 @@ def peak_in_flight(actions: list[Action]) -> int:
 
 def _check_shape(schedule: str, num_stages: int, microbatches: int) -> None:
     if schedule not in SCHEDULES:
-        raise InvalidArgument(f"schedule {schedule!r} is unknown; expected one of {', '.join(SCHEDULES)}")
-    _check_int("num_stages", num_stages, 1, "a stage count >= 1")
-    _check_int("microbatches", microbatches, 1, "a micro-batch count >= 1")
+        raise InvalidArgument(f"schedule {str(schedule)[:40]!r} is unknown; expected one of {', '.join(SCHEDULES)}")
+    _check_int("num_stages", num_stages, 1, f"a stage count in [1, {MAX_STAGES}]", MAX_STAGES)
+    _check_int("microbatches", microbatches, 1, f"a micro-batch count in [1, {MAX_MICROBATCHES}]", MAX_MICROBATCHES)
 
 
-def _check_int(name: str, value: object, low: int, expected: str) -> None:
+def _check_int(name: str, value: object, low: int, expected: str, high: float = math.inf) -> None:
     # bool is an int subclass, but True stages or micro-batches are always a caller's mistake.
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise InvalidArgument(f"{name} {value!r} is invalid; expected {expected}")
 
 

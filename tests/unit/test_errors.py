@@ -67,3 +67,19 @@ def test_every_error_is_a_shardtrain_error(cls):
 ])
 def test_errors_are_also_the_matching_builtin_exception(cls, builtin):
     assert issubclass(cls, builtin)
+
+
+def test_a_public_message_withholds_tracebacks_and_source_paths():
+    text = ("stage 1: layer 3 raised RuntimeError: bad\nWhile executing %x\nOriginal traceback:\n"
+            '  File "/srv/venv/lib/torch/nn/module.py", line 1775, in _call_impl\n    return forward_call(*args)')
+    assert errors.public_message(text) == "stage 1: layer 3 raised RuntimeError: bad\nWhile executing %x\n" \
+                                          "(traceback withheld)"
+    assert errors.public_message("Traceback (most recent call last):\n  File \"x.py\"") == "(traceback withheld)"
+    assert errors.public_message("failed in /home/me/shard_service/stage.py:12") == "failed in stage.py:12"
+    assert errors.public_message("segment /dev/shm/shardtrain-1-00ff is gone") == \
+        "segment /dev/shm/shardtrain-1-00ff is gone"  # a path that is not source stays: it names what was wrong
+
+
+def test_a_public_message_is_bounded_and_says_how_long_it_was():
+    bounded = errors.public_message("x" * 100_000)
+    assert len(bounded) <= errors.MAX_MESSAGE and bounded.endswith("(100000 characters in all)")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator import registry as registry_module
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 
 def registry_of(*addresses: str) -> ShardRegistry:
@@ -44,7 +45,7 @@ def test_host_port_addresses_are_accepted(address):
     assert ShardRegistry().register(address, "cpu").address == address
 
 
-@pytest.mark.parametrize("address", ["", "localhost", ":7000", "localhost:", "localhost:http", "host:-1"])
+@pytest.mark.parametrize("address", ["", "localhost", ":7000", "localhost:", "localhost:http", "host:-1", "host:0", "host:65536"])
 def test_address_that_is_not_host_port_is_refused_by_name(address):
     with pytest.raises(InvalidArgument, match=f"shard address {address!r} must be host:port"):
         ShardRegistry().register(address, "cpu")
@@ -68,3 +69,22 @@ def test_take_all():
 def test_take_more_than_registered_is_failed_precondition():
     with pytest.raises(FailedPrecondition, match="3 stages need 3 shards but 2 have registered"):
         registry_of("a:1", "b:2").take(3)
+
+
+def test_an_overlong_address_is_refused_and_named_in_part():
+    with pytest.raises(InvalidArgument, match="must be host:port"):
+        ShardRegistry().register("h" * 300 + ":1", "cpu")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu; rm -rf /", "cuda:12345"])
+def test_a_device_that_is_not_cpu_or_cuda_is_refused(device):
+    with pytest.raises(InvalidArgument, match="must be cpu, cuda or cuda:N"):
+        ShardRegistry().register("host:1", device)
+
+
+def test_registrations_beyond_the_limit_are_resource_exhausted_but_a_known_shard_may_register_again(monkeypatch):
+    monkeypatch.setattr(registry_module, "MAX_SHARDS", 2)
+    registry = registry_of("a:1", "b:1")
+    with pytest.raises(ResourceExhausted, match="2 shards have registered"):
+        registry.register("c:1", "cpu")
+    assert registry.register("a:1", "cuda:0").shard_id == "shard-0"

@@ -173,10 +173,12 @@ BAD_SHAPES = [
     ("", 0, 2, 2, "''.*gpipe, 1f1b"),
     ("1f1b", 2, 2, 2, r"stage 2.*\[0, 2\)"),
     ("1f1b", -1, 2, 2, r"stage -1.*\[0, 2\)"),
-    ("gpipe", 0, 0, 2, "num_stages 0.*>= 1"),
-    ("gpipe", 0, 2, 0, "microbatches 0.*>= 1"),
-    ("gpipe", 0, 2, -3, "microbatches -3.*>= 1"),
-    ("gpipe", 0, 2, 2.0, "microbatches 2.0.*>= 1"),
+    ("gpipe", 0, 0, 2, r"num_stages 0.*\[1, 1024\]"),
+    ("gpipe", 0, 2, 0, r"microbatches 0.*\[1, 4096\]"),
+    ("gpipe", 0, 2, -3, r"microbatches -3.*\[1, 4096\]"),
+    ("gpipe", 0, 2, 2.0, r"microbatches 2.0.*\[1, 4096\]"),
+    ("gpipe", 0, 2, 2**31 - 1, r"microbatches 2147483647.*\[1, 4096\]"),
+    ("gpipe", 0, 1025, 2, r"num_stages 1025.*\[1, 1024\]"),
     ("gpipe", True, 2, 2, "stage True"),
 ]
 
