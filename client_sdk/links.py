@@ -91,14 +91,13 @@ class SdkLinks:
         finally:
             self._follows.pop(step, None)
 
-    async def backward(self, key: shard_pb2.StepKey, grad: torch.Tensor | None) -> torch.Tensor | None:
+    async def backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Sends the output's gradient into the last stage; returns (the input's gradient or None) once every
         stage has run backward."""
-        future = self._expect(self._backwards, key.step)
-        await self._send(_ROLES.LINK_ROLE_OUTPUT, shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key)),
-                         grad, "gradients")
-        return await self._wait(self._backwards, key.step, future,
-                                f"the end of step {key.step}'s backward on {self._first.name}")
+        step = header.key.step
+        future = self._expect(self._backwards, step)
+        await self._send(_ROLES.LINK_ROLE_OUTPUT, shard_pb2.LinkMessage(backward=header), grad, "gradients")
+        return await self._wait(self._backwards, step, future, f"the end of step {step}'s backward on {self._first.name}")
 
     def step(self, request: shard_pb2.StepRequest) -> asyncio.Future:
         """Sends an optimizer step down the stages. The future ends once every stage settled it (with an error

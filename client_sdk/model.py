@@ -21,6 +21,8 @@ from shardtrain.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("shardtrain.sdk")
 
+MAX_AWAITING = 64  # forwards whose backward may still come: as many steps as a shard keeps in flight
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -63,6 +65,10 @@ class DistributedModel:
         self._settle_before_forward = 0  # the last optimizer step sent, which the next forward must follow
         self._backward_steps: list[int] = []
         self._zero_grad_pending = False
+        # The call-order state a script's calls move through (docs/architecture.md, "Call orders"):
+        self._awaiting_backward: list[int] = []  # forwards under autograd whose backward has not been sent
+        self._stale: dict[int, str] = {}  # forwards a backward may no longer run for, and why
+        self._has_gradients = False  # some backward was sent since the last zero_grad
         self._async_steps: list[int] = []
         self._inflight = InFlight(on_failure=self._abandon_deferred_work)
         self._closed = False
@@ -97,13 +103,17 @@ class DistributedModel:
         return self._io.run(self._forward(self._begin_step(), x, requires_grad=False))
 
     def step(self) -> None:
-        """Every shard applies its optimizer to the gradients accumulated so far."""
+        """Every shard applies its optimizer to the gradients accumulated so far (nothing, as in PyTorch, when no
+        backward ran since the last zero_grad). Outputs not yet backpropagated can no longer be: their graphs hold
+        weights the step changed, and their backward raises FailedPrecondition at once, as PyTorch raises."""
         self._check_open()
         self._io.run(self._step())
 
     def zero_grad(self) -> None:
-        """Clears gradients on every shard; sent with the next forward or step rather than on its own."""
+        """Clears gradients on every shard (to None, as torch does); sent with the next forward, backward or step
+        rather than on its own, so it takes effect before any backward called after it."""
         self._zero_grad_pending = True
+        self._has_gradients = False
 
     def synchronize(self) -> None:
         """Waits until every shard has finished everything sent so far; raises the first error."""
@@ -197,6 +207,8 @@ class DistributedModel:
         await self._synchronize()
         spec = await self._loss_specs(loss_fn, x, y)
         self._zero_grad_pending = False  # a TrainStep starts from zero gradients anyway
+        self._outdate_awaiting_backward()
+        self._has_gradients = True  # as after a step in one process: the step's gradients stay
         return await self._trainer.run(self._begin_step(), x, y, spec, microbatches, schedule,
                                        eval_mode=not self.training)
 
@@ -229,19 +241,29 @@ class DistributedModel:
         self._inflight.raise_failures()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         training = self.training if training is None else training
+        if requires_grad:
+            self._await_backward(step)
         return await self._clients.forward(step, x.detach(), requires_grad, zero_grad, self._settle_before_forward,
                                            input_requires_grad, eval_mode=not training)
 
     async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool) -> torch.Tensor | None:
         """Sends a backward; with `wait`, waits for it and returns the input's gradient (if the forward asked)."""
         self._inflight.raise_failures()
-        call = asyncio.ensure_future(self._clients.backward(step, grad_output))
+        self._check_backward(step)
+        zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
+        self._has_gradients = True
+        call = asyncio.ensure_future(self._clients.backward(step, grad_output, zero_grad))
         self._backward_steps.append(step)
         self._inflight.add(call)
         return await call if wait else None
 
     async def _step(self, wait: bool = False) -> None:
         """Sends the optimizer step down the stages at once; each applies it after its own backwards."""
+        if not self._has_gradients:  # torch.optim skips parameters without gradients: this step changes nothing
+            if wait:
+                await self._synchronize()
+            return
+        self._outdate_awaiting_backward()
         await self._clients.flush()  # the previous step is confirmed by now, unless no forward came between
         await self._inflight.drain_previous()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
@@ -253,6 +275,37 @@ class DistributedModel:
         self._inflight.next_iteration()
         if wait:
             await self._synchronize()
+
+    def _await_backward(self, step: int) -> None:
+        """Records a forward under autograd; beyond MAX_AWAITING, the oldest one's graph is given up, as the
+        shards give it up (they keep as many steps in flight)."""
+        self._awaiting_backward.append(step)
+        if len(self._awaiting_backward) > MAX_AWAITING:
+            self._outdate(self._awaiting_backward.pop(0), f"more than {MAX_AWAITING} later forwards ran before its "
+                                                          "backward, and the shards keep no more graphs than that")
+
+    def _check_backward(self, step: int) -> None:
+        """FailedPrecondition, at once, for a backward that no shard could run: PyTorch refuses these too."""
+        if step in self._stale:
+            raise FailedPrecondition(f"step {step}'s output cannot be backpropagated: {self._stale.pop(step)}")
+        if step not in self._awaiting_backward:
+            raise FailedPrecondition(f"step {step}'s output was already backpropagated: the shards free a forward's "
+                                     "graph at its backward (retain_graph is not kept across the wire); run the "
+                                     "forward again for another backward")
+        self._awaiting_backward.remove(step)
+
+    def _outdate_awaiting_backward(self) -> None:
+        """An optimizer step changes the weights that every graph still awaiting its backward holds."""
+        for step in self._awaiting_backward:
+            self._outdate(step, "an optimizer step changed the weights its graph holds since (PyTorch raises the "
+                                "same: a variable needed for gradient computation has been modified by an inplace "
+                                "operation); run the forward again")
+        self._awaiting_backward.clear()
+
+    def _outdate(self, step: int, why: str) -> None:
+        self._stale[step] = why
+        while len(self._stale) > MAX_AWAITING:
+            self._stale.pop(next(iter(self._stale)))
 
     def _abandon_deferred_work(self) -> None:
         """After a failure every call in flight was cancelled: no step is owed, none may be waited for."""

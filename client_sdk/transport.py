@@ -60,10 +60,10 @@ class StageClients:
                                          input_requires_grad=input_requires_grad, eval_mode=eval_mode)
         return await self._links.forward(header, x.detach())
 
-    async def backward(self, step: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Sends the gradient of the output into the last stage; returns once every stage has run backward,
-        with the gradient of the input when the forward asked for it."""
-        return await self._links.backward(self.key(step), grad)
+    async def backward(self, step: int, grad: torch.Tensor | None, zero_grad: bool = False) -> torch.Tensor | None:
+        """Sends the gradient of the output into the last stage (each stage clearing its gradients first with
+        `zero_grad`); returns once every stage has run backward, with the input's gradient if the forward asked."""
+        return await self._links.backward(shard_pb2.BackwardHeader(key=self.key(step), zero_grad=zero_grad), grad)
 
     def step_request(self, step: int, zero_grad: bool, optimizer_step: int,
                      backward_steps: Sequence[int]) -> shard_pb2.StepRequest:

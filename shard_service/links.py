@@ -66,10 +66,10 @@ class Links:
                              self.options(peer.same_host, "residuals"))
         await peer.call("AccumulateGradient", stream)
 
-    def open_backward(self, key: shard_pb2.StepKey) -> OpenedCall:
-        """Opens the Backward call to the previous stage at forward time; the gradient follows later."""
+    def open_backward(self, key: shard_pb2.StepKey, zero_grad: bool = False) -> OpenedCall:
+        """Opens the Backward call to the previous stage (at forward time: the gradient follows later)."""
         return OpenedCall(self.peer(self.plan.previous_address), "Backward", shard_pb2.BackwardRequest,
-                          shard_pb2.BackwardHeader(key=key), self.settings.timeouts.backward_link)
+                          shard_pb2.BackwardHeader(key=key, zero_grad=zero_grad), self.settings.timeouts.backward_link)
 
     def open_forward(self, header: shard_pb2.ForwardHeader) -> OpenedCall:
         """Opens the Forward call to the next stage, its header going on at once."""

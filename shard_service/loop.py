@@ -369,11 +369,13 @@ class LinkedLoop:
         key = (header.key.step, header.key.microbatch)
         try:
             stage = shard.stage_for(header.key.deployment_id)
+            if header.zero_grad:
+                await shard.run(stage.zero_grad)
             residual_grads = await shard.residual_gradients(stage, key)
             grad_input, incoming_grads = await shard.run(stage.backward, key, grad, residual_grads)
             # The input gradient first, as a forward sends its activation first: the previous stage's backward
             # needs it now, while a residual's producer is that stage or one before it, whose backward comes later.
-            await self._send_input_gradient(header.key, grad_input)
+            await self._send_input_gradient(header, grad_input)
             await self._send_residual_gradients(header.key, incoming_grads)
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self._report(header.key, error, backward=True)
@@ -388,10 +390,12 @@ class LinkedLoop:
             item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
             await self._send(self._from_stage.get(producer), item, grad, "residuals")
 
-    async def _send_input_gradient(self, key: shard_pb2.StepKey, grad_input: torch.Tensor | None) -> None:
-        """To the previous stage, or (from the first stage) to the SDK as the end of the backward."""
+    async def _send_input_gradient(self, header: shard_pb2.BackwardHeader, grad_input: torch.Tensor | None) -> None:
+        """To the previous stage (which clears its gradients first when this one did), or (from the first stage) to
+        the SDK as the end of the backward."""
+        key = header.key
         if self._shard.plan.stage > 0:
-            item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key))
+            item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key, zero_grad=header.zero_grad))
         elif grad_input is None and key.step in self._ended_by_step:
             self._ended_by_step.discard(key.step)
             return  # the optimizer step that lists it tells the SDK

@@ -274,13 +274,19 @@ class ShardServicer:
         """This stage's backward, then (concurrently) the previous stage's and the residual producers'."""
         grad_output = (await reader.tensors()).get("gradient")
         key = (header.key.step, header.key.microbatch)
+        if header.zero_grad:
+            await self._run(stage.zero_grad)
         residual_grads = await self.residual_gradients(stage, key)
         grad_input, incoming_grads = await self._run(stage.backward, key, grad_output, residual_grads)
         calls = [self.links.send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
         if not self._plan.previous_address and grad_input is not None:
             self._outbox.put((*key, INPUT_GRADIENT), [grad_input, 1])
         if self._plan.previous_address:
-            link = self._backward_links.pop(key) or self.links.open_backward(header.key)
+            link = self._backward_links.pop(key)
+            if link is not None and header.zero_grad:
+                link.abandon()  # its header went out at forward time: the previous stage must clear its gradients too
+                link = None
+            link = link or self.links.open_backward(header.key, header.zero_grad)
             same_host = self.links.peer(self._plan.previous_address).same_host
             calls.append(link.send({"gradient": grad_input} if grad_input is not None else {},
                                    self.links.options(same_host, "gradients")))

@@ -75,6 +75,7 @@ def pack(message: shard_pb2.LinkMessage, tensor: torch.Tensor | None, options: w
     elif number == BACKWARD:
         if item.scheduled:
             return None
+        flags = ZERO_GRAD * item.zero_grad
     else:
         name = item.name.encode()
     key = item.key
@@ -136,7 +137,7 @@ def _message(number: int, kind: str, key: shard_pb2.StepKey, flags: int, after: 
             after_optimizer_step=after, input_requires_grad=bool(flags & INPUT_REQUIRES_GRAD),
             eval_mode=bool(flags & EVAL_MODE)))
     if number == BACKWARD:
-        return shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key))
+        return shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key, zero_grad=bool(flags & ZERO_GRAD)))
     try:
         text = str(name, "utf-8")
     except UnicodeDecodeError:

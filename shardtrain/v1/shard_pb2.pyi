@@ -226,12 +226,14 @@ class ForwardResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BackwardHeader(_message.Message):
-    __slots__ = ("key", "scheduled")
+    __slots__ = ("key", "scheduled", "zero_grad")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     scheduled: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., scheduled: _Optional[bool] = ...) -> None: ...
+    zero_grad: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., scheduled: _Optional[bool] = ..., zero_grad: _Optional[bool] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("header", "tensor")

@@ -18,6 +18,7 @@ FORWARD = shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(
 ITEMS = {
     "forward": FORWARD,
     "backward": shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)),
+    "backward zeroing first": shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY, zero_grad=True)),
     "residual": shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=KEY, name="res_1 ü")),
     "residual_gradient": shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=KEY, name="x")),
     "output": shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=KEY)),
@@ -55,12 +56,14 @@ def test_every_frequent_item_comes_back_as_sent(kind, tensor):
         assert received.dtype == tensor.dtype and received.shape == tensor.shape and torch.equal(received, tensor)
 
 
-def test_the_forward_item_above_sets_every_field_a_packed_forward_carries():
-    """A field added to ForwardHeader is either packed (and set above, so the round trip checks it) or makes the
-    item go as a LinkMessage, as `scheduled` and `step_first` do."""
-    unpacked = {"scheduled", "step_first"}
-    fields = {field.name for field in shard_pb2.ForwardHeader.DESCRIPTOR.fields}
-    assert {field.name for field, _ in FORWARD.forward.ListFields()} == fields - unpacked
+@pytest.mark.parametrize("header, item, unpacked", [
+    (shard_pb2.ForwardHeader, FORWARD.forward, {"scheduled", "step_first"}),
+    (shard_pb2.BackwardHeader, ITEMS["backward zeroing first"].backward, {"scheduled"})])
+def test_the_items_above_set_every_field_a_packed_forward_or_backward_carries(header, item, unpacked):
+    """A field added to ForwardHeader or BackwardHeader is either packed (and set above, so the round trip checks
+    it) or makes the item go as a LinkMessage, as `scheduled` and `step_first` do."""
+    fields = {field.name for field in header.DESCRIPTOR.fields}
+    assert {field.name for field, _ in item.ListFields()} == fields - unpacked
 
 
 @pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")
