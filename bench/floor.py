@@ -11,13 +11,6 @@ under the same rules as shardtrain's loop:
 - a forward waits until the optimizer step sent before it has been applied on its stage;
 - the optimizer step enters at the first stage and goes down; each stage passes it on once its
   own backward is over, then applies it;
-- stages after the first apply it ahead (shardtrain's --step-ahead, which its `auto` turns on for
-  this model's later stages on CPU, whose default Adam takes over 0.5 ms): the first stage sends a
-  notice down as soon as the step arrives, and a later stage applies the step once its own
-  backward of it is over, on a thread of the lowest priority (shard_service.threads), beside the
-  earlier stages' backwards; the step itself, passed down as before, only releases the forwards
-  that wait for it. Nothing fails here, so nothing is copied to undo it (`--step-ahead off`: each
-  stage applies its step as it passes it on);
 - a residual goes straight from its producer to its consumer, and its gradient straight back;
 - the driver (this process) sends the input, waits for the output, computes the loss and its
   gradient, sends that into the last stage and the optimizer step into the first, and goes on
@@ -50,7 +43,6 @@ import struct
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as Cluster.local's shards and bench.train_step
 
@@ -61,7 +53,6 @@ from bench.rpc_baseline import _make_data  # noqa: E402
 from client_sdk import LayerList  # noqa: E402
 from client_sdk.processes import reap  # noqa: E402
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL  # noqa: E402
-from shard_service.threads import lowest_priority  # noqa: E402
 from shardtrain.partition import balanced  # noqa: E402
 from shardtrain.residuals import route, run_chain  # noqa: E402
 
@@ -70,7 +61,7 @@ STAGES = 3
 DRIVER = -1
 # kind, step, residual index (or -1), ndim, four dims, data bytes
 _HEADER = struct.Struct("<bii b4i q")
-FORWARD, BACKWARD, RESIDUAL, RESIDUAL_GRADIENT, STEP, OUTPUT, DONE, STATE, THREADS, STOP, STEP_AHEAD = range(11)
+FORWARD, BACKWARD, RESIDUAL, RESIDUAL_GRADIENT, STEP, OUTPUT, DONE, STATE, THREADS, STOP = range(10)
 
 
 def _send(sock: socket.socket, kind: int, step: int, tensor: torch.Tensor | None = None, index: int = -1) -> None:
@@ -108,10 +99,9 @@ def split_of(model: LayerList, stages: int) -> list[tuple[int, int]]:
     return list(balanced([sum(p.numel() for p in layer.parameters()) for layer in model.children()], stages))
 
 
-def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket], adam: dict, step_ahead: bool) -> None:
+def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket], adam: dict) -> None:
     """One stage: its layers of the model, and the loop over its sockets until STOP. `adam`: Adam's
-    keyword arguments besides the learning rate; `step_ahead`: whether stages after the first apply their
-    optimizer steps ahead."""
+    keyword arguments besides the learning rate."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LayerList(TEST_RESIDUAL_SMALL)  # the whole model from the seed's weights; this stage runs its slice
@@ -128,26 +118,12 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket], adam
     forwards, gradients, steps, state_asked = [], {}, [], []
     residuals, residual_grads, in_flight = {}, {}, {}
     applied, finished = 0, -1  # optimizer steps applied here; the last step whose backward is over here
-    notices: list[int] = []  # steps to apply ahead, once their backward is over here
-    verdicts: list[int] = []  # steps passed on, to count as applied here once they are
-    applying: dict[int, Future] = {}  # steps applied (or being applied) ahead, on the helper thread
-    helper = ThreadPoolExecutor(1, initializer=lowest_priority) if stage > 0 and step_ahead else None
-    woken, wake = socket.socketpair(socket.AF_UNIX)  # the helper's word that a step it applied is done
-
-    def apply_ahead() -> None:
-        optimizer.step()
-        optimizer.zero_grad()
-
     selector = selectors.DefaultSelector()
-    for sock in [*sockets.values(), woken]:
+    for sock in sockets.values():
         selector.register(sock, selectors.EVENT_READ)
     while True:
         for key, _ in selector.select():
-            if key.fileobj is woken:
-                woken.recv(64)  # a step applied ahead is done: the steps and forwards below may go on
-                kind = None
-            else:
-                kind, step, index, tensor = _receive(key.fileobj)
+            kind, step, index, tensor = _receive(key.fileobj)
             if kind == STOP:
                 return
             if kind == THREADS:
@@ -164,12 +140,6 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket], adam
                 gradients[step] = tensor
             elif kind == STEP:
                 steps.append(step)
-                if step_ahead and stage + 1 < len(split):
-                    _send(following, STEP_AHEAD, step)  # from the first stage at once, and on from there
-            elif kind == STEP_AHEAD:
-                notices.append(step)
-                if stage + 1 < len(split):
-                    _send(following, STEP_AHEAD, step)
             # Backwards whose gradients are all here.
             for step in sorted(gradients):
                 if any(len(residual_grads.get((step, name), ())) < len(consumers)
@@ -189,29 +159,13 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket], adam
                 else:
                     _send(previous, DONE, step)
                 finished = step
-            # Steps to apply ahead whose backward is over here: to the helper, one at a time.
-            if helper is not None:
-                while notices and notices[0] <= finished and all(f.done() for f in applying.values()):
-                    step = notices.pop(0)
-                    applying[step] = helper.submit(apply_ahead)
-                    applying[step].add_done_callback(lambda _: wake.send(b"x"))  # once done() holds
-            # Optimizer steps whose backward is over here: passed on, then applied (unless applied ahead).
+            # Optimizer steps whose backward is over here: passed on, then applied.
             while steps and steps[0] <= finished:
                 step = steps.pop(0)
                 if stage + 1 < len(split):
                     _send(following, STEP, step)
-                verdicts.append(step)
-            while verdicts:
-                if verdicts[0] in applying:
-                    if not applying[verdicts[0]].done():
-                        break  # the helper's wake-up comes back here
-                    applying.pop(verdicts[0]).result()
-                else:
-                    if verdicts[0] in notices:
-                        notices.remove(verdicts[0])
-                    optimizer.step()
-                    optimizer.zero_grad()
-                verdicts.pop(0)
+                optimizer.step()
+                optimizer.zero_grad()
                 applied += 1
             # Forwards whose optimizer step is applied and whose residuals are here.
             while forwards and forwards[0][1] <= applied and all((forwards[0][0], n) in residuals for n in incoming):
@@ -237,9 +191,8 @@ def _stage_main(stage: int, stages: int, sockets: dict[int, socket.socket], adam
 class Floor:
     """The seed model's stage processes (`python -m bench.floor --stage i`) and this process's sockets to them."""
 
-    def __init__(self, stages: int = STAGES, adam: dict | None = None, step_ahead: bool = True):
-        """`adam`: keyword arguments for every stage's Adam besides the learning rate (say {"fused": True});
-        `step_ahead`: whether stages after the first apply their optimizer steps ahead."""
+    def __init__(self, stages: int = STAGES, adam: dict | None = None):
+        """`adam`: keyword arguments for every stage's Adam besides the learning rate (say {"fused": True})."""
         torch.manual_seed(0)
         model = LayerList(TEST_RESIDUAL_SMALL)
         self.split = split_of(model, stages)
@@ -259,8 +212,7 @@ class Floor:
                 fds = {party: sock.fileno() for party, sock in ends[stage].items()}
                 self._processes.append(subprocess.Popen(
                     [sys.executable, "-m", "bench.floor", "--stage", str(stage), "--stages", str(stages),
-                     "--sockets", json.dumps(fds), "--adam", json.dumps(adam or {}),
-                     "--step-ahead", "on" if step_ahead else "off"],
+                     "--sockets", json.dumps(fds), "--adam", json.dumps(adam or {})],
                     cwd=root, pass_fds=list(fds.values())))
         except BaseException:
             self.close()
@@ -329,7 +281,7 @@ def one_process(adam: dict | None = None) -> tuple[LayerList, torch.optim.Optimi
     return model, torch.optim.Adam(model.parameters(), lr=LR, **(adam or {}))
 
 
-def check(batch: int = 32, steps: int = 20, adam: dict | None = None, step_ahead: bool = True) -> float:
+def check(batch: int = 32, steps: int = 20, adam: dict | None = None) -> float:
     """Trains the floor and one process for `steps` steps on the same batch; the largest weight difference."""
     x, y = _make_data(batch, 0)
     model, optimizer = one_process(adam)
@@ -337,7 +289,7 @@ def check(batch: int = 32, steps: int = 20, adam: dict | None = None, step_ahead
         F.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    with Floor(adam=adam, step_ahead=step_ahead) as floor:
+    with Floor(adam=adam) as floor:
         for _ in range(steps):
             floor.train_step(x, y)
         trained = floor.state_dict()
@@ -363,16 +315,13 @@ def main() -> None:
     parser.add_argument("--stages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sockets", help=argparse.SUPPRESS)            # {party: inherited fd}
     parser.add_argument("--adam", default="{}", help=argparse.SUPPRESS)  # Adam's keyword arguments besides lr
-    parser.add_argument("--step-ahead", choices=["on", "off"], default="on",
-                        help="stages after the first apply their optimizer steps ahead (default: on)")
     args = parser.parse_args()
-    ahead = args.step_ahead == "on"
     if args.stage is not None:
         sockets = {int(party): socket.socket(fileno=fd) for party, fd in json.loads(args.sockets).items()}
-        _stage_main(args.stage, args.stages, sockets, json.loads(args.adam), ahead)
+        _stage_main(args.stage, args.stages, sockets, json.loads(args.adam))
         return
     torch.set_num_threads(1)  # the check compares arithmetic done in the same order
-    print(f"check: after 20 steps the floor's weights are within {check(args.batch, step_ahead=ahead):.2g} "
+    print(f"check: after 20 steps the floor's weights are within {check(args.batch):.2g} "
           "of one process's")
     torch.set_num_threads(args.threads)
     x, y = _make_data(args.batch, 0)
@@ -383,7 +332,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
     times: dict[str, list[float]] = {"one process": [], "floor": []}
-    with Floor(step_ahead=ahead) as floor:
+    with Floor() as floor:
         floor.set_threads(args.threads)
         _timed(lambda: floor.train_step(x, y), 30)
         _timed(single, 30)

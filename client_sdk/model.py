@@ -145,9 +145,7 @@ class DistributedModel:
         self._io.run(self._load_optimizer_state(per_stage))
 
     def describe(self) -> list:
-        """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals,
-        whether it applies optimizer steps ahead and how many of those it undid (a backward failed, or a stage
-        went away before its verdict)."""
+        """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals."""
         return self._io.run(self._clients.describe())
 
     @property

@@ -12,20 +12,6 @@ Outcomes travel as items too, so no stage waits for an answer:
 - an optimizer step goes down the stages: stage i passes it on once the backwards it follows are over
   on stage i, with the reason if one failed there or before, and applies it only if none did. The
   stages' weights never drift apart, and stage i+1 starts its optimizer while stage i runs its own.
-- Ahead of it, the first stage passes a step_ahead item down at once, and a stage that applies steps
-  ahead (ShardSettings.step_ahead) applies the step as soon as its own backwards of it are over, on
-  its lowest-priority thread, keeping a copy of what the step changes (stage.StepUndo). The step item
-  is then the verdict: the copy is dropped, or put back if a backward failed on an earlier stage. If
-  the previous stage goes away before its verdict, the stage puts the copy back and passes a
-  step_withdrawn item down, which makes every later stage do the same. So the weights still never
-  drift apart, while a later stage's optimizer, which its next forward needs only after the earlier
-  stages' forwards, runs beside the earlier stages' backwards instead of after them. Why, on the
-  2-core development VM (seed model, batch 32, 3 shards): the first stage's backward ends the step's
-  critical path, then its own optimizer runs, then its next forward; stage 1's and 2's optimizers
-  (1.5-1.8 ms of CPU each) started there too and took both cores from that path, and a stage that
-  came back from its optimizer waited for a core (stage 0 1.5 ms between the end of its optimizer
-  and its next forward, in a trace of 600 steps). Ahead, they run while a core is free, and at the
-  lowest priority they give way to the critical path whenever it needs the core.
 - A link to the next stage that breaks while both stages live may lose a verdict: the stage opens it again
   and sends its last verdicts first (_Verdicts); the next stage takes each once, and runs no forward before
   the steps whose verdicts came before it.
@@ -39,21 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from shard_service.mailbox import Mailbox
-from shard_service.stage import StepDone
 from shardtrain import eager, errors, link
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
 if TYPE_CHECKING:
     from shard_service.servicer import ShardServicer
-    from shard_service.stage import Stage, StepUndo
+    from shard_service.stage import Stage
 
 log = logging.getLogger("shardtrain.shard.loop")
 _ROLES = shard_pb2.LinkRole
@@ -83,11 +67,6 @@ class LinkedLoop:
         self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
         self._forwarded = -1          # the highest step this stage ran a forward for (steps count from 0)
         self._ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
-        # optimizer step -> (its step_ahead notice, a future of its StepUndo once applied ahead, StepDone if applied
-        # after its verdict came, else of None)
-        self._ahead: dict[int, tuple[shard_pb2.StepRequest, asyncio.Future]] = {}
-        self._settling: dict[int, str] = {}  # optimizer step -> its verdict ("" or why not), for its step still ahead
-        self._withdrawing: dict[int, asyncio.Future] = {}  # optimizer step -> done once undone and passed on
         self._verdicts = _Verdicts()  # the step items this stage took, and the last ones it passed down
         self._reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
         self._tasks: set[asyncio.Task] = set()
@@ -98,8 +77,6 @@ class LinkedLoop:
         self._deployment_id = deployment_id
         self._forwarded = -1
         self._ended_by_step.clear()
-        self._ahead.clear()  # applied to the stage that goes now
-        self._settling.clear()
         self._verdicts = _Verdicts()
         self._reopening.clear()
         self._input = self._output = None
@@ -134,8 +111,8 @@ class LinkedLoop:
 
     def closed(self, end: link.LinkEnd) -> None:
         """A Link opened here ended; if it came from a stage of this deployment, that stage went away or its link
-        broke, and the SDK hears of it. (Whether the stage closed the link or died, this end cannot tell reliably,
-        link.serve: a killed stage's stream could end as if closed, and its steps applied ahead here then stood.)"""
+        broke, and the SDK hears of it. (Whether the stage closed the link or died, this end cannot tell reliably:
+        link.serve.)"""
         current = end.deployment_id == self._deployment_id
         stages = [stage for stage, known in self._from_stage.items() if known is end]
         for stage in stages:
@@ -148,8 +125,6 @@ class LinkedLoop:
         if current and stages:
             error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard ended")
             self._tell_soon(self._break_item(error), up=False)
-            if self._shard.plan.stage - 1 in stages:
-                self._spawn(self._withdraw([notice for notice, _ in self._ahead.values()]))
 
     def _break_item(self, error: errors.ShardtrainError) -> shard_pb2.LinkMessage:
         """The SDK hears that a link of this stage broke: it fails the steps this stage ran a forward for, whose items
@@ -279,18 +254,9 @@ class LinkedLoop:
                 log.debug("%s: optimizer step %d's verdict came again (over a new link); taken once already",
                           self._shard.location, request.optimizer_step)
                 return
-            if end is self._input:
-                if self._shard.plan.next_address:
-                    self._spawn(self._pass_down(shard_pb2.LinkMessage(step_ahead=request)))
-                if request.backwards_end_with_step:
-                    self._ended_by_step.update(request.backward_steps)
+            if end is self._input and request.backwards_end_with_step:
+                self._ended_by_step.update(request.backward_steps)
             self._spawn(self._step(message.step))
-        elif kind == "step_ahead":
-            outcome = asyncio.get_running_loop().create_future()
-            self._ahead[message.step_ahead.optimizer_step] = (message.step_ahead, outcome)
-            self._spawn(self._step_ahead(message.step_ahead, outcome))
-        elif kind == "step_withdrawn":
-            self._spawn(self._withdraw([message.step_withdrawn]))
         elif kind == "flush":
             self._spawn(self._flush(message.flush))
         elif kind == "residual":
@@ -403,80 +369,16 @@ class LinkedLoop:
             item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=key))
         await self._send(self._up(), item, grad_input, "gradients")
 
-    async def _step_ahead(self, request: shard_pb2.StepRequest, outcome: asyncio.Future) -> None:
-        """Passes the notice on, then (where steps are applied ahead) applies the step once this stage's own
-        backwards of it are over and none failed. `outcome` gets its StepUndo, StepDone if the verdict came before
-        the step's thread got a core (Stage.step_ahead), or None if it was not applied."""
-        shard = self._shard
-        undo = None
-        try:
-            if shard.plan.next_address:
-                await self._pass_down(shard_pb2.LinkMessage(step_ahead=request))
-            if shard.steps_ahead:
-                stage = shard.stage_for(request.deployment_id)
-                timeout = shard.settings.timeouts.peer_wait
-                if not await shard.order.backward_failures(request.backward_steps, timeout):
-                    undo = await shard.run_ahead(stage.step_ahead, request.zero_grad,
-                                                 functools.partial(self._settling.get, request.optimizer_step))
-        except Exception as error:  # noqa: BLE001 - the verdict runs the step the usual way, and reports what fails
-            log.debug("%s: optimizer step %d not applied ahead: %s", shard.location, request.optimizer_step, error)
-        finally:
-            if not outcome.done():
-                outcome.set_result(undo)
-
     async def _step(self, item: shard_pb2.LinkStep) -> None:
         """Passes an optimizer step on once this stage's share of its backwards is over, then applies it
-        unless one of them failed here or on a stage before (or keeps or undoes it, if it was applied ahead)."""
+        unless one of them failed here or on a stage before."""
         request = item.request
         stage, failure = await self._step_verdict(request, item.failure)
-        # Settled from here on by this verdict: a withdrawal that comes later undoes nothing here.
-        _, ahead = self._ahead.pop(request.optimizer_step, (None, None))
-        if ahead is not None:  # its thread, if it has not started yet, applies the step as this verdict says
-            self._settling[request.optimizer_step] = failure
-        withdrawal = self._withdrawing.get(request.optimizer_step)
-        if withdrawal is not None:
-            await withdrawal  # undone and withdrawn below first: this verdict applies the step the usual way
         if self._shard.plan.next_address:
             verdict = shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
             self._verdicts.passed_down(verdict)
             await self._pass_down(verdict)
-        try:
-            await self._apply_step(stage, request, failure, await ahead if ahead is not None else None)
-        finally:
-            self._settling.pop(request.optimizer_step, None)
-
-    async def _withdraw(self, requests: list[shard_pb2.StepRequest]) -> None:
-        """The verdicts on these steps may never come (the previous stage went away, or a stage before withdrew
-        them): for the stages before, the steps have not happened. Each one applied ahead here is undone (latest
-        first) unless its verdict came first, and the withdrawal goes on down, so that no stage keeps a step
-        that a stage before it does not have. A verdict that comes after all applies the step as usual."""
-        loop = asyncio.get_running_loop()
-        pending = []
-        for request in sorted(requests, key=lambda r: r.optimizer_step):
-            _, outcome = self._ahead.pop(request.optimizer_step, (None, None))
-            pending.append((request, outcome, loop.create_future()))
-            self._withdrawing[request.optimizer_step] = pending[-1][2]
-        try:
-            for request, outcome, _ in reversed(pending):
-                undo = await outcome if outcome is not None else None
-                if undo is None:
-                    continue
-                try:
-                    await self._shard.undo_step(undo)
-                except Exception as error:  # noqa: BLE001 - nobody waits for this; the stages after still hear
-                    log.error("%s: could not undo optimizer step %d, applied ahead: %r", self._shard.location,
-                              request.optimizer_step, error)
-                else:
-                    log.warning("%s: undid optimizer step %d, applied ahead: a stage before this one went away "
-                                "before its verdict", self._shard.location, request.optimizer_step)
-            if self._shard.plan.next_address:
-                for request, _, _ in pending:
-                    await self._pass_down(shard_pb2.LinkMessage(step_withdrawn=request))
-        finally:
-            for request, _, done in pending:
-                if self._withdrawing.get(request.optimizer_step) is done:
-                    del self._withdrawing[request.optimizer_step]
-                done.set_result(None)
+        await self._apply_step(stage, request, failure)
 
     async def _step_verdict(self, request: shard_pb2.StepRequest, failure: str) -> tuple[Stage | None, str]:
         """Once this stage's backwards of the step are over: the stage, and why the step is refused ("" if it is
@@ -492,20 +394,11 @@ class LinkedLoop:
             failure = f"the backward of step {step} failed: {reason}"
         return stage, failure
 
-    async def _apply_step(self, stage: Stage | None, request: shard_pb2.StepRequest, failure: str,
-                          undo: StepUndo | StepDone | None = None) -> None:
-        """Applies the step unless it was refused (one applied ahead, given its `undo`, stands or is undone;
-        one applied ahead after this verdict came stands, StepDone); either way it counts as settled here, and
-        the step's state goes."""
+    async def _apply_step(self, stage: Stage | None, request: shard_pb2.StepRequest, failure: str) -> None:
+        """Applies the step unless it was refused; either way it counts as settled here, and the step's state goes."""
         shard = self._shard
         try:
-            if isinstance(undo, StepDone):
-                if undo.error is not None:
-                    raise undo.error
-            elif undo is not None:
-                if failure and stage is not None:
-                    await shard.undo_step(undo)
-            elif stage is not None and not failure:
+            if stage is not None and not failure:
                 if request.zero_grad:
                     await shard.run(stage.zero_grad)
                 await shard.run(stage.step)

@@ -12,7 +12,6 @@ import time
 import grpc
 import torch
 
-from shard_service.polling import PollingLoop
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if settings.flush_denormal:
             flush_denormals()  # before serve() starts any thread that computes
-        with asyncio.Runner(loop_factory=lambda: PollingLoop(settings.poll)) as runner:
-            runner.run(serve(settings))
+        asyncio.run(serve(settings))
     except ShardtrainError as error:
         print(f"shard: {error}", file=sys.stderr)
         return 1

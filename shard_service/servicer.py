@@ -10,16 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shard_service import polling
 from shard_service.links import Links
 from shard_service.loop import LinkedLoop
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.pipeline import PipelineRun
 from shard_service.replicas import GradientAverager
-from shard_service.stage import LayerSource, Stage, StepUndo
+from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
-from shard_service.threads import ThreadChoice, lowest_priority, work_kind
+from shard_service.threads import ThreadChoice, work_kind
 from shardtrain import carrier, link, losses, optim, shm, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
@@ -31,10 +30,6 @@ from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard")
 INLINE_SECONDS = 5e-3
-# A CPU stage applies steps ahead ("auto") once its optimizer step takes this long. Seed model, batch 32
-# (Adam 1.5 ms a stage): a step 0.886x as long; 6 Linear(1, 1) layers (Adam 0.05 ms), all applied ahead:
-# 1.216x (bench.ab, 10 and 8 rounds).
-AHEAD_SECONDS = 5e-4
 _FETCHED_KINDS = {OUTPUT: "activations", INPUT_GRADIENT: "gradients"}  # any other name is a residual
 
 
@@ -72,10 +67,6 @@ class ShardServicer:
         # the count where the work runs: set only in the main thread, the compute thread would start
         # a team per core and spin against the other shards on the same host.
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage")
-        # Optimizer steps applied ahead (shard_service/loop.py) run here, on a thread the host runs only when
-        # nothing else wants the core: the stage has until its next forward to finish them.
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="step-ahead", initializer=lowest_priority)
-        self.steps_undone = 0  # steps applied ahead here, then undone: a backward failed, or a stage went away
 
     @property
     def location(self) -> str:
@@ -83,7 +74,7 @@ class ShardServicer:
         stage = f"stage {self._stage.index}" if self._stage else "no stage loaded"
         return f"shard {self.address} ({stage})"
 
-    async def _run(self, function, *args, executor: ThreadPoolExecutor | None = None):
+    async def _run(self, function, *args):
         """Runs stage work one piece at a time, in arrival order.
 
         Work that took under INLINE_SECONDS last time runs on the event loop itself: handing it to
@@ -96,13 +87,11 @@ class ShardServicer:
         async with self._stage_lock:
             name = work_kind(function.__name__, args)
             threads = self._threads.threads(name)
-            if executor is None and self._durations.get(name, INLINE_SECONDS) < INLINE_SECONDS:
+            if self._durations.get(name, INLINE_SECONDS) < INLINE_SECONDS:
                 result, elapsed = _with_threads(threads, function, *args)
             else:
-                loop = asyncio.get_running_loop()
-                with polling.held(loop):  # the compute thread needs the GIL that each poll takes
-                    result, elapsed = await loop.run_in_executor(executor or self._compute, _with_threads, threads,
-                                                                 function, *args)
+                result, elapsed = await asyncio.get_running_loop().run_in_executor(
+                    self._compute, _with_threads, threads, function, *args)
             self._durations[name] = elapsed
             self._threads.record(name, threads, elapsed)
             return result
@@ -411,25 +400,6 @@ class ShardServicer:
         """Stage work, one piece at a time (for PipelineRun)."""
         return await self._run(function, *args)
 
-    async def run_ahead(self, function, *args):
-        """Stage work that has time to spare, one piece at a time with the rest, on the lowest-priority thread."""
-        return await self._run(function, *args, executor=self._ahead)
-
-    async def undo_step(self, undo: StepUndo) -> None:
-        """Puts back what a step applied ahead changed (its verdict refused it, or was withdrawn), and counts it."""
-        await self._run(undo.restore)
-        self.steps_undone += 1
-
-    @property
-    def steps_ahead(self) -> bool:
-        """Whether this shard applies optimizer steps ahead of their verdict (ShardSettings.step_ahead): "auto"
-        does where it pays, on a CPU stage after the first whose last optimizer step took AHEAD_SECONDS or more
-        (a quicker step gains less than the hand-offs to the low-priority thread and back cost)."""
-        stage, mode = self._stage, self.settings.step_ahead
-        if stage is None or stage.index == 0 or mode == "off":
-            return False
-        return mode == "on" or (stage.device.type == "cpu" and stage.last_step_seconds >= AHEAD_SECONDS)
-
     async def _deliver(self, key: shard_pb2.StepKey, kind: str, reader: RequestReader) -> None:
         """Puts each micro-batch's tensor of a scheduled stream into the inbox as soon as it is complete."""
         async for name, tensor in reader.each_tensor():
@@ -475,8 +445,7 @@ class ShardServicer:
             address=self.address, device=self.settings.device, deployment_id=self._deployment_id,
             stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
-            parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
-            step_ahead=self.steps_ahead, steps_undone=self.steps_undone)
+            parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal)
 
     @boundary
     async def ProbeSharedMemory(self, request, context):
@@ -489,6 +458,5 @@ class ShardServicer:
         if self.local_links is not None:
             await self.local_links.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
-        self._ahead.shutdown(wait=False, cancel_futures=True)
         if self._averager is not None:
             self._averager.close()

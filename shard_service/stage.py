@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +64,6 @@ class Stage:
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
         self._saved_bytes: dict[tuple, int] = {}  # per input signature: what autograd saves (see _run_counted)
         self._max_in_flight = max_in_flight
-        self.last_step_seconds = 0.0  # how long the optimizer's last step took
 
     def _build(self, sources: Sequence[LayerSource]):
         """(training-mode layers, eval-mode layers, weights by state-dict key, each layer's input specs); a layer
@@ -229,39 +226,7 @@ class Stage:
     def step(self) -> None:
         """Applies the optimizer to the accumulated gradients."""
         if self._optimizer is not None:
-            start = time.perf_counter()
             self._optimizer.step()
-            self.last_step_seconds = time.perf_counter() - start
-
-    def step_ahead(self, zero_grad: bool,
-                   verdict: Callable[[], str | None] = lambda: None) -> StepUndo | StepDone | None:
-        """Applies an optimizer step before it is known that every stage will (see shard_service/loop.py), and
-        returns what undoes it. A step whose optimizer raises is undone here, so it leaves nothing half-applied.
-
-        `verdict()` tells whether the step's verdict has come meanwhile (None: not yet; "": the step stands; else
-        why it does not), for a thread that got its core only after it: then there is nothing to copy. A step that
-        stands is applied as the verdict would have (StepDone, with its optimizer's error if it raised), and a
-        refused one is not (None). The copy is as long as a third of Adam's step, on the same busy cores."""
-        known = verdict()
-        if known is not None:
-            if known:
-                return None
-            try:
-                if zero_grad:
-                    self.zero_grad()
-                self.step()
-            except Exception as error:  # noqa: BLE001 - reported by the verdict, as when it applies the step itself
-                return StepDone(error)
-            return StepDone()
-        undo = StepUndo(self._optimizer, self.parameters)
-        try:
-            if zero_grad:
-                self.zero_grad()
-            self.step()
-        except BaseException:
-            undo.restore()
-            raise
-        return undo
 
     def forget(self, up_to_step: int) -> None:
         """Drops the state of steps up to `up_to_step` whose backward never came."""
@@ -314,52 +279,6 @@ class Stage:
         return [key for key, tensor in self._state.items() if isinstance(tensor, torch.nn.Parameter)]
 
 
-@dataclass(frozen=True)
-class StepDone:
-    """A step applied ahead after its verdict came: it stands (or its optimizer raised `error`), nothing to undo."""
-
-    error: Exception | None = None
-
-
-class StepUndo:
-    """A copy of what an optimizer step changes: the parameters' values, the optimizer's state and its
-    hyperparameters (copied), and the gradients (the tensors themselves: an optimizer reads them, zero_grad
-    drops them). It costs the parameters' memory again plus the optimizer's state (Adam: three times the
-    parameters in all) until the step is known to stand."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer | None, parameters: list[torch.nn.Parameter]):
-        self._optimizer = optimizer
-        self._parameters = parameters
-        with torch.no_grad():
-            self._values = [p.detach().clone() for p in parameters]
-        self._grads = [p.grad for p in parameters]
-        self._state = {}
-        self._groups = []
-        if optimizer is not None:
-            self._state = {p: {k: _copied(v) for k, v in optimizer.state[p].items()}
-                           for p in parameters if p in optimizer.state}
-            self._groups = [{k: _copied(v) for k, v in group.items() if k != "params"}
-                            for group in optimizer.param_groups]
-
-    def restore(self) -> None:
-        """Puts everything back as it was when the copy was taken (values in place: storages never change)."""
-        with torch.no_grad():
-            for parameter, value in zip(self._parameters, self._values):
-                parameter.copy_(value)
-        for parameter, grad in zip(self._parameters, self._grads):
-            parameter.grad = grad
-        if self._optimizer is not None:
-            for parameter in self._parameters:
-                if parameter in self._state:
-                    self._optimizer.state[parameter] = self._state[parameter]
-                else:
-                    self._optimizer.state.pop(parameter, None)
-            for group, saved in zip(self._optimizer.param_groups, self._groups):
-                group.update(saved)
-
-
-def _copied(value):
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -24,7 +24,6 @@ they take is the other shards' too.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,19 +42,6 @@ def work_kind(name: str, arguments: Iterable) -> str:
     """The kind of a piece of work: its name, and the size of its tensor arguments to a power of two."""
     size = sum(argument.numel() for argument in arguments if isinstance(argument, torch.Tensor))
     return f"{name} of under 2^{size.bit_length()} elements" if size else name
-
-
-def lowest_priority() -> None:
-    """The calling thread runs only when nothing else wants its core: SCHED_IDLE (which any thread may take on
-    itself), or nice 19 where that is refused. The thread's priority stays low, for the rest of its life:
-    raising it back takes a privilege a container seldom has. A thread it starts inherits it."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
-        except (AttributeError, OSError) as error:
-            log.warning("cannot lower this thread's priority (%s): steps applied ahead compete with the rest", error)
 
 
 @dataclass

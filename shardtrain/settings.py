@@ -59,11 +59,6 @@ class ShardSettings:
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
-    poll: float = 1e-3          # seconds the event loop polls after each event before it sleeps (why 1 ms:
-                                # shard_service/polling.py)
-    step_ahead: str = "auto"    # "on": a stage after the first applies an optimizer step as soon as its own
-                                # backwards are over, undoing it if an earlier stage's failed; "auto": on CPU
-                                # stages only (shard_service/loop.py says why); "off"
     simulate_compute: float = 0.0  # seconds added to each TrainStep action, standing for device work (benchmarks)
     security: Security = field(default_factory=Security)
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -162,15 +157,6 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                         help="CPU arithmetic treats denormal floats as zero, as torch.set_flush_denormal(True) "
                              "does in one process: long CPU runs whose optimizer state decays toward zero "
                              "stay fast; results may differ in the smallest values (default off)")
-    parser.add_argument("--poll-ms", type=float, default=_env(env, "POLL_MS", "1"),
-                        help="after each event, keep polling the sockets this long (yielding the core to any "
-                             "other runnable thread) before sleeping: the next item is taken at once, warm; "
-                             "costs up to this much CPU after each event, none when idle (default 1; 0: off)")
-    parser.add_argument("--step-ahead", choices=("auto", "on", "off"), default=_env(env, "STEP_AHEAD", "auto"),
-                        help="a stage after the first applies each optimizer step as soon as its own backwards "
-                             "are over, at the lowest CPU priority, keeping a copy of its weights and optimizer "
-                             "state until the first stage's backward is known to have succeeded (if it did not, "
-                             "the copy is put back); auto: on CPU devices (default auto)")
     parser.add_argument("--simulate-compute-ms", type=float, default=_env(env, "SIMULATE_COMPUTE_MS", "0"),
                         help="add this much time to each pipelined forward and backward "
                              "(benchmarks: it stands for GPU work)")
@@ -178,13 +164,10 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
-    if not 0 <= args.poll_ms <= 1000:
-        parser.error(f"--poll-ms is between 0 (off) and 1000 milliseconds, got {args.poll_ms:g}")
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", flush_denormal=args.flush_denormal == "on",
-                         poll=args.poll_ms / 1e3, step_ahead=args.step_ahead,
                          simulate_compute=args.simulate_compute_ms / 1e3,
                          security=security_from(args))
 

@@ -308,7 +308,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "step_ahead", "steps_undone")
+    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -317,8 +317,6 @@ class DescribeResponse(_message.Message):
     IN_FLIGHT_STEPS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     FLUSH_DENORMAL_FIELD_NUMBER: _ClassVar[int]
-    STEP_AHEAD_FIELD_NUMBER: _ClassVar[int]
-    STEPS_UNDONE_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     deployment_id: str
@@ -327,9 +325,7 @@ class DescribeResponse(_message.Message):
     in_flight_steps: _containers.RepeatedScalarFieldContainer[int]
     parameter_count: int
     flush_denormal: bool
-    step_ahead: bool
-    steps_undone: int
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., step_ahead: _Optional[bool] = ..., steps_undone: _Optional[int] = ...) -> None: ...
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ...) -> None: ...
 
 class LossSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "program", "sums")
@@ -466,7 +462,7 @@ class TensorKey(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "step_ahead", "step_withdrawn", "tensor")
+    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "tensor")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -477,8 +473,6 @@ class LinkMessage(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    STEP_AHEAD_FIELD_NUMBER: _ClassVar[int]
-    STEP_WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     open: LinkOpen
     forward: ForwardHeader
@@ -490,7 +484,5 @@ class LinkMessage(_message.Message):
     output: TensorKey
     backward_done: TensorKey
     error: LinkError
-    step_ahead: StepRequest
-    step_withdrawn: StepRequest
     tensor: _tensor_pb2.TensorChunk
-    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., step_ahead: _Optional[_Union[StepRequest, _Mapping]] = ..., step_withdrawn: _Optional[_Union[StepRequest, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...

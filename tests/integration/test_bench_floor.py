@@ -10,14 +10,9 @@ from client_sdk.seed_models import TEST_RESIDUAL_SMALL
 
 
 def test_the_floor_trains_as_one_process_does():
-    # Same weights, same batch, same Adam, one intra-op thread: the same arithmetic in the same order. Stages
-    # after the first apply their steps ahead, on a helper thread: a forward that did not wait for its step
-    # there would meet weights a step behind (or, in its backward, a step ahead: autograd refuses that).
+    # Same weights, same batch, same Adam, one intra-op thread: the same arithmetic in the same order. A forward
+    # that did not wait for its step would meet weights a step behind (or, in its backward, a step ahead).
     assert check(batch=32, steps=12) <= 1e-5
-
-
-def test_the_floor_without_steps_applied_ahead_trains_as_one_process_does():
-    assert check(batch=32, steps=12, step_ahead=False) <= 1e-5
 
 
 def test_the_floor_splits_the_seed_model_where_the_coordinator_does():

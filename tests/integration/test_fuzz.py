@@ -9,14 +9,13 @@ import time
 
 import grpc
 import pytest
-import torch
 from google.protobuf import descriptor as protobuf_descriptor
 from google.protobuf import message_factory
 from torch import nn
 
 from shardtrain import rpc
 from shardtrain.v1 import coordinator_pb2, shard_pb2
-from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+from tests.integration.training import trains_like_one_process
 
 REQUESTS_PER_METHOD = 150
 CALL_SECONDS = 0.5  # a well-formed request for a step that never comes waits; this ends it
@@ -171,14 +170,7 @@ def test_every_rpc_survives_random_and_malformed_requests(own_cluster):
             (shard, rpc.SHARD_SERVICE, "Describe", shard_pb2.DescribeRequest())):
         assert cluster._io.run(answers_quickly(address, cluster.security, service, method, request)) < 1.0
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
-    optimizer = (torch.optim.Adam, {"lr": 0.01})
-    batches = regression_batches(steps=4, batch=8, features=3)
-    expected = train_locally(net, batches, optimizer)
-    model = cluster.deploy(net, optimizer=optimizer, num_stages=2)
-    train_remotely(model, batches)
-    assert largest_difference(model.state_dict(), expected) <= 1e-5
+    assert trains_like_one_process(cluster, num_stages=2) <= 1e-5
 
 
 def test_requests_that_would_make_the_coordinator_work_for_minutes_are_refused_at_once(cluster4):

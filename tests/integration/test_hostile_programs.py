@@ -11,7 +11,7 @@ from torch import nn
 from client_sdk import layers as layer_tools
 from shardtrain import errors
 from shardtrain.v1 import coordinator_pb2, shard_pb2
-from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+from tests.integration.training import trains_like_one_process
 
 
 class Counts(nn.Module):
@@ -47,11 +47,4 @@ def test_a_program_that_opens_a_file_is_refused_and_training_goes_on(cluster4, t
         cluster4._io.run(cluster4._coordinator.call("Deploy", request))
     assert secret.read_bytes() == b"SECRET!"
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-    optimizer = (torch.optim.SGD, {"lr": 0.05})
-    batches = regression_batches(steps=3, batch=4, features=3)
-    expected = train_locally(net, batches, optimizer)
-    model = cluster4.deploy(net, optimizer=optimizer, num_stages=3)
-    train_remotely(model, batches)
-    assert largest_difference(model.state_dict(), expected) < 1e-5
+    assert trains_like_one_process(cluster4, num_stages=3) <= 1e-5

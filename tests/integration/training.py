@@ -48,6 +48,19 @@ def train_remotely(model, batches: Batches) -> list[float]:
     return losses
 
 
+def trains_like_one_process(cluster, num_stages: int) -> float:
+    """Deploys a small MLP over `num_stages` shards, trains it a few steps with Adam, and returns how far its
+    weights end from the same training in one process (a check that a cluster still works as it should)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = (torch.optim.Adam, {"lr": 0.01})
+    batches = regression_batches(steps=4, batch=8, features=3)
+    expected = train_locally(net, batches, optimizer)
+    model = cluster.deploy(net, optimizer=optimizer, num_stages=num_stages)
+    train_remotely(model, batches)
+    return largest_difference(model.state_dict(), expected)
+
+
 def largest_difference(trained: dict, expected: dict) -> float:
     """Largest absolute difference over every entry; the key sets must agree."""
     assert list(trained) == list(expected), f"keys differ: {list(trained)} vs {list(expected)}"

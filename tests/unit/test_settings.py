@@ -57,35 +57,6 @@ def test_shard_flush_denormal_takes_on_or_off(capsys):
     assert "--flush-denormal" in capsys.readouterr().err
 
 
-def test_shard_polls_one_millisecond_unless_told_otherwise():
-    assert shard_settings([], COORDINATOR).poll == pytest.approx(1e-3)
-    assert shard_settings(["--poll-ms", "0"], COORDINATOR).poll == 0
-    env = {**COORDINATOR, "SHARDTRAIN_POLL_MS": "2.5"}
-    assert shard_settings([], env).poll == pytest.approx(2.5e-3)
-    assert shard_settings(["--poll-ms", "0.5"], env).poll == pytest.approx(0.5e-3)
-
-
-@pytest.mark.parametrize("value", ["-1", "1001", "nan"])
-def test_shard_poll_outside_0_to_1000_ms_exits_naming_the_range(value, capsys):
-    with pytest.raises(SystemExit):
-        shard_settings(["--poll-ms", value], COORDINATOR)
-    assert "--poll-ms is between 0 (off) and 1000 milliseconds" in capsys.readouterr().err
-
-
-def test_shard_applies_steps_ahead_automatically_unless_told_otherwise():
-    assert shard_settings([], COORDINATOR).step_ahead == "auto"
-    assert shard_settings(["--step-ahead", "off"], COORDINATOR).step_ahead == "off"
-    env = {**COORDINATOR, "SHARDTRAIN_STEP_AHEAD": "on"}
-    assert shard_settings([], env).step_ahead == "on"
-    assert shard_settings(["--step-ahead", "auto"], env).step_ahead == "auto"
-
-
-def test_shard_step_ahead_takes_auto_on_or_off(capsys):
-    with pytest.raises(SystemExit):
-        shard_settings(["--step-ahead", "yes"], COORDINATOR)
-    assert "--step-ahead" in capsys.readouterr().err
-
-
 def test_shard_coordinator_from_model_host_and_port():
     assert shard_settings([], {"MODEL_HOST": "seed-host", "MODEL_PORT": "5000"}).coordinator == "seed-host:5000"
 

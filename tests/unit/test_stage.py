@@ -8,8 +8,7 @@ import re
 import pytest
 import torch
 
-from shard_service import stage as stage_module
-from shard_service.stage import LayerSource, Stage, StepDone
+from shard_service.stage import LayerSource, Stage
 from shardtrain.capture import InputSpec, LayerAdapter, capture_layer
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring
@@ -134,110 +133,6 @@ def test_zero_grad_clears_accumulated_gradients(programs, mlp):
     stage.zero_grad()
     stage.step()
     assert_same_state(stage, mlp)
-
-
-def adam_stage_with_gradients(programs, mlp, steps: int = 2) -> Stage:
-    """An Adam stage that has stepped `steps` times (so it has optimizer state) and holds fresh gradients."""
-    stage = mlp_stage(programs, mlp, optimizer=("Adam", '{"lr": 0.01}'))
-    torch.manual_seed(2)
-    for step in range(steps + 1):
-        stage.zero_grad()
-        stage.forward((step, 0), torch.randn(4, 3), {}, requires_grad=True)
-        stage.backward((step, 0), torch.randn(4, 2), {})
-        if step < steps:
-            stage.step()
-    return stage
-
-
-def snapshot(stage: Stage) -> tuple:
-    """Weights, gradients and the optimizer's state dict, copied."""
-    return ({k: v.clone() for k, v in stage.state().items()},
-            [None if p.grad is None else p.grad.clone() for p in stage.parameters],
-            copy.deepcopy(stage._optimizer.state_dict()))
-
-
-def assert_snapshots_equal(a: tuple, b: tuple) -> None:
-    (weights_a, grads_a, optimizer_a), (weights_b, grads_b, optimizer_b) = a, b
-    assert weights_a.keys() == weights_b.keys()
-    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
-    assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(grads_a, grads_b, strict=True))
-    assert optimizer_a["param_groups"] == optimizer_b["param_groups"]
-    assert optimizer_a["state"].keys() == optimizer_b["state"].keys()
-    for index, state in optimizer_a["state"].items():
-        assert state.keys() == optimizer_b["state"][index].keys()
-        assert all(torch.equal(v, optimizer_b["state"][index][k]) for k, v in state.items())
-
-
-@pytest.mark.parametrize("zero_grad", [False, True])
-def test_a_step_applied_ahead_is_undone_exactly(programs, mlp, zero_grad):
-    stage = adam_stage_with_gradients(programs, mlp)
-    before = snapshot(stage)
-    undo = stage.step_ahead(zero_grad)
-    assert not torch.equal(stage.state()["0.weight"], before[0]["0.weight"]) or zero_grad  # it did step
-    undo.restore()
-    assert_snapshots_equal(snapshot(stage), before)
-
-
-def test_a_step_applied_ahead_that_stands_is_the_plain_step(programs, mlp):
-    ahead, plain = adam_stage_with_gradients(programs, mlp), adam_stage_with_gradients(programs, mlp)
-    ahead.step_ahead(zero_grad=False)
-    plain.step()
-    assert_snapshots_equal(snapshot(ahead), snapshot(plain))
-
-
-def test_the_first_step_applied_ahead_undoes_to_no_optimizer_state(programs, mlp):
-    stage = adam_stage_with_gradients(programs, mlp, steps=0)
-    before = snapshot(stage)
-    stage.step_ahead(zero_grad=False).restore()
-    assert_snapshots_equal(snapshot(stage), before)
-    assert before[2]["state"] == {}
-    stage.step()  # Adam starts its state afresh, as on a first step
-    assert int(stage._optimizer.state_dict()["state"][0]["step"]) == 1
-
-
-def test_a_step_ahead_whose_optimizer_fails_leaves_the_stage_as_it_was(programs, mlp, monkeypatch):
-    stage = adam_stage_with_gradients(programs, mlp)
-    before = snapshot(stage)
-    parameters = stage.parameters
-
-    def half_a_step():  # the first tensor changes, then the optimizer fails
-        with torch.no_grad():
-            parameters[0].add_(1.0)
-        raise RuntimeError("optimizer failed half-way")
-
-    monkeypatch.setattr(stage._optimizer, "step", half_a_step)
-    with pytest.raises(RuntimeError, match="half-way"):
-        stage.step_ahead(zero_grad=True)
-    assert_snapshots_equal(snapshot(stage), before)
-
-
-@pytest.mark.parametrize("zero_grad", [False, True])
-def test_a_step_whose_verdict_came_before_its_thread_is_the_plain_step_with_nothing_to_undo(programs, mlp, zero_grad,
-                                                                                           monkeypatch):
-    ahead, plain = adam_stage_with_gradients(programs, mlp), adam_stage_with_gradients(programs, mlp)
-    monkeypatch.setattr(stage_module, "StepUndo", None)  # no copy is taken
-    assert ahead.step_ahead(zero_grad, verdict=lambda: "") == StepDone()
-    if zero_grad:
-        plain.zero_grad()
-    plain.step()
-    assert_snapshots_equal(snapshot(ahead), snapshot(plain))
-
-
-def test_a_step_whose_refusal_came_before_its_thread_is_not_applied(programs, mlp):
-    stage = adam_stage_with_gradients(programs, mlp)
-    before = snapshot(stage)
-    assert stage.step_ahead(zero_grad=True, verdict=lambda: "the backward of step 2 failed") is None
-    assert_snapshots_equal(snapshot(stage), before)
-
-
-def test_an_optimizer_that_fails_after_the_verdict_came_is_reported_with_the_step(programs, mlp, monkeypatch):
-    stage = adam_stage_with_gradients(programs, mlp)
-    failure = RuntimeError("optimizer failed")
-
-    def fail():
-        raise failure
-    monkeypatch.setattr(stage._optimizer, "step", fail)
-    assert stage.step_ahead(zero_grad=False, verdict=lambda: "") == StepDone(failure)
 
 
 def test_parameter_count(programs, mlp):
@@ -548,10 +443,3 @@ def test_an_eval_graph_that_wants_other_weights_is_refused(programs, batchnorm_p
     with pytest.raises(InvalidArgument, match=r"layer 0: the eval-mode graph wants weight 'layer.weight' as "
                                               r"torch.float32 of shape \[4, 3\]"):
         Stage(0, [wrong], StageResiduals(), SGD, "cpu")
-
-
-def test_a_stage_remembers_how_long_its_last_optimizer_step_took(programs, mlp):
-    stage = adam_stage_with_gradients(programs, mlp, steps=0)
-    assert stage.last_step_seconds == 0.0
-    stage.step()
-    assert 0 < stage.last_step_seconds < 10

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-from concurrent.futures import ThreadPoolExecutor
-
-import pytest
 import torch
 
-from shard_service.threads import RETUNE, TRIALS, WARMUP, ThreadChoice, lowest_priority, work_kind
+from shard_service.threads import RETUNE, TRIALS, WARMUP, ThreadChoice, work_kind
 
 
 def run(choice: ThreadChoice, kind: str, seconds_by_threads: dict[int, float], calls: int) -> list[int]:
@@ -77,11 +72,3 @@ def test_more_threads_must_save_a_tenth():
     run(choice, "forward", {1: 0.0100, 2: 0.0095}, WARMUP + 2 * TRIALS)
     run(choice, "backward", {1: 0.0100, 2: 0.0085}, WARMUP + 2 * TRIALS)
     assert choice.chosen() == {"forward": 1, "backward": 2}
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling policy is Linux's")
-def test_lowest_priority_lowers_only_the_thread_that_asks():
-    with ThreadPoolExecutor(1, initializer=lowest_priority) as low:
-        policy = low.submit(os.sched_getscheduler, 0).result()
-    assert policy == os.SCHED_IDLE
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread keeps its priority
