@@ -1,4 +1,4 @@
-"""Issue-4 benchmark: pipeline bubbles of GPipe and 1F1B, data-parallel scaling, activation memory.
+"""Benchmark: pipeline bubbles of GPipe and 1F1B, data-parallel scaling, activation memory.
 
     python -m bench.pipeline [--delay-ms 40] [--steps 3]
 

@@ -1,4 +1,4 @@
-"""Issue-2 benchmark: median training-step time of the seed residual model, several ways, in one run.
+"""Benchmark: median training-step time of the seed residual model, several ways, in one run.
 
     python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3] [--adam JSON] [--grpc-links]
 

@@ -1,4 +1,4 @@
-"""Issue-3 benchmark: moving one tensor between two processes, shardtrain's ways against torch.distributed's.
+"""Benchmark: moving one tensor between two processes, shardtrain's ways against torch.distributed's.
 
     python -m bench.transport [--sizes 4K 1M 64M 256M] [--compression] [--chunk-sweep 256K 4M]
                               [--repeats N] [--tuned-baselines] [--device cuda]

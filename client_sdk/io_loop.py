@@ -1,19 +1,13 @@
 """The SDK's asyncio loop: run by the calling thread in a script, on a thread of its own for notebooks and async code.
 
-Why the caller's thread: in a script, every blocking call (model(x), loss.backward(), model.step())
-used to hop to the SDK's I/O thread and back. A step of the PyTorch-shaped loop then cost the SDK's
-process about 8 context switches against the floor driver's 1 (/proc's voluntary switches per step,
-seed model at batch 32 on 3 local shards), and that process 1.5 ms of CPU against 0.5. Run by the
-caller, the same step switched about 2 times, and `python -m bench.ab --model seed` timed a step
-0.947x and 0.952x as long at 0.941x and 0.940x the CPU (10 and 12 rounds, faster in 9 of each).
-A later A/B of this change together with the Ctrl-C handler below and a trim of Stage.forward
-(`e41d21b` against `85da814`) gave 0.994x (faster in 6 of 12): a gain of about 5% is at the edge
-of what that host resolves.
+Why the caller's thread: in a script every blocking call (model(x), loss.backward(), model.step()) would
+otherwise hop to an I/O thread and back, several context switches a step that the caller's own thread
+avoids (docs/performance.md has the figures).
 
 The loop needs a thread of its own once someone cannot lend theirs: a caller whose thread already
 runs an event loop (a Jupyter kernel: the sync API there too), and the async API (aforward...), whose
-awaitables belong to the caller's loop. From then on every call goes to that thread, as it always
-did before. Callers on several threads take turns running the loop until then.
+awaitables belong to the caller's loop. From then on every call goes to that thread. Callers on
+several threads take turns running the loop until then.
 
 Between a script's calls nobody runs the loop: items that arrive wait in their sockets. Its clock
 stands still meanwhile (ParkedClockLoop), so a wait's deadline counts only the time the SDK was
@@ -122,9 +116,9 @@ class _InterruptAtAnAwait:
     Not asyncio.Runner.run, which does the same: after each call it asks signal.getsignal() whether its
     handler is still installed, and getsignal() turns a handler that is not a signal.Handlers member into
     one by trying Handlers(handler), whose ValueError formats repr(handler). Runner's handler is a partial
-    holding the call's task, so every call formatted the finished task, its result tensor included:
-    about 0.8 ms of the caller's CPU per call (3 a training step), where this costs about 10 us. The
-    handler here is a bound method of an object with a constant repr.
+    holding the call's task, so every call formatted the finished task, its result tensor included, which
+    cost far more than the call's own work. The handler here is a bound method of an object with a
+    constant repr.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task):

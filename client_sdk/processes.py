@@ -20,9 +20,7 @@ from shardtrain.errors import Unavailable
 log = logging.getLogger("shardtrain.local")
 
 # Local shards share this host's cores and take turns computing. OpenMP threads that spin while
-# idle (the default) steal the cores a busy neighbour needs: bench/train_step.py at batch 32 went
-# from 39.9 ms to 23.4 ms a step with PASSIVE, and torch.rpc, whose processes also inherit it,
-# from 102 ms to 19 ms.
+# idle (the default) steal the cores a busy neighbour needs (docs/performance.md).
 _OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

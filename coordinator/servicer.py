@@ -9,7 +9,7 @@ import uuid
 from coordinator.placement import StagePlacement, place
 from coordinator.registry import ShardRegistry
 from shardtrain import optim, partition, schedule
-from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.errors import FailedPrecondition, InvalidArgument, ShardtrainError
 from shardtrain.residuals import Wiring, route
 from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
 from shardtrain.settings import CoordinatorSettings
@@ -24,7 +24,7 @@ class CoordinatorServicer:
     def __init__(self, settings: CoordinatorSettings, address: str):
         self.settings = settings
         self.location = f"coordinator {address}"
-        self.registry = ShardRegistry()
+        self.registry = ShardRegistry(expiry=settings.timeouts.expiry)
 
     @boundary
     async def RegisterShard(self, request, context):
@@ -45,6 +45,7 @@ class CoordinatorServicer:
         if request.optimizer.name not in optim.ALLOWED:
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
         spec, replicas = request.partition, max(request.replicas, 1)
+        await self._forget_silent_shards()
         available = len(self.registry.shards()) // replicas
         if available < 1:
             raise FailedPrecondition(f"{replicas} replicas need at least {replicas} shards; "
@@ -63,6 +64,27 @@ class CoordinatorServicer:
             coordinator_pb2.StageAssignment(stage=p.stage, shard_id=p.shard.shard_id, shard_address=p.shard.address,
                                             first_layer=p.first_layer, end_layer=p.end_layer, replica=replica)
             for replica, pipeline in enumerate(pipelines) for p in pipeline])
+
+    async def _forget_silent_shards(self) -> None:
+        """Drops every registered shard that does not answer now (it died, or its registration was never a
+        shard's), so that a deploy places stages on shards that live; a live one registers again at its next
+        heartbeat."""
+        shards = self.registry.shards()
+        answers = await asyncio.gather(*(self._answers(shard.address) for shard in shards))
+        for shard, answered in zip(shards, answers):
+            if not answered:
+                log.warning("forgetting %s at %s: it did not answer", shard.shard_id, shard.address)
+                self.registry.forget(shard.address)
+
+    async def _answers(self, address: str) -> bool:
+        peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security, self.settings.timeouts.probe)
+        try:
+            await peer.call("Describe", shard_pb2.DescribeRequest())
+            return True
+        except ShardtrainError:  # nothing there, too slow, or not a shard of this cluster (other service, token)
+            return False
+        finally:
+            await peer.close()
 
     async def _ship_all(self, deployment_id: str, pipelines, layers, request) -> None:
         """Replica 0 first: its shards host the rendezvous where each stage's other replicas meet."""

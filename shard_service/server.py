@@ -38,6 +38,17 @@ def _reachable_host(bind: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
 
 
+async def keep_registered(settings: ShardSettings, address: str) -> None:
+    """Registers again every settings.timeouts.heartbeat seconds: the coordinator forgets a shard it has not heard
+    from for settings.timeouts.expiry."""
+    while True:
+        await asyncio.sleep(settings.timeouts.heartbeat)
+        try:
+            await register(settings, address)
+        except ShardtrainError as error:  # the coordinator is away: try again at the next beat
+            log.warning("could not renew the registration with %s: %s", settings.coordinator, error)
+
+
 async def register(settings: ShardSettings, address: str) -> str:
     """Registers with the coordinator, retrying until it answers or settings.timeouts.connect runs out."""
     coordinator = rpc.Peer(f"coordinator at {settings.coordinator}", settings.coordinator,
@@ -65,7 +76,11 @@ async def serve(settings: ShardSettings) -> None:
         shard_id = await register(settings, servicer.address)
         print(json.dumps({"event": "ready", "service": "shard", "address": servicer.address,
                           "port": port, "shard_id": shard_id}), flush=True)
-        await server.wait_for_termination()
+        heartbeat = asyncio.ensure_future(keep_registered(settings, servicer.address))
+        try:
+            await server.wait_for_termination()
+        finally:
+            heartbeat.cancel()
     finally:
         await servicer.close()
         await server.stop(grace=1)

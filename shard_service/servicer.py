@@ -80,9 +80,7 @@ class ShardServicer:
         Work that took under INLINE_SECONDS last time runs on the event loop itself: handing it to
         the compute thread and back costs two thread wake-ups, which on a busy host take longer than
         small work itself. Longer work goes to the compute thread so the loop keeps reading streams
-        (a TrainStep's next micro-batch) and serving deadlines meanwhile. Seed model, batch 32, the
-        loop over Links (one run each, alternating): 1 ms threshold 17.6-23.2 ms a step, 5 ms 15.5-16.5 ms,
-        everything inline 15.7-18.7 ms. Before Links, 22 ms inline vs 27 ms through the thread.
+        (a TrainStep's next micro-batch) and serving deadlines meanwhile.
         """
         async with self._stage_lock:
             name = work_kind(function.__name__, args)

@@ -155,8 +155,8 @@ class Stage:
                      saved: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """_run, and the bytes autograd saved for backward. Those depend only on the inputs' shapes, dtypes and
         which of them require grad (a captured graph has no data-dependent branch), so they are counted, with a
-        Python hook on every saved tensor, once per such signature: on every call the hook cost ~80 us of a
-        ~310 us forward (Stage.forward of ReLU + Linear(512, 512) at batch 32, timed in one process)."""
+        Python hook on every saved tensor, once per such signature: on every call the hook would cost about a
+        quarter of a small layer's forward."""
         signature = (layers is self._layers, *((t.shape, t.dtype, t.requires_grad) for t in (x, *saved.values())))
         known = self._saved_bytes.get(signature)
         if known is not None:

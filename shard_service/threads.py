@@ -1,24 +1,12 @@
 """How many intra-op threads each kind of stage work gets: one, or all the shard has, whichever runs it faster.
 
-Small work runs faster on one thread: waking OpenMP workers costs more than they save, all the more
-when shards share a host's cores. Big work runs faster on all of them. Measured on the 2-core
-development machine with the loop of bench/train_step.py (seed model, 3 local shards, 400 steps):
-at batch 32, shards started with SHARDTRAIN_THREADS=1 stepped in 17.0-19.4 ms against 19.9-21.2 ms
-with torch's default of two (three alternating runs); in one process (`python -m bench.train_step`),
-batch 1024 takes 67 ms on one thread and 46 ms on two. So each shard measures instead of
-guessing: the first calls of each kind alternate between the two counts, the faster median wins,
-and every RETUNE calls it measures again. A kind is the work's name and its tensors' size to a
-power of two: a forward of batch 1024 is not tuned on what a forward of batch 32 taught. Keyed by
-name alone, the choice a small batch made held for a large one until the next retune; with the
-size in the kind, `python -m bench.train_step --batches 32 256 1024` timed the batch-1024 loop at
-75.7 ms (1.43x one process) against 87.6 ms (1.66x) in the run before (one run each).
-
-What is timed is the work alone, from its fourth call on. Timed with the hand-off to the compute
-thread counted in, and from the first calls (which allocate an optimizer's state), the shards' Adam
-trials at batch 32 took 3.9-13 ms where a warm Adam of one stage takes about 1 ms, and two of three
-shards chose two threads for it; for the whole seed model, one process's Adam takes 2.4 ms on one
-thread and 3.8 ms on two. Now they choose one. Two threads must also beat one by a tenth: the core
-they take is the other shards' too.
+Small work runs faster on one thread (waking OpenMP workers costs more than they save, all the more when
+shards share a host's cores); big work runs faster on all of them. So each shard measures instead of
+guessing: the first calls of each kind alternate between the two counts, the faster median wins, and
+every RETUNE calls it measures again. A kind is the work's name and its tensors' size to a power of two,
+so a forward of batch 1024 is not tuned on what a forward of batch 32 taught. Only the work itself is
+timed, from its fourth call on (the first calls allocate, an optimizer's state for one), and two threads
+must beat one by a tenth: the core they take may be another shard's too. Figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The same-host carrier of a Link: a Unix socket that takes the Link's items off its gRPC stream.
 
 Why: in grpc.aio every message costs a completion-queue event, which grpc's poller thread hands to
-the event loop through a socket, and every write waits for one. `python -m bench.rpc_overhead`
-(two processes on the 2-core development machine, 2000 exchanges, medians of 3 rounds): a
-ping-pong on an open gRPC stream cost 316 us and 0.39 ms of CPU (both sides together) for 100
-bytes, the same ping-pong of Link frames on this socket 146 us and 0.135 ms (0.35x the CPU); for
-64 KiB 398 us / 0.51 ms against 166 us / 0.175 ms (0.35x). Same-host Links are common: a host with
-several GPUs runs one shard per GPU, and every local cluster is one. TensorPipe, under
-torch.distributed.rpc, makes the same choice with its shm transport.
+the event loop through a socket, and every write waits for one; a ping-pong of Link frames on a Unix
+socket costs about a third of the CPU of the same ping-pong on an open gRPC stream (`python -m
+bench.rpc_overhead`, docs/performance.md). Same-host Links are common: a host with several GPUs runs
+one shard per GPU, and every local cluster is one. TensorPipe, under torch.distributed.rpc, makes the
+same choice with its shm transport.
 
-Each end is an asyncio Protocol that cuts frames out of what a read brings and hands the items
-to the link in the read callback. It replaced an asyncio stream reader, which woke a task for
-each frame and read each frame's length and bytes as separate awaits, and a codec that walked the
-message's fields to find where the data began. With 3 shards training 6 Linear(1, 1) layers at
-batch 32, where all a step costs is this machinery, the session that made this change took a step
-0.890x as long and 0.896x the CPU of the code before it (`python -m bench.ab --model tiny 7516ff2
-9243ff2`, 12 rounds, faster in 10), where a revision against itself gives 0.95-1.05x.
+Each end is an asyncio Protocol that cuts frames out of what a read brings and hands the items to the
+link in the read callback: no task wakes per frame.
 
 The Link's gRPC stream still opens, authenticates and ends the link: the socket is offered in the
 answer to the open item, with a random token that only the (authenticated) opener learns, and it

@@ -7,11 +7,7 @@ the deserializer hands it on as a view of the received buffer. The bytes on the 
 protobuf that any language parses: the data goes out as a second occurrence of the chunk field,
 holding only `data`, which protobuf merges into the first (its rule for repeated embedded
 messages). A message that arrives another way (data not last) is parsed the ordinary way.
-
-Measured with `python -m bench.transport` (float32 over loopback, one run each): before shard
-processes kept freed memory (lifecycle.keep_freed_memory), 64 MiB took 347 ms as a plain protobuf
-field and 99 ms as Frames. Since, copies into warm memory are cheap and the gap is smaller: 1 MiB
-3.10 ms plain vs 2.03 ms Frames, 256 MiB 234 vs 208 ms, 64 MiB 49.8 vs 50.3 ms (15 repeats: even).
+`python -m bench.transport` compares this with a plain protobuf field (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Long-lived Link streams: the PyTorch-shaped loop's data path, one stream per pair of parties.
 
-A new gRPC call costs far more than a message on an open stream. `python -m bench.rpc_overhead`
-(two grpc.aio processes on the 2-core development machine, 2000 exchanges, one run): a
-client-streaming call of one message, as Forward is, took 888 us and 1.36 ms of CPU (both sides
-together) for 100 bytes; a ping-pong on an open bidirectional stream 321 us and 0.45 ms; a message
-streamed on it 0.34 ms of CPU. For 64 KiB: 939 us / 1.32 ms against 424 us / 0.53 ms. A training
-step of the seed's 3-stage model made about nine calls; over Links it sends 13 messages and opens
-nothing.
+A new gRPC call costs several times the CPU of a message on an open stream (`python -m
+bench.rpc_overhead`, docs/performance.md), so the loop opens no call per step: its items travel on
+streams that live as long as the deployment.
 
 Both ends of a Link send `LinkMessage` items in order. An item with a tensor carries its first chunk
 (or its shared segment); further chunks follow in messages that hold only `tensor`, and one item's

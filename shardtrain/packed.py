@@ -1,12 +1,9 @@
 """Link items packed in a fixed binary header: the same-host carrier's form of the items every step sends.
 
-Why: a traced step of the seed model at batch 32 on 3 local shards (session-11 note on issue 2)
-spent about 300 us of CPU receiving one 64 KiB item through a shared segment, and about 145 us
-sending it, of which the protobuf message, the tensor stream's reader and assembler objects, and the
-path-addressed segment's checks took about 170. Live, Python runs on caches that the other
-processes' kernels have just evicted, so an item costs in proportion to the code and objects it
-touches; a step makes seven such hops on its critical path. Packed, an item is one struct, the
-residual's name, and the segment's number or the tensor's bytes.
+Why: each item a step sends costs a shard CPU in proportion to the code and objects it touches (the
+protobuf message, the tensor stream's reader and assembler, the path-addressed segment's checks), and a
+step makes several such hops on its critical path. Packed, an item is one struct, the residual's name,
+and the segment's number or the tensor's bytes (docs/performance.md: "Packed items").
 
 The items packed are forward, backward, output, backward_done, residual and residual_gradient, whose
 key names the link's own deployment, with a CPU tensor of at most MAX_DIMS dimensions that goes

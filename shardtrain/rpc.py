@@ -28,11 +28,8 @@ log = logging.getLogger("shardtrain.rpc")
 # Control messages (a deploy carries every captured graph) can be large; tensors travel in
 # chunks far below this, so the limit only bounds what one message may allocate.
 MAX_MESSAGE_BYTES = 256 << 20
-# HTTP/2 flow control stays at grpc's defaults (BDP probing on): `python -m bench.transport --sizes
-# 4K 1M 64M --repeats 12 --skip-baselines`, each option set on both ends, two alternating runs, 64 MiB:
-# defaults 46.2 / 55.8 ms; lookahead_bytes and write_buffer_size at 64 MiB 46.6 / 48.1 ms;
-# write_buffer_size alone 60.2 / 50.4 ms; max_frame_size 16 MiB 56.8 ms; bdp_probe off 70.1 ms
-# (one run). 1 MiB and 4 KiB moved by less than the runs differ; nothing beat the noise.
+# HTTP/2 flow control stays at grpc's defaults (BDP probing on): no option measured beat them
+# (docs/performance.md).
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -351,8 +348,8 @@ async def fetch_tensor(peer: Peer, key, name: str) -> Any:
 class OpenedCall:
     """A client-streaming call opened before its tensors exist: the header goes now, the tensors on send().
 
-    Opening early takes the call's setup off a critical path: a new call costs about 0.56 ms on this
-    machine's loopback, a message on an open stream about 0.30 ms.
+    Opening early takes the call's setup off a critical path: a new call costs more than a message on an
+    open stream.
     """
 
     def __init__(self, peer: Peer, method: str, message_type, header, timeout: float):

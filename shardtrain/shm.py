@@ -40,7 +40,7 @@ _HEADER = struct.Struct("<8sqq")  # magic, generation, state
 _FREE, _BUSY = 0, 1
 DATA_OFFSET = 4096  # page aligned, so any dtype's view of the data is aligned
 # Below this size a tensor rides in the gRPC message itself: one small message costs less than a
-# segment's bookkeeping (bench/transport.py: the crossover on this machine lies near 64 KiB).
+# segment's bookkeeping (`python -m bench.local_items` finds the crossover; docs/performance.md).
 MIN_BYTES = 64 << 10
 MAX_SEGMENTS = 64      # per sender; when all are busy, tensors go by stream instead
 STALE_AFTER_S = 600.0  # a segment busy this long belongs to a receiver that died: unlink, never reuse
@@ -211,13 +211,8 @@ class Mappings:
     """A receiver's mappings of its peers' segments, kept open for the next tensor in the same segment.
 
     A sender reuses a few segments over and over, so a receiver that kept each mapping open maps each
-    segment once. Mapping one takes open, fstat and mmap, then munmap once its tensor is gone. On the
-    2-core development machine a 64 KiB Link item's round trip through a segment (frames, send,
-    receive, hand back; in one process, best of 7 x 1000) took 180-208 us mapping every time and
-    46-98 us keeping the mappings (two runs each); the seed model moves six such tensors a step. The
-    loop at batch 32 stepped in 15.64 ms against 16.04 ms (6 rounds taking turns, this one second in
-    each, which costs 0.3-1 ms there): within that shared machine's noise, and in the same direction.
-    Bounded, because a mapping keeps its pages even after the sender unlinked the file (when its pool
+    segment once. Mapping one takes open, fstat and mmap, then munmap once its tensor is gone, which
+    costs more than the rest of a small tensor's round trip through a segment. Bounded, because a mapping keeps its pages even after the sender unlinked the file (when its pool
     closed): mappings no tensor uses are closed, least recently used first, beyond `keep_bytes`, and
     once idle for `keep_seconds` (checked whenever a tensor is received or handed back).
     """

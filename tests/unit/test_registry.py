@@ -88,3 +88,31 @@ def test_registrations_beyond_the_limit_are_resource_exhausted_but_a_known_shard
     with pytest.raises(ResourceExhausted, match="2 shards have registered"):
         registry.register("c:1", "cpu")
     assert registry.register("a:1", "cuda:0").shard_id == "shard-0"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_shard_not_heard_from_within_the_expiry_is_forgotten_and_comes_back_as_a_new_one():
+    clock = Clock()
+    registry = ShardRegistry(expiry=30.0, clock=clock)
+    registry.register("a:1", "cpu")
+    registry.register("b:1", "cpu")
+    clock.now = 20.0
+    registry.register("a:1", "cpu")  # a's heartbeat; b stays silent
+    clock.now = 40.0
+    assert [s.address for s in registry.shards()] == ["a:1"]
+    assert registry.register("b:1", "cpu").shard_id == "shard-2"  # not b's old id: ids are never reused
+
+
+def test_a_forgotten_shard_leaves_the_list_and_frees_its_place():
+    registry = registry_of("a:1", "b:1", "c:1")
+    registry.forget("b:1")
+    registry.forget("nowhere:1")  # forgetting one that is not there is no error
+    assert [s.address for s in registry.shards()] == ["a:1", "c:1"]
+    assert [s.address for s in registry.take(2)] == ["a:1", "c:1"]
