@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardtrain.shard.loop")
 _ROLES = shard_pb2.LinkRole
+# Forwards and backwards a stage holds at once, tensors and all, while they wait to run (for the optimizer step
+# they follow, a residual, the compute thread): the loop has one or two, a script that never steps could pile
+# up any number. Beyond either bound the item is refused with RESOURCE_EXHAUSTED.
+MAX_HELD_ITEMS = 128
+MAX_HELD_BYTES = 2 << 30
 REOPEN_DELAYS = (0.0, 0.2, 0.5, 1.0, 2.0)  # before each attempt to reopen a broken link to the next stage
 VERDICTS_KEPT = 4  # step items passed down, sent again over a new link to the next stage (a step settles before
                    # the forward after it runs, and the SDK runs at most one step ahead: the last one or two matter)
@@ -70,10 +75,14 @@ class LinkedLoop:
         self._verdicts = _Verdicts()  # the step items this stage took, and the last ones it passed down
         self._reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
         self._tasks: set[asyncio.Task] = set()
+        self._held = [0, 0]  # forwards and backwards received and not yet run: how many, and their tensors' bytes
 
     # --- links ---------------------------------------------------------------------------------------
     async def reset(self, deployment_id: str) -> None:
-        """A new stage was loaded: links of the previous deployment end, and nothing of theirs is reported."""
+        """A new stage was loaded: links of the previous deployment end, its work still waiting ends (and lets go
+        of what it holds), and nothing of theirs is reported."""
+        for task in list(self._tasks):
+            task.cancel()
         self._deployment_id = deployment_id
         self._forwarded = -1
         self._ended_by_step.clear()
@@ -230,6 +239,26 @@ class LinkedLoop:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _spawn_held(self, coroutine, key: shard_pb2.StepKey, tensor: torch.Tensor | None, backward: bool) -> None:
+        """_spawn for a forward or backward, counted while it holds its tensor; refused beyond MAX_HELD_*."""
+        size = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        count, held = self._held
+        if count >= MAX_HELD_ITEMS or held + size > MAX_HELD_BYTES:
+            coroutine.close()
+            error = errors.ResourceExhausted(
+                f"{count} forwards and backwards ({held >> 20} MiB) already wait to run here, at most {MAX_HELD_ITEMS} "
+                f"and {MAX_HELD_BYTES >> 20} MiB: a step waits for an optimizer step that has not come")
+            self._spawn(self._report(key, error, backward))
+            return
+        self._held = [count + 1, held + size]
+
+        async def counted() -> None:
+            try:
+                await coroutine
+            finally:
+                self._held = [self._held[0] - 1, self._held[1] - size]
+        self._spawn(counted())
+
     async def _logged(self, coroutine) -> None:
         """Runs one piece of link work; what escapes it is logged."""
         try:
@@ -245,9 +274,10 @@ class LinkedLoop:
         waits for the compute thread, so the reader is never held up for long."""
         kind = message.WhichOneof("item")
         if kind == "forward":
-            self._spawn(self._forward(message.forward, tensor, self._verdicts.last))
+            self._spawn_held(self._forward(message.forward, tensor, self._verdicts.last), message.forward.key,
+                             tensor, backward=False)
         elif kind == "backward":
-            self._spawn(self._backward(message.backward, tensor))
+            self._spawn_held(self._backward(message.backward, tensor), message.backward.key, tensor, backward=True)
         elif kind == "step":
             request = message.step.request
             if not self._verdicts.take(request.optimizer_step) and end is not self._input:
@@ -442,8 +472,6 @@ class LinkedLoop:
     async def close(self) -> None:
         """Ends the links this stage opened and the work in progress."""
         await self.reset("")
-        for task in list(self._tasks):
-            task.cancel()
 
 
 class _Verdicts:
