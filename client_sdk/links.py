@@ -97,7 +97,8 @@ class SdkLinks:
         step = header.key.step
         future = self._expect(self._backwards, step)
         await self._send(_ROLES.LINK_ROLE_OUTPUT, shard_pb2.LinkMessage(backward=header), grad, "gradients")
-        return await self._wait(self._backwards, step, future, f"the end of step {step}'s backward on {self._first.name}")
+        return await self._wait(self._backwards, step, future,
+                                f"the end of step {step}'s backward on {self._first.name}")
 
     def step(self, request: shard_pb2.StepRequest) -> asyncio.Future:
         """Sends an optimizer step down the stages. The future ends once every stage settled it (with an error

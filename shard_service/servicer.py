@@ -19,9 +19,9 @@ from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
 from shard_service.threads import ThreadChoice, work_kind
-from shardtrain import carrier, link, losses, optim, shm, wire
+from shardtrain import auth, carrier, link, losses, optim, shm, wire
 from shardtrain.capture import CapturedProgram
-from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT, StageResiduals, Wiring
 from shardtrain.rpc import OpenedCalls, boundary
 from shardtrain.settings import ShardSettings
@@ -31,6 +31,7 @@ from shardtrain.v1 import shard_pb2
 log = logging.getLogger("shardtrain.shard")
 INLINE_SECONDS = 5e-3
 _FETCHED_KINDS = {OUTPUT: "activations", INPUT_GRADIENT: "gradients"}  # any other name is a residual
+_STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL)  # opened by stages; the rest by the SDK
 
 
 def _with_threads(threads: int, function, *args):
@@ -391,7 +392,15 @@ class ShardServicer:
 
     @boundary
     async def Link(self, request_iterator, context):
-        await link.serve(request_iterator, context, f"link to {self.location}", self.loop.opened,
+        roles = auth.caller_roles(context, self.settings.security)
+
+        def opened(opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
+            needed = auth.SHARD if opening.role in _STAGE_LINKS else auth.CLIENT
+            if needed not in roles:
+                raise PermissionDenied(f"a {shard_pb2.LinkRole.Name(opening.role)} link takes the {needed} role's "
+                                       f"token; this caller has the {' or '.join(sorted(roles))} role")
+            self.loop.opened(opening, end)
+        await link.serve(request_iterator, context, f"link to {self.location}", opened,
                          self.loop.on_item, self.loop.closed, self.local_links)
 
     async def run(self, function, *args):

@@ -70,6 +70,12 @@ class Unauthenticated(ShardtrainError, PermissionError):
     code = "UNAUTHENTICATED"
 
 
+class PermissionDenied(ShardtrainError, PermissionError):
+    """The caller's token does not give the role the call needs (a client token where a shard's is needed...)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class Cancelled(ShardtrainError):
     """The caller gave up on the call."""
 
@@ -84,7 +90,7 @@ class InternalError(ShardtrainError):
 
 ERRORS: tuple[type[ShardtrainError], ...] = (
     InvalidArgument, FailedPrecondition, NotFound, AlreadyExists, ResourceExhausted,
-    Unavailable, DeadlineExceeded, DataLoss, Unauthenticated, Cancelled, InternalError,
+    Unavailable, DeadlineExceeded, DataLoss, Unauthenticated, PermissionDenied, Cancelled, InternalError,
 )
 _BY_CODE: dict[str, type[ShardtrainError]] = {cls.code: cls for cls in ERRORS}
 

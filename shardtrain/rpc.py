@@ -16,7 +16,7 @@ import grpc
 
 from google.protobuf import message_factory
 
-from shardtrain import codec, errors, shm, wire
+from shardtrain import auth, codec, errors, shm, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -52,8 +52,8 @@ def open_channel(address: str, security: Security) -> grpc.aio.Channel:
 
 
 def new_server(security: Security) -> grpc.aio.Server:
-    """An aio server that checks the token when one is configured."""
-    interceptors = [TokenInterceptor(security.token)] if security.token else []
+    """An aio server that checks callers' tokens and roles when a token is configured (shardtrain/auth.py)."""
+    interceptors = [auth.RoleInterceptor(security)] if security.token else []
     return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
@@ -186,39 +186,6 @@ async def _decodable(requests: AsyncIterator) -> AsyncIterator:
         yield request
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls whose `authorization` metadata does not carry the configured bearer token."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, details):
-        presented = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(presented.encode(), self._expected):
-            return await continuation(details)
-        return _deny(await continuation(details), details.method)
-
-
-def _deny(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    message = f"{method}: missing or wrong auth token (expected metadata 'authorization: Bearer <token>')"
-
-    async def refuse(_request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def refuse_stream(_request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler is None:
-        return None
-    if handler.response_streaming:
-        if handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(refuse_stream)
-        return grpc.unary_stream_rpc_method_handler(refuse_stream)
-    make = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
-    return make(refuse)
-
-
 def status_message(error: Exception, where: str) -> tuple[grpc.StatusCode, str]:
     """The status code of an exception and its message, naming `where` unless the message already names a place.
 
@@ -288,7 +255,8 @@ class Peer:
         try:
             path, token = shm.write_probe()
         except OSError as error:
-            log.warning("%s: no room in shared memory for a probe (%s); tensors go by stream", self.name, error.strerror)
+            log.warning("%s: no room in shared memory for a probe (%s); tensors go by stream", self.name,
+                        error.strerror)
             return False
         try:
             response = await self.call("ProbeSharedMemory", shard_pb2.ProbeSharedMemoryRequest(path=path))

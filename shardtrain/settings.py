@@ -18,9 +18,17 @@ log = logging.getLogger("shardtrain.settings")
 
 @dataclass(frozen=True)
 class Security:
-    """Token authentication and TLS; empty fields mean off."""
+    """Token authentication and TLS; empty fields mean off.
+
+    `token` is the client's (and, unless a role has a token of its own, every role's); `shard_token` and
+    `reader_token` give those roles separate credentials (shardtrain/auth.py). `role` is the credential this
+    process presents on the calls it makes: "client" for the SDK, "shard" for the services.
+    """
 
     token: str = ""
+    shard_token: str = ""
+    reader_token: str = ""
+    role: str = "client"
     tls_cert: str = ""        # PEM certificate chain of this server
     tls_key: str = ""         # PEM private key of this server
     tls_ca: str = ""          # PEM roots a client trusts; set it to talk TLS to the services
@@ -29,8 +37,9 @@ class Security:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The call metadata that carries the token."""
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        """The call metadata that carries this process's token: its role's, or the client token."""
+        token = {"shard": self.shard_token, "reader": self.reader_token}.get(self.role) or self.token
+        return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class ShardSettings:
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each TrainStep action, standing for device work (benchmarks)
-    security: Security = field(default_factory=Security)
+    security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -73,7 +82,7 @@ class CoordinatorSettings:
 
     bind: str = "127.0.0.1:0"
     parent_pid: int = 0
-    security: Security = field(default_factory=Security)
+    security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -99,6 +108,10 @@ def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
     parser.add_argument("--auth-token", default=None)
     parser.add_argument("--auth-token-file", default=None)
     parser.set_defaults(env_token=_env(env, "AUTH_TOKEN"), env_token_file=_env(env, "AUTH_TOKEN_FILE"))
+    for role in ("shard", "reader"):  # from files or variables only: a command line is visible to the whole host
+        parser.add_argument(f"--{role}-token-file", default=_env(env, f"{role.upper()}_TOKEN_FILE"),
+                            help=f"a file holding the {role} role's own token (or SHARDTRAIN_{role.upper()}_TOKEN)")
+    parser.set_defaults(env_shard_token=_env(env, "SHARD_TOKEN"), env_reader_token=_env(env, "READER_TOKEN"))
     parser.add_argument("--tls-cert", default=_env(env, "TLS_CERT"))
     parser.add_argument("--tls-key", default=_env(env, "TLS_KEY"))
     parser.add_argument("--tls-ca", default=_env(env, "TLS_CA"))
@@ -109,10 +122,17 @@ def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
                              "server there refuses to start without a token: TLS alone authenticates nobody)")
 
 
-def security_from(args: argparse.Namespace) -> Security:
-    """The Security object that add_security_flags' flags describe."""
-    return Security(token=_read_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                    tls_server_name=args.tls_server_name, allow_unauthenticated=args.allow_unauthenticated)
+def security_from(args: argparse.Namespace, role: str = "client") -> Security:
+    """The Security object that add_security_flags' flags describe, presenting `role`'s token on calls it makes."""
+    return Security(token=_read_token(args), shard_token=_role_token(args, "shard"),
+                    reader_token=_role_token(args, "reader"), role=role, tls_cert=args.tls_cert,
+                    tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
+                    allow_unauthenticated=args.allow_unauthenticated)
+
+
+def _role_token(args: argparse.Namespace, role: str) -> str:
+    path = getattr(args, f"{role}_token_file")
+    return pathlib.Path(path).read_text().strip() if path else getattr(args, f"env_{role}_token")
 
 
 def security_from_env(env: Mapping[str, str] | None = None) -> Security:
@@ -124,7 +144,8 @@ def security_from_env(env: Mapping[str, str] | None = None) -> Security:
 
 def security_env(security: Security) -> dict[str, str]:
     """The SHARDTRAIN_* variables that make a child service use `security` (the inverse of the flags' defaults)."""
-    fields = {"AUTH_TOKEN": security.token, "TLS_CERT": security.tls_cert, "TLS_KEY": security.tls_key,
+    fields = {"AUTH_TOKEN": security.token, "SHARD_TOKEN": security.shard_token,
+              "READER_TOKEN": security.reader_token, "TLS_CERT": security.tls_cert, "TLS_KEY": security.tls_key,
               "TLS_CA": security.tls_ca, "TLS_SERVER_NAME": security.tls_server_name}
     return {ENV_PREFIX + name: value for name, value in fields.items() if value}
 
@@ -172,7 +193,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3,
-                         security=security_from(args))
+                         security=security_from(args, role="shard"))
 
 
 def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:
@@ -184,4 +205,4 @@ def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = No
                         help="exit when this process dies")
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
-    return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, security=security_from(args))
+    return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, security=security_from(args, role="shard"))

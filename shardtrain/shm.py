@@ -212,9 +212,10 @@ class Mappings:
 
     A sender reuses a few segments over and over, so a receiver that kept each mapping open maps each
     segment once. Mapping one takes open, fstat and mmap, then munmap once its tensor is gone, which
-    costs more than the rest of a small tensor's round trip through a segment. Bounded, because a mapping keeps its pages even after the sender unlinked the file (when its pool
-    closed): mappings no tensor uses are closed, least recently used first, beyond `keep_bytes`, and
-    once idle for `keep_seconds` (checked whenever a tensor is received or handed back).
+    costs more than the rest of a small tensor's round trip through a segment. Bounded, because a
+    mapping keeps its pages even after the sender unlinked the file (when its pool closed): mappings
+    no tensor uses are closed, least recently used first, beyond `keep_bytes`, and once idle for
+    `keep_seconds` (checked whenever a tensor is received or handed back).
     """
 
     def __init__(self, keep_bytes: int = KEEP_BYTES, keep_seconds: float = KEEP_SECONDS):

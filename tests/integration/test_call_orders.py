@@ -168,7 +168,8 @@ def test_a_call_order_does_what_one_process_does_without_waiting(cluster4, seque
     if refusal is not None:
         assert isinstance(outcome, errors.FailedPrecondition) and refusal in str(outcome), outcome
     elif local_error is not None:
-        assert isinstance(outcome, errors.FailedPrecondition), f"one process raised {local_error!r}, shards: {outcome!r}"
+        assert isinstance(outcome, errors.FailedPrecondition), \
+            f"one process raised {local_error!r}, shards: {outcome!r}"
     else:
         assert outcome is None, f"one process trained on, shards raised {outcome!r}"
     assert largest_difference(model.state_dict(), expected) <= 1e-5  # every stage, as one process ends

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -14,8 +15,9 @@ import torch
 from torch import nn
 
 from client_sdk import Cluster
-from shardtrain import errors
+from shardtrain import errors, link, rpc
 from shardtrain.settings import Security
+from shardtrain.v1 import coordinator_pb2, shard_pb2
 from tests.integration.training import regression_batches, train_remotely
 
 
@@ -79,6 +81,7 @@ STRANGER = """
 import asyncio, sys
 from shardtrain import rpc
 from shardtrain.settings import Security
+from shardtrain.v1 import coordinator_pb2, shard_pb2
 from shardtrain.v1 import shard_pb2
 
 async def describe():
@@ -168,3 +171,38 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_role_tokens_keep_clients_shards_and_readers_to_their_own_calls():
+    roles = Security(token="client-token", shard_token="shard-token", reader_token="reader-token")
+    with Cluster.local(num_shards=2, security=roles) as cluster:
+        torch.manual_seed(0)
+        model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)))  # shards load stages
+        assert len(train_remotely(model, regression_batches(steps=2, batch=2, features=2))) == 2
+        with pytest.raises(errors.PermissionDenied, match="RegisterShard: the client token may not call this"):
+            rogue = coordinator_pb2.RegisterShardRequest(address="127.0.0.1:1", device="cpu")
+            cluster._io.run(cluster._coordinator.call("RegisterShard", rogue))
+        with Cluster.connect(cluster.address, security=Security(token="reader-token", role="reader")) as reader:
+            assert len(reader.shards()) == 2
+            with pytest.raises(errors.PermissionDenied, match="Deploy: the reader token may not call this"):
+                reader.deploy(nn.Sequential(nn.Linear(2, 1)))
+        with Cluster.connect(cluster.address, security=Security(token="shard-token", role="shard")) as posing:
+            with pytest.raises(errors.PermissionDenied, match="Deploy: the shard token may not call this"):
+                posing.deploy(nn.Sequential(nn.Linear(2, 1)))
+        assert len(train_remotely(model, regression_batches(steps=1, batch=2, features=2))) == 1
+        broken = model._io.run(open_stage_link(model.placements[1].shard_address, model.deployment_id, roles))
+        assert isinstance(broken, errors.PermissionDenied) and "takes the shard role's token" in str(broken)
+
+
+async def open_stage_link(address: str, deployment_id: str, security: Security) -> Exception:
+    """What a client that poses as stage 0 hears when it opens a link into stage 1."""
+    peer = rpc.Peer("stage 1", address, rpc.SHARD_SERVICE, security, timeout=10)
+    ended = asyncio.get_running_loop().create_future()
+    opening = shard_pb2.LinkOpen(deployment_id=deployment_id, role=shard_pb2.LINK_ROLE_NEXT, from_stage=0)
+    client = link.ClientLink(peer, opening, lambda *item: None,
+                             lambda _, error: ended.done() or ended.set_result(error))
+    try:
+        return await asyncio.wait_for(ended, 10)
+    finally:
+        await client.close()
+        await peer.close()

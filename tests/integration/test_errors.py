@@ -85,7 +85,8 @@ def test_wrong_gradient_shape_fails_backward_and_nothing_is_stepped(picky_model)
 
 def test_handle_of_a_replaced_deployment_is_refused(cluster4):
     old = cluster4.deploy(nn.Sequential(nn.Linear(2, 2)), num_stages=1)
-    with Cluster.connect(cluster4.address, cluster4.security) as other_client:  # someone else redeploys on the same shards
+    # Someone else redeploys on the same shards.
+    with Cluster.connect(cluster4.address, cluster4.security) as other_client:
         other_client.deploy(nn.Sequential(nn.Linear(2, 3)), num_stages=1)
     with pytest.raises(errors.FailedPrecondition, match="holds deployment .* the model was redeployed"):
         old(torch.randn(1, 2))

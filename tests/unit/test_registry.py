@@ -45,7 +45,8 @@ def test_host_port_addresses_are_accepted(address):
     assert ShardRegistry().register(address, "cpu").address == address
 
 
-@pytest.mark.parametrize("address", ["", "localhost", ":7000", "localhost:", "localhost:http", "host:-1", "host:0", "host:65536"])
+@pytest.mark.parametrize("address", ["", "localhost", ":7000", "localhost:", "localhost:http", "host:-1", "host:0",
+                                     "host:65536"])
 def test_address_that_is_not_host_port_is_refused_by_name(address):
     with pytest.raises(InvalidArgument, match=f"shard address {address!r} must be host:port"):
         ShardRegistry().register(address, "cpu")

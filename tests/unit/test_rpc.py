@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from shardtrain import errors, rpc
+from shardtrain import auth, errors, rpc
 from shardtrain.errors import ERRORS
-from shardtrain.rpc import OpenedCalls, TokenInterceptor, boundary, translate
+from shardtrain.auth import RoleInterceptor
+from shardtrain.rpc import OpenedCalls, boundary, translate
 from shardtrain.settings import Security
 
 
@@ -155,7 +156,8 @@ def test_boundary_on_a_stream_passes_every_item_when_nothing_fails():
     assert call_streaming(None) == ([1, 2], None)
 
 
-# TokenInterceptor: calls without the bearer token get a handler that refuses them.
+# RoleInterceptor: calls without a known bearer token, or whose role may not call the method, get a handler
+# that refuses them.
 
 @dataclass
 class CallDetails:
@@ -167,14 +169,15 @@ async def served(request, context):
     return "served"
 
 
-def intercept(metadata: tuple):
+def intercept(metadata: tuple, method: str = "/shardtrain.v1.ShardService/Forward",
+              security: Security = Security(token="s3cret")):
     handler = grpc.unary_unary_rpc_method_handler(served)
 
     async def continuation(details):
         return handler
 
-    details = CallDetails("/shardtrain.v1.ShardService/Forward", metadata)
-    return asyncio.run(TokenInterceptor("s3cret").intercept_service(continuation, details))
+    details = CallDetails(method, metadata)
+    return asyncio.run(RoleInterceptor(security).intercept_service(continuation, details))
 
 
 def run_handler(handler):
@@ -200,6 +203,57 @@ def test_interceptor_refuses_a_missing_or_wrong_token_naming_the_method(metadata
     code, message = aborted
     assert code == grpc.StatusCode.UNAUTHENTICATED
     assert "/shardtrain.v1.ShardService/Forward" in message and "authorization: Bearer <token>" in message
+
+
+ROLES = Security(token="client-t", shard_token="shard-t", reader_token="reader-t")
+
+
+@pytest.mark.parametrize("token, method, served_or_code", [
+    ("client-t", "CoordinatorService/Deploy", "served"),
+    ("client-t", "ShardService/Forward", "served"),
+    ("client-t", "CoordinatorService/RegisterShard", grpc.StatusCode.PERMISSION_DENIED),
+    ("client-t", "ShardService/LoadStage", grpc.StatusCode.PERMISSION_DENIED),
+    ("shard-t", "CoordinatorService/RegisterShard", "served"),
+    ("shard-t", "ShardService/LoadStage", "served"),
+    ("shard-t", "ShardService/Forward", "served"),
+    ("shard-t", "CoordinatorService/Deploy", grpc.StatusCode.PERMISSION_DENIED),
+    ("shard-t", "ShardService/LoadState", grpc.StatusCode.PERMISSION_DENIED),
+    ("reader-t", "ShardService/ReadState", "served"),
+    ("reader-t", "CoordinatorService/ListShards", "served"),
+    ("reader-t", "ShardService/Forward", grpc.StatusCode.PERMISSION_DENIED),
+    ("reader-t", "ShardService/LoadState", grpc.StatusCode.PERMISSION_DENIED),
+    ("reader-t", "ShardService/Link", grpc.StatusCode.PERMISSION_DENIED),
+    ("nobody", "ShardService/ReadState", grpc.StatusCode.UNAUTHENTICATED),
+])
+def test_each_role_calls_only_its_methods(token, method, served_or_code):
+    answer, aborted = run_handler(intercept((("authorization", f"Bearer {token}"),), f"/shardtrain.v1.{method}",
+                                            ROLES))
+    assert (answer if aborted is None else aborted[0]) == served_or_code
+
+
+def test_a_refusal_names_the_method_and_the_role_it_takes():
+    _, (code, message) = run_handler(intercept((("authorization", "Bearer client-t"),),
+                                               "/shardtrain.v1.ShardService/LoadStage", ROLES))
+    assert "ShardService/LoadStage: the client token may not call this; it takes the shard role" in message
+
+
+def test_one_token_gives_every_role_and_a_role_token_takes_its_role_away_from_it():
+    assert auth.roles_of("Bearer t", Security(token="t")) == {"client", "shard", "reader"}
+    assert auth.roles_of("Bearer t", Security(token="t", shard_token="s")) == {"client", "reader"}
+    assert auth.roles_of("Bearer s", Security(token="t", shard_token="s")) == {"shard"}
+    assert auth.roles_of("Bearer x", Security(token="t", shard_token="s")) == frozenset()
+
+
+def test_every_method_of_both_services_has_its_roles_written_down():
+    methods = {f"{service.name}/{method.name}" for service in (rpc.SHARD_SERVICE, rpc.COORDINATOR_SERVICE)
+               for method in service.methods}
+    assert methods == set(auth.ALLOWED)
+
+
+def test_a_process_presents_its_roles_token_or_the_client_token():
+    assert Security(token="t", shard_token="s", role="shard").metadata == (("authorization", "Bearer s"),)
+    assert Security(token="t", role="shard").metadata == (("authorization", "Bearer t"),)
+    assert Security(token="t", shard_token="s").metadata == (("authorization", "Bearer t"),)
 
 
 def test_opened_calls_keep_at_most_their_limit_abandoning_the_oldest():

@@ -16,7 +16,7 @@ COORDINATOR = {"SHARDTRAIN_COORDINATOR": "coord:7000"}
 def test_shard_defaults_with_only_a_coordinator():
     assert shard_settings([], COORDINATOR) == ShardSettings(
         coordinator="coord:7000", bind="127.0.0.1:0", advertise="", device="cpu",
-        chunk_bytes=DEFAULT_CHUNK_BYTES, threads=0, security=Security(), timeouts=Timeouts())
+        chunk_bytes=DEFAULT_CHUNK_BYTES, threads=0, security=Security(role="shard"), timeouts=Timeouts())
 
 
 def test_shard_reads_every_shardtrain_variable():
@@ -30,8 +30,8 @@ def test_shard_reads_every_shardtrain_variable():
     settings = shard_settings([], env)
     assert (settings.coordinator, settings.bind, settings.advertise, settings.device, settings.chunk_bytes,
             settings.threads) == ("coord:7000", "0.0.0.0:7001", "shard-a:7001", "cuda:1", 4096, 2)
-    assert settings.security == Security(token="tok", tls_cert="cert.pem", tls_key="key.pem", tls_ca="ca.pem",
-                                         tls_server_name="shards.local")
+    assert settings.security == Security(token="tok", role="shard", tls_cert="cert.pem", tls_key="key.pem",
+                                         tls_ca="ca.pem", tls_server_name="shards.local")
 
 
 def test_shard_flags_override_the_environment():
@@ -98,12 +98,13 @@ def test_settings_ignore_variables_without_the_prefix():
 
 
 def test_coordinator_defaults():
-    assert coordinator_settings([], {}) == CoordinatorSettings(bind="127.0.0.1:0", security=Security())
+    assert coordinator_settings([], {}) == CoordinatorSettings(bind="127.0.0.1:0", security=Security(role="shard"))
 
 
 def test_coordinator_bind_from_env_and_flag():
     env = {"SHARDTRAIN_BIND": "0.0.0.0:7000", "SHARDTRAIN_AUTH_TOKEN": "tok"}
-    assert coordinator_settings([], env) == CoordinatorSettings(bind="0.0.0.0:7000", security=Security(token="tok"))
+    assert coordinator_settings([], env) == CoordinatorSettings(bind="0.0.0.0:7000",
+                                                                security=Security(token="tok", role="shard"))
     assert coordinator_settings(["--bind", "127.0.0.1:5"], env).bind == "127.0.0.1:5"
 
 
@@ -178,3 +179,19 @@ def test_unauthenticated_serving_beyond_loopback_is_off_unless_a_flag_or_variabl
     assert not coordinator_settings([], {}).security.allow_unauthenticated
     assert coordinator_settings(["--allow-unauthenticated"], {}).security.allow_unauthenticated
     assert coordinator_settings([], {"SHARDTRAIN_ALLOW_UNAUTHENTICATED": "1"}).security.allow_unauthenticated
+
+
+def test_role_tokens_come_from_files_or_variables_and_services_present_the_shard_token(tmp_path):
+    shard_file = tmp_path / "shard-token"
+    shard_file.write_text("s-from-file\n")
+    env = {**COORDINATOR, "SHARDTRAIN_AUTH_TOKEN": "t", "SHARDTRAIN_READER_TOKEN": "r"}
+    security = shard_settings(["--shard-token-file", str(shard_file)], env).security
+    assert (security.token, security.shard_token, security.reader_token, security.role) == \
+        ("t", "s-from-file", "r", "shard")
+    assert coordinator_settings([], {"SHARDTRAIN_SHARD_TOKEN": "s"}).security.role == "shard"
+    assert security_from_env({"SHARDTRAIN_AUTH_TOKEN": "t"}).role == "client"
+
+
+def test_security_env_carries_the_role_tokens_to_child_services():
+    security = Security(token="t", shard_token="s", reader_token="r")
+    assert security_from_env(security_env(security)) == security
