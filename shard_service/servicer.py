@@ -137,7 +137,7 @@ class ShardServicer:
 
     @boundary
     async def LoadState(self, request_iterator, context):
-        reader = RequestReader(request_iterator)
+        reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         stage = self.stage_for((await reader.header()).deployment_id)
         loaded = await self._run(stage.load_state, await reader.tensors())
         return shard_pb2.LoadStateResponse(loaded=loaded)
@@ -160,7 +160,7 @@ class ShardServicer:
 
     @boundary
     async def LoadOptimizerState(self, request_iterator, context):
-        reader = RequestReader(request_iterator)
+        reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         stage = self.stage_for(header.deployment_id)
         state = optim.KeyedState.parse(header.layout, await reader.tensors())
@@ -169,7 +169,7 @@ class ShardServicer:
 
     @boundary
     async def Forward(self, request_iterator, context):
-        reader = RequestReader(request_iterator)
+        reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         stage = self.stage_for(header.key.deployment_id)
         if header.scheduled:
@@ -241,7 +241,7 @@ class ShardServicer:
 
     @boundary
     async def Backward(self, request_iterator, context):
-        reader = RequestReader(request_iterator)
+        reader = RequestReader(request_iterator, self.settings.timeouts.backward_link)  # opened at forward time
         header = await reader.header()
         stage = self.stage_for(header.key.deployment_id)
         if header.scheduled:
@@ -282,7 +282,7 @@ class ShardServicer:
 
     @boundary
     async def AccumulateGradient(self, request_iterator, context):
-        reader = RequestReader(request_iterator)
+        reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         grad = (await reader.tensors()).get(header.name) if header.has_gradient else None
         await self.accumulate(header.key, header.name, grad)
@@ -340,7 +340,7 @@ class ShardServicer:
     @boundary
     async def TrainStep(self, request_iterator, context):
         started = time.perf_counter()
-        reader = RequestReader(request_iterator)
+        reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         stage = self.stage_for(header.key.deployment_id)
         loss = self._loss(header.loss) if self._plan.stage == self._plan.num_stages - 1 else None

@@ -3,25 +3,38 @@ stream on a shard (LoadState, Forward...), a server stream in the SDK (ReadOptim
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import torch
 
 from shardtrain import wire
 from shardtrain.codec import Frame
-from shardtrain.errors import InvalidArgument
+from shardtrain.errors import DeadlineExceeded, InvalidArgument
 
 
 class RequestReader:
-    """Reads a stream of Frames: a header on the first message, and any message may carry a tensor chunk."""
+    """Reads a stream of Frames: a header on the first message, and any message may carry a tensor chunk.
 
-    def __init__(self, requests: AsyncIterator):
+    With `idle`, a stream that sends nothing for that many seconds ends with DeadlineExceeded: a client that
+    opened a stream and went quiet would otherwise hold the call, and what it sent so far, for good.
+    """
+
+    def __init__(self, requests: AsyncIterator, idle: float | None = None):
         self._requests = requests.__aiter__()
         self._first = None
+        self._idle = idle
+
+    async def _next(self):
+        """The stream's next message, or None at its end."""
+        try:
+            return await asyncio.wait_for(anext(self._requests, None), self._idle)
+        except TimeoutError:
+            raise DeadlineExceeded(f"the stream sent nothing for {self._idle:g} s") from None
 
     async def header(self):
         """The first message's header; InvalidArgument if the stream does not start with one."""
-        self._first = await anext(self._requests, None)
+        self._first = await self._next()
         if self._first is None or not self._first.message.HasField("header"):
             raise InvalidArgument("stream must start with a header message")
         return self._first.message.header
@@ -36,8 +49,7 @@ class RequestReader:
 
     async def _chunks(self) -> AsyncIterator[Frame]:
         yield self._first
-        async for frame in self._requests:
+        while (frame := await self._next()) is not None:
             if frame.message.HasField("header"):
                 raise InvalidArgument("only the first message of a stream may carry a header")
             yield frame
-
