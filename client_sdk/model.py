@@ -287,9 +287,9 @@ class DistributedModel:
         if step in self._stale:
             raise FailedPrecondition(f"step {step}'s output cannot be backpropagated: {self._stale.pop(step)}")
         if step not in self._awaiting_backward:
-            raise FailedPrecondition(f"step {step}'s output was already backpropagated: the shards free a forward's "
-                                     "graph at its backward (retain_graph is not kept across the wire); run the "
-                                     "forward again for another backward")
+            raise FailedPrecondition(f"step {step}'s output was already backpropagated, or never ran under autograd: "
+                                     "the shards free a forward's graph at its backward (retain_graph is not kept "
+                                     "across the wire); run the forward again for another backward")
         self._awaiting_backward.remove(step)
 
     def _outdate_awaiting_backward(self) -> None:

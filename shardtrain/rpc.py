@@ -1,4 +1,4 @@
-"""The gRPC edge every component shares: channels, servers, the token check and the error boundary."""
+"""The gRPC edge every component shares: channels, servers, peers and the error boundary (auth.py checks tokens)."""
 
 from __future__ import annotations
 
