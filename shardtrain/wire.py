@@ -20,12 +20,11 @@ import torch
 
 from shardtrain import compression, shm
 from shardtrain.codec import Frame
-from shardtrain.errors import DataLoss, InvalidArgument
+from shardtrain.errors import DataLoss, InvalidArgument, ResourceExhausted
 from shardtrain.v1 import tensor_pb2
 
-# 1 MiB chunks: `python -m bench.transport --sizes 64M --chunk-sweep 64K 256K 3M` moved 64 MiB at
-# 0.20 GB/s in 64 KiB chunks, 0.46 at 256 KiB, 0.68 at 1 MiB and 0.42 at 3 MiB (one run): per-message
-# costs dominate small chunks, and big ones stall grpc's flow control and raise peak memory.
+# 1 MiB chunks: per-message costs dominate small chunks, and big ones stall grpc's flow control and raise
+# peak memory (`python -m bench.transport --chunk-sweep`; docs/performance.md).
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Hard cap on one received tensor, checked against the header before anything is allocated.
 MAX_TENSOR_BYTES = 1 << 40
@@ -226,7 +225,10 @@ class TensorAssembler:
         if end > self.wire_nbytes:
             raise DataLoss(f"tensor {self.name!r}: received {end} bytes, header announced {self.wire_nbytes}")
         if self._buffer is None:
-            self._buffer = torch.empty(self.wire_nbytes, dtype=torch.uint8)
+            try:
+                self._buffer = torch.empty(self.wire_nbytes, dtype=torch.uint8)
+            except RuntimeError:  # the allocator's "can't allocate memory": a header beyond this host's memory
+                raise ResourceExhausted(f"tensor {self.name!r}: no memory for its {self.wire_nbytes} bytes") from None
         if len(data):
             self._buffer.numpy()[self.filled:end] = numpy.frombuffer(data, dtype=numpy.uint8)
         self.filled = end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import zlib
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from shardtrain import shm, wire
 from shardtrain.codec import Codec, Frame
-from shardtrain.errors import DataLoss, InvalidArgument
+from shardtrain.errors import DataLoss, InvalidArgument, ResourceExhausted
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 WIRE_CODES = [
@@ -261,6 +262,14 @@ def test_huge_announced_tensor_is_refused_by_the_default_limit():
     shape = (1 << 20, 1 << 20, 1 << 10)  # 2**50 float32 elements: far over MAX_TENSOR_BYTES
     with pytest.raises(InvalidArgument, match="exceeds the limit"):
         wire.TensorStreamReader().feed(header_chunk(shape=shape, nbytes=4 << 50))
+
+
+@pytest.mark.skipif(pathlib.Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+                    reason="with overcommit always on, a 1 TiB allocation succeeds until it is touched")
+def test_a_tensor_within_the_limit_but_beyond_the_hosts_memory_is_resource_exhausted():
+    shape = (1 << 38,)  # 1 TiB of float32, the limit itself: more than this host can allocate
+    with pytest.raises(ResourceExhausted, match=f"no memory for its {4 << 38} bytes"):
+        wire.TensorStreamReader().feed(header_chunk(shape=shape, nbytes=4 << 38, data=b"\0" * 16))
 
 
 def test_tensor_at_max_bytes_is_accepted():
