@@ -10,7 +10,7 @@ import sys
 import grpc
 
 from coordinator.servicer import CoordinatorServicer
-from shardtrain import rpc, shm
+from shardtrain import health, rpc, shm
 from shardtrain.lifecycle import die_with_parent
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
@@ -24,17 +24,19 @@ async def build_server(settings: CoordinatorSettings,
     port = rpc.bind(server, address, settings.security)
     servicer = CoordinatorServicer(settings, f"{address.rsplit(':', 1)[0]}:{port}")
     rpc.add_service(server, servicer, rpc.COORDINATOR_SERVICE)
+    servicer.health = rpc.add_health(server, rpc.COORDINATOR_SERVICE)
     await server.start()
     return server, port, servicer
 
 
 async def serve(settings: CoordinatorSettings) -> None:
     """Runs the coordinator until cancelled, announcing readiness on stdout."""
-    server, port, _ = await build_server(settings)
+    server, port, servicer = await build_server(settings)
     print(json.dumps({"event": "ready", "service": "coordinator", "port": port}), flush=True)
     try:
         await server.wait_for_termination()
     finally:
+        servicer.health.set_all(health.NOT_SERVING)
         await server.stop(grace=1)
 
 

@@ -25,6 +25,7 @@ class CoordinatorServicer:
         self.settings = settings
         self.location = f"coordinator {address}"
         self.registry = ShardRegistry(expiry=settings.timeouts.expiry)
+        self.health = None  # the server's grpc.health.v1 status (set by build_server)
 
     @boundary
     async def RegisterShard(self, request, context):

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from shard_service.servicer import ShardServicer
-from shardtrain import carrier, rpc, shm
+from shardtrain import carrier, health, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
@@ -28,6 +28,7 @@ async def build_server(settings: ShardSettings, bind: str | None = None) -> tupl
     port = rpc.bind(server, bind or settings.bind, settings.security)
     servicer = ShardServicer(settings, settings.advertise or f"{_reachable_host(bind or settings.bind)}:{port}")
     rpc.add_service(server, servicer, rpc.SHARD_SERVICE)
+    servicer.health = rpc.add_health(server, rpc.SHARD_SERVICE)
     await server.start()
     return server, port, servicer
 
@@ -82,6 +83,7 @@ async def serve(settings: ShardSettings) -> None:
         finally:
             heartbeat.cancel()
     finally:
+        servicer.health.set_all(health.NOT_SERVING)
         await servicer.close()
         await server.stop(grace=1)
 

@@ -68,6 +68,7 @@ class ShardServicer:
         # the count where the work runs: set only in the main thread, the compute thread would start
         # a team per core and spin against the other shards on the same host.
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage")
+        self.health = None  # the server's grpc.health.v1 status (set by build_server)
 
     @property
     def location(self) -> str:

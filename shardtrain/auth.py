@@ -40,6 +40,10 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
+# Open to callers without a token: a health probe learns only whether the server serves.
+OPEN = frozenset({"Health/Check", "Health/Watch"})
+
+
 def roles_of(presented: str, security: Security) -> frozenset[str]:
     """The roles the `authorization` metadata `presented` grants (empty: none), compared in constant time."""
     granted: set[str] = set()
@@ -67,6 +71,8 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
         self._security = security
 
     async def intercept_service(self, continuation, details):
+        if details.method.rsplit(".", 1)[-1] in OPEN:
+            return await continuation(details)
         presented = dict(details.invocation_metadata or ()).get("authorization", "")
         roles = roles_of(presented, self._security)
         if not roles:

@@ -16,7 +16,7 @@ import grpc
 
 from google.protobuf import message_factory
 
-from shardtrain import auth, codec, errors, shm, wire
+from shardtrain import auth, codec, errors, health, shm, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -134,6 +134,13 @@ def add_service(server: grpc.aio.Server, servicer: Any, service) -> None:
             handler, request_deserializer=_tolerant(deserialize, servicer, method.input_type.full_name),
             response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def add_health(server: grpc.aio.Server, service) -> health.HealthServicer:
+    """Serves grpc.health.v1.Health beside `service` on `server`; the returned servicer reports their status."""
+    servicer = health.HealthServicer((service.full_name,))
+    add_service(server, servicer, health.SERVICE)
+    return servicer
 
 
 class Undecodable:
