@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardtrain.addresses import is_host_port
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 MAX_SHARDS = 4096
@@ -41,8 +42,7 @@ class ShardRegistry:
     def register(self, address: str, device: str) -> ShardRecord:
         """Adds or refreshes a shard; InvalidArgument for an address that is not host:port, ResourceExhausted
         once MAX_SHARDS have registered."""
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or len(address) > 261 or not 0 < int(port) < 65536:
+        if not is_host_port(address):  # what a stage plan will name it by (shard_service/stage_plan.py)
             raise InvalidArgument(f"shard address {address[:80]!r} must be host:port")
         if not _DEVICE.fullmatch(device):
             raise InvalidArgument(f"shard device {device[:40]!r} must be cpu, cuda or cuda:N")

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import re
 
+from shardtrain.addresses import is_host_port
 from shardtrain.errors import InvalidArgument
 from shardtrain.schedule import MAX_STAGES
 
 MAX_REPLICAS = 1024
 _DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _RESIDUAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,127}")
-# host:port, the host a name, an IPv4 address or a bracketed IPv6 one; what peers are dialled at.
-_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9_.-]{1,253}):(\d{1,5})")
 
 
 def check_load(request) -> None:
@@ -45,10 +44,7 @@ def _check_range(what: str, value: int, low: int, high: int) -> None:
 
 
 def _check_address(what: str, address: str, required: bool) -> None:
-    if not address and not required:
-        return
-    match = _ADDRESS.fullmatch(address)
-    if match is None or not 0 < int(match.group(2)) < 65536:
+    if (address or required) and not is_host_port(address):
         raise InvalidArgument(f"{what} {address[:80]!r} is not host:port")
 
 

@@ -36,7 +36,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/Describe": _READING,
     "ShardService/ProbeSharedMemory": _READING,
     "ShardService/TrainStep": _TRAINING,
-    "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's: link_role_allowed
+    "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)
 }
 
 
@@ -71,7 +71,8 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
         self._security = security
 
     async def intercept_service(self, continuation, details):
-        if details.method.rsplit(".", 1)[-1] in OPEN:
+        method = details.method.rsplit(".", 1)[-1]  # "/shardtrain.v1.ShardService/Forward" -> "ShardService/Forward"
+        if method in OPEN:
             return await continuation(details)
         presented = dict(details.invocation_metadata or ()).get("authorization", "")
         roles = roles_of(presented, self._security)
@@ -79,7 +80,7 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
             return _refusing(await continuation(details), grpc.StatusCode.UNAUTHENTICATED,
                              f"{details.method}: missing or wrong auth token (expected metadata "
                              "'authorization: Bearer <token>')")
-        allowed = ALLOWED.get(details.method.rsplit(".", 1)[-1], frozenset())
+        allowed = ALLOWED.get(method, frozenset())
         if not roles & allowed:
             return _refusing(await continuation(details), grpc.StatusCode.PERMISSION_DENIED,
                              f"{details.method}: the {' or '.join(sorted(roles))} token may not call this; it takes "

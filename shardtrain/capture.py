@@ -40,7 +40,7 @@ _NAME_KEYS = {"name", "parameter_name", "buffer_name", "tensor_constant_name", "
 _FREE_TEXT_KEYS = {"as_string", "torch_version"}  # string constants: emitted with repr(), never parsed
 _TREESPEC_KEYS = {"in_spec", "out_spec"}  # pytree specs, themselves JSON
 _TREESPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict"}
-MAX_PROGRAM_BYTES = 32 << 20  # one layer's serialized graph; a transformer block's is about 100 KB
+MAX_PROGRAM_BYTES = 32 << 20  # one layer's serialized graph; real layers' graphs are far smaller
 MAX_STRING = 4096             # characters in any one string of a program
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 

@@ -16,7 +16,7 @@ import grpc
 
 from google.protobuf import message_factory
 
-from shardtrain import auth, codec, errors, health, shm, wire
+from shardtrain import addresses, auth, codec, errors, health, shm, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -70,7 +70,7 @@ def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
             raise errors.FailedPrecondition(
                 "TLS without a token authenticates nobody: give every service and client the same token "
                 "(--auth-token-file or SHARDTRAIN_AUTH_TOKEN), or pass --allow-unauthenticated")
-        if not is_loopback(address):
+        if not addresses.is_loopback(address):
             raise errors.FailedPrecondition(
                 f"refusing to serve {address} without a token: anyone who reaches the port could load programs "
                 "and read weights; give every service and client the same token (--auth-token-file or "
@@ -83,14 +83,6 @@ def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
     if port == 0:
         raise errors.Unavailable(f"could not bind {address}")
     return port
-
-
-def is_loopback(address: str) -> bool:
-    """True when a bind address (host:port, [v6]:port or unix:path) is reachable from this host only."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _coders(descriptor) -> tuple[Callable, Callable]:

@@ -28,7 +28,8 @@ class RequestReader:
     async def _next(self):
         """The stream's next message, or None at its end."""
         try:
-            return await asyncio.wait_for(anext(self._requests, None), self._idle)
+            async with asyncio.timeout(self._idle):  # a timer, not a task per message as wait_for would make
+                return await anext(self._requests, None)
         except TimeoutError:
             raise DeadlineExceeded(f"the stream sent nothing for {self._idle:g} s") from None
 

@@ -274,14 +274,6 @@ def test_opened_calls_keep_at_most_their_limit_abandoning_the_oldest():
     assert third.abandoned and calls.pop(2) is None
 
 
-@pytest.mark.parametrize("address, local", [
-    ("127.0.0.1:0", True), ("127.0.0.2:50051", True), ("localhost:1", True), ("[::1]:5", True),
-    ("unix:/tmp/socket", True), ("0.0.0.0:50051", False), ("[::]:1", False), ("10.1.2.3:5", False),
-    ("shard-0:50052", False)])
-def test_loopback_addresses_are_told_from_the_rest(address, local):
-    assert rpc.is_loopback(address) is local
-
-
 def bind_without_listening(address: str, security: Security) -> None:
     async def attempt() -> None:
         server = grpc.aio.server()
