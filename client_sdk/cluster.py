@@ -147,16 +147,9 @@ class Cluster:
             addresses = [s.shard_address for s in response.stages if s.replica == replica]
             replicas.append(StageClients(response.deployment_id, addresses, self.security, self.timeouts, encodings))
         await asyncio.gather(*(clients.probe() for clients in replicas))
-        trainer = PipelineTrainer(replicas, self._plan_schedule)
+        trainer = PipelineTrainer(replicas)
         key_order = [entry.model_key for layer in captured for entry in layer.state]
         return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys)
-
-    async def _plan_schedule(self, num_stages: int, microbatches: int, schedule: str) -> list:
-        """Every stage's actions for a pipelined step, as the coordinator plans them."""
-        request = coordinator_pb2.PlanScheduleRequest(num_stages=num_stages, microbatches=microbatches,
-                                                      schedule=schedule)
-        response = await self._coordinator.call("PlanSchedule", request)
-        return [list(stage.actions) for stage in response.stages]
 
     def _close_models(self) -> None:
         models, self._models = self._models, []

@@ -42,6 +42,9 @@ class SdkLinks:
         self._ends_with: dict[int, list[int]] = {}       # optimizer step -> the backwards it ends
         self._after_forward: dict[int, int] = {}         # optimizer step -> the last forward step sent before it
         self._flushed = 0                                # the highest optimizer step a Flush was sent for
+        self._planned: dict[int, asyncio.Future] = {}    # planned step -> its loss, once every micro-batch's came
+        self._loss_parts: dict[int, list] = {}           # planned step -> [loss so far, micro-batches still to come]
+        self.stats: dict[int, list] = {}                 # optimizer step -> the StageStats its Flush brought back
 
     def _link(self, role: int) -> link.ClientLink:
         client = self._links.get(role)
@@ -100,6 +103,39 @@ class SdkLinks:
         return await self._wait(self._backwards, step, future,
                                 f"the end of step {step}'s backward on {self._first.name}")
 
+    async def planned(self, forwards: list[tuple[shard_pb2.ForwardHeader, torch.Tensor]],
+                      targets: list[tuple[shard_pb2.LossTarget, torch.Tensor]],
+                      request: shard_pb2.StepRequest) -> tuple[float, list]:
+        """A planned step: the micro-batches into the first stage, their targets into the last, then the optimizer
+        step and a Flush asking for every stage's figures. Returns the step's loss and the figures once every
+        stage settled the step."""
+        step, number = forwards[0][0].key.step, request.optimizer_step
+        loss = self._expect(self._planned, step)
+        self._loss_parts[step] = [0.0, len(forwards)]
+        settled = self._expect(self._settles, number)
+        self._after_forward[number] = step
+        self._flushed = max(self._flushed, number)
+        self._link(_ROLES.LINK_ROLE_OUTPUT)  # opened now: the last stage sends the losses on it
+
+        async def send_targets() -> None:
+            for target, y in targets:
+                await self._send(_ROLES.LINK_ROLE_OUTPUT, shard_pb2.LinkMessage(target=target), y)
+
+        async def send_inputs() -> None:
+            for header, x in forwards:
+                await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
+            await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request)))
+            flush = shard_pb2.Flush(optimizer_step=number, stats=True)
+            await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=flush))
+        try:
+            await asyncio.gather(send_targets(), send_inputs())
+            value = await self._wait(self._planned, step, loss, f"the loss of step {step} from {self._last.name}")
+            await self._wait(self._settles, number, settled, f"optimizer step {number}'s end on every stage")
+        finally:
+            self._loss_parts.pop(step, None)
+            self._planned.pop(step, None)
+        return value, self.stats.pop(number, [])
+
     def step(self, request: shard_pb2.StepRequest) -> asyncio.Future:
         """Sends an optimizer step down the stages. The future ends once every stage settled it (with an error
         if a stage's optimizer failed); nothing answers a step by itself: a later output or flush() does."""
@@ -142,6 +178,7 @@ class SdkLinks:
     def _settled(self, up_to: int) -> None:
         for number in [n for n in self._settles if n <= up_to]:
             _resolve(self._settles.pop(number), None)
+            self._after_forward.pop(number, None)
             self._end_backwards(number, None)
 
     def _end_backwards(self, number: int, error: BaseException | None) -> None:
@@ -158,10 +195,25 @@ class SdkLinks:
             _resolve(self._outputs.get(step), tensor)
         elif kind == "backward_done":
             _resolve(self._backwards.get(message.backward_done.key.step), tensor)
+        elif kind == "loss":
+            self._add_loss(message.loss)
         elif kind == "flush":
+            if message.flush.stats:
+                self.stats[message.flush.optimizer_step] = list(message.flush.stage_stats)
+                while len(self.stats) > 4:  # a failed step's figures nobody will read
+                    del self.stats[min(self.stats)]
             self._settled(message.flush.optimizer_step)
         elif kind == "error":
             self._failed(message.error)
+
+    def _add_loss(self, loss: shard_pb2.StepLoss) -> None:
+        parts = self._loss_parts.get(loss.key.step)
+        if parts is None:
+            return  # a step that already failed
+        parts[0] += loss.loss
+        parts[1] -= 1
+        if parts[1] == 0:
+            _resolve(self._planned.get(loss.key.step), parts[0])
 
     def _failed(self, error: shard_pb2.LinkError) -> None:
         exception = link.raised(error)
@@ -173,6 +225,7 @@ class SdkLinks:
             self._link_broke(exception, error.through_step if error.HasField("through_step") else None)
             return
         step = error.key.step
+        _resolve(self._planned.get(step), None, exception)  # a planned step fails whichever way its error came
         first, second = (self._backwards, self._outputs) if error.backward else (self._outputs, self._backwards)
         _resolve(first.get(step), None, exception)
         if not error.backward:
@@ -184,7 +237,7 @@ class SdkLinks:
         caused ended the user's iteration and the next one began: that one went out later and stays."""
         def lost(step: int) -> bool:
             return through_step is None or step <= through_step
-        for pending in (self._outputs, self._backwards):
+        for pending in (self._outputs, self._backwards, self._planned):
             for step, future in pending.items():
                 if lost(step):
                     _resolve(future, None, exception)

@@ -159,8 +159,9 @@ class DistributedModel:
         the replicas' gradient all-reduce, and the optimizer step. Returns the batch's loss.
 
         The batch is split over the replicas, then into `microbatches` pieces (uneven sizes are fine);
-        stage i works on micro-batch k+1 while stage i+1 works on k, under `schedule` "1f1b" (at most
-        one micro-batch per stage in flight) or "gpipe" (all forwards, then all backwards). The loss
+        stage i works on micro-batch k+1 while stage i+1 works on k, under `schedule` "1f1b" (stage s
+        holds at most p - s micro-batches between forward and backward) or "gpipe" (all forwards, then all
+        backwards). It runs on the same Links as the loop; no call is opened per step. The loss
         is computed on the last stage: a torch.nn loss by name ("MSELoss"), class or instance from
         the allow-list, or a loss module of your own (captured like a layer). Mean-reducing losses
         weigh each micro-batch by its share of the batch, so the result equals one full-batch step.
@@ -204,11 +205,21 @@ class DistributedModel:
     async def _train_step(self, x, y, loss_fn, microbatches: int, schedule: str) -> float:
         await self._synchronize()
         spec = await self._loss_specs(loss_fn, x, y)
-        self._zero_grad_pending = False  # a TrainStep starts from zero gradients anyway
+        # A planned step starts from zero gradients: a pending zero_grad and the gradients of backwards that no
+        # step took yet are moot.
+        self._zero_grad_pending = False
+        self._backward_steps.clear()
         self._outdate_awaiting_backward()
         self._has_gradients = True  # as after a step in one process: the step's gradients stay
-        return await self._trainer.run(self._begin_step(), x, y, spec, microbatches, schedule,
-                                       eval_mode=not self.training)
+        step, after = self._begin_step(), self._settle_before_forward
+        self._optimizer_steps += 1
+        self._settle_before_forward = self._optimizer_steps
+        try:
+            return await self._trainer.run(step, x, y, spec, microbatches, schedule, after, self._optimizer_steps,
+                                           eval_mode=not self.training)
+        except BaseException:
+            self._abandon_deferred_work()
+            raise
 
     async def _predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` without autograd (an example for capturing a loss), in eval mode: it must

@@ -1,9 +1,9 @@
-"""model.train_step: a batch split over replicas and micro-batches, one TrainStep call per shard, all at once."""
+"""model.train_step: a batch split over replicas and micro-batches, run as one planned step on each replica's Links."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -12,16 +12,15 @@ from shardtrain import schedule as schedules
 from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
 
-Planner = Callable[[int, int, str], Awaitable[list]]  # (stages, microbatches, schedule) -> actions per stage
-
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, replicas: int, microbatches: int) -> list[list[tuple]]:
     """Per replica, its micro-batches as (input, target) pairs; the last ones may be a row shorter."""
     if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
         raise InvalidArgument(f"inputs and targets need the same batch dimension, got {list(x.shape)} and "
                               f"{list(y.shape)}")
-    if microbatches < 1:
-        raise InvalidArgument(f"microbatches must be at least 1, got {microbatches}")
+    if not isinstance(microbatches, int) or not 1 <= microbatches <= schedules.MAX_MICROBATCHES:
+        raise InvalidArgument(f"microbatches must be an integer in 1..{schedules.MAX_MICROBATCHES}, "
+                              f"got {microbatches!r}")
     if x.shape[0] < replicas * microbatches:
         raise InvalidArgument(f"a batch of {x.shape[0]} rows cannot feed {replicas} replica(s) x {microbatches} "
                               "micro-batches: each needs at least one row")
@@ -30,51 +29,29 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, replicas: int, microbatches: i
 
 
 class PipelineTrainer:
-    """Runs TrainSteps over every replica's stages; keeps the coordinator's plans and the last step's figures."""
+    """Runs planned steps over every replica's stages; keeps the last step's figures."""
 
-    def __init__(self, replicas: Sequence[StageClients], planner: Planner):
+    def __init__(self, replicas: Sequence[StageClients]):
         self.replicas = list(replicas)
-        self._planner = planner
-        self._plans: dict[tuple[int, str], list] = {}
         self.stats: list[dict] = []
 
-    async def _plan(self, microbatches: int, schedule: str) -> list:
+    async def run(self, step: int, x: torch.Tensor, y: torch.Tensor, loss: shard_pb2.LossSpec, microbatches: int,
+                  schedule: str, after_optimizer_step: int, optimizer_step: int, eval_mode: bool = False) -> float:
+        """One training step (on the layers' eval-mode graphs with `eval_mode`) as optimizer step `optimizer_step`;
+        returns the batch's loss (the mean loss for averaging losses)."""
         if schedule not in schedules.SCHEDULES:
             raise InvalidArgument(f"unknown schedule {schedule!r}; choose one of {schedules.SCHEDULES}")
-        key = (microbatches, schedule)
-        if key not in self._plans:  # one coordinator round trip per distinct plan, none per micro-batch
-            self._plans[key] = await self._planner(len(self.replicas[0].stages), microbatches, schedule)
-        return self._plans[key]
-
-    async def run(self, step: int, x: torch.Tensor, y: torch.Tensor, loss: shard_pb2.LossSpec,
-                  microbatches: int, schedule: str, eval_mode: bool = False) -> float:
-        """One training step (on the layers' eval-mode graphs with `eval_mode`); returns the batch's loss (the
-        mean loss for averaging losses)."""
-        plan = await self._plan(microbatches, schedule)
+        plan = shard_pb2.StepPlan(microbatches=microbatches, schedule=schedule)
         shares = split_batch(x.detach(), y.detach(), len(self.replicas), microbatches)
-        calls = [call for clients, share in zip(self.replicas, shares)
-                 for call in self._replica_calls(clients, step, share, x.shape[0], plan, loss, eval_mode)]
-        responses = await _all_or_nothing(calls)
-        self.stats = [_stats_dict(response.stats) for response in responses]
-        return sum(response.loss for response in responses)
-
-    def _replica_calls(self, clients: StageClients, step: int, share: list[tuple], batch_size: int,
-                       plan: list, loss: shard_pb2.LossSpec, eval_mode: bool) -> list:
-        last = len(clients.stages) - 1
-        calls = []
-        for stage, actions in enumerate(plan):
-            header = shard_pb2.TrainStepHeader(key=clients.key(step), microbatch_sizes=[len(mx) for mx, _ in share],
-                                               batch_size=batch_size, actions=actions,
-                                               loss=loss if stage == last else None, eval_mode=eval_mode)
-            tensors = {f"input/{k}": mx for k, (mx, _) in enumerate(share)} if stage == 0 else {}
-            tensors.update({f"target/{k}": my for k, (_, my) in enumerate(share)} if stage == last else {})
-            calls.append(clients.train_step(stage, header, tensors))
-        return calls
+        results = await _all_or_nothing([
+            clients.planned_step(step, share, x.shape[0], loss, plan, after_optimizer_step, optimizer_step, eval_mode)
+            for clients, share in zip(self.replicas, shares)])
+        self.stats = [_stats_dict(stats) for _, per_stage in results for stats in per_stage]
+        return sum(value for value, _ in results)
 
 
 async def _all_or_nothing(calls: list) -> list:
-    """Every call's result; on the first failure the others are cancelled (their shards stop waiting for
-    tensors that will never come and drop the step) and that failure is raised."""
+    """Every call's result; on the first failure the others are cancelled and that failure is raised."""
     tasks = [asyncio.ensure_future(call) for call in calls]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -44,12 +44,21 @@ class StageClients:
         """The wire key of a step of this deployment."""
         return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
 
-    async def train_step(self, stage: int, header: shard_pb2.TrainStepHeader,
-                         tensors: dict[str, torch.Tensor]) -> shard_pb2.TrainStepResponse:
-        """One stage's TrainStep, with its inputs (first stage) or targets (last stage)."""
-        peer = self.stages[stage]
-        requests = wire.framed(shard_pb2.TrainStepRequest, header, tensors, self._options(peer, "activations"))
-        return await peer.call("TrainStep", requests)
+    async def planned_step(self, step: int, share: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_rows: int,
+                           loss: shard_pb2.LossSpec, plan: shard_pb2.StepPlan, after_optimizer_step: int,
+                           optimizer_step: int, eval_mode: bool) -> tuple[float, list]:
+        """One planned step over this pipeline's Links: each (input, target) micro-batch of `share` forward and
+        backward on every stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's
+        loss and every stage's StageStats."""
+        forwards = [(shard_pb2.ForwardHeader(key=self.key(step, k), requires_grad=True, zero_grad=k == 0,
+                                             after_optimizer_step=after_optimizer_step, eval_mode=eval_mode,
+                                             plan=plan), x.detach())
+                    for k, (x, _) in enumerate(share)]
+        targets = [(shard_pb2.LossTarget(key=self.key(step, k), loss=loss, rows=len(y), batch_rows=batch_rows),
+                    y.detach()) for k, (_, y) in enumerate(share)]
+        request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, optimizer_step=optimizer_step,
+                                        backward_steps=[step])
+        return await self._links.planned(forwards, targets, request)
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
                       after_optimizer_step: int, input_requires_grad: bool = False,

@@ -1,7 +1,7 @@
 """A shard's connections to other shards: who its peers are, how tensors reach each, and the sends themselves.
 
-The servicer answers calls; Links makes them: residual fetches, residual-gradient pushes, the
-Backward calls opened at forward time, and a TrainStep's streams to the neighbouring stages. It
+The servicer answers calls; Links makes them: residual fetches, residual-gradient pushes and the
+Backward calls opened at forward time (the calls behind the Forward and Backward RPCs). It
 decides per peer whether tensors go through shared memory (a peer that proved it shares this host)
 and in which wire encoding (the deployment's choice per tensor kind).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 
 from shardtrain import shm, wire
-from shardtrain.codec import Frame
 from shardtrain.rpc import SHARD_SERVICE, OpenedCall, Peer, fetch_tensor
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, tensor_pb2
@@ -75,26 +74,6 @@ class Links:
         """Opens the Forward call to the next stage, its header going on at once."""
         return OpenedCall(self.peer(self.plan.next_address), "Forward", shard_pb2.ForwardRequest, header,
                           self.settings.timeouts.rpc)
-
-    async def send_scheduled(self, key: shard_pb2.StepKey, kind: str, tensors) -> None:
-        """One call for a whole TrainStep: each micro-batch's activation (to the next stage) or input
-        gradient (to the previous one) goes on it as `tensors`, an async iterator of (microbatch, tensor),
-        yields it."""
-        if kind == "activation":
-            address, method, message = self.plan.next_address, "Forward", shard_pb2.ForwardRequest
-            header = shard_pb2.ForwardHeader(key=key, scheduled=True)
-        else:
-            address, method, message = self.plan.previous_address, "Backward", shard_pb2.BackwardRequest
-            header = shard_pb2.BackwardHeader(key=key, scheduled=True)
-        peer = self.peer(address)
-        options = self.options(peer.same_host, "activations" if kind == "activation" else "gradients")
-
-        async def requests():
-            yield Frame(message(header=header))
-            async for microbatch, tensor in tensors:
-                for frame in wire.tensor_messages(message, tensor, f"{kind}/{microbatch}", options):
-                    yield frame
-        await peer.call(method, requests())
 
     async def close(self) -> None:
         """Closes every channel and unlinks this shard's shared segments."""

@@ -15,6 +15,8 @@ Outcomes travel as items too, so no stage waits for an answer:
 - A link to the next stage that breaks while both stages live may lose a verdict: the stage opens it again
   and sends its last verdicts first (_Verdicts); the next stage takes each once, and runs no forward before
   the steps whose verdicts came before it.
+- A planned step (model.train_step) runs on the same links and items: its forwards carry a StepPlan, and
+  each stage runs its micro-batches' forwards and backwards in the order the schedule gives it (planned.py).
 - Nothing says "done" on its own: the next output tells the SDK that every stage settled the
   optimizer step before it (each forward waits for it), and a Flush item asks when nothing will.
   That also ends the backwards the step lists, so the first stage sends no backward_done for a
@@ -26,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from shard_service.mailbox import Mailbox
+from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts
 from shardtrain import eager, errors, link
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
@@ -47,6 +51,7 @@ _ROLES = shard_pb2.LinkRole
 MAX_HELD_ITEMS = 128
 MAX_HELD_BYTES = 2 << 30
 REOPEN_DELAYS = (0.0, 0.2, 0.5, 1.0, 2.0)  # before each attempt to reopen a broken link to the next stage
+STATS_KEPT = 8  # the StageStats of the last planned steps, for a Flush that asks for them
 VERDICTS_KEPT = 4  # step items passed down, sent again over a new link to the next stage (a step settles before
                    # the forward after it runs, and the SDK runs at most one step ahead: the last one or two matter)
 
@@ -76,6 +81,9 @@ class LinkedLoop:
         self._reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
         self._tasks: set[asyncio.Task] = set()
         self._held = [0, 0]  # forwards and backwards received and not yet run: how many, and their tensors' bytes
+        self._runs: dict[int, PlannedRun] = {}  # planned steps, by step
+        self._targets = Mailbox()     # last stage: a planned step's loss targets, by (step, microbatch)
+        self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
 
     # --- links ---------------------------------------------------------------------------------------
     async def reset(self, deployment_id: str) -> None:
@@ -95,6 +103,9 @@ class LinkedLoop:
         for client in opened.values():
             await client.close()
         self._residuals.discard_where(lambda key: True)
+        self._runs.clear()
+        self._targets.discard_where(lambda key: True)
+        self._stats.clear()
 
     def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
@@ -273,7 +284,13 @@ class LinkedLoop:
         """Starts the work an item asks for. It runs in the reader's turn until it has to wait; work that is long
         waits for the compute thread, so the reader is never held up for long."""
         kind = message.WhichOneof("item")
-        if kind == "forward":
+        if kind == "forward" and message.forward.HasField("plan"):
+            self._planned_item(message.forward.key, (message.forward, tensor), backward=False)
+        elif kind == "backward" and message.backward.key.step in self._runs:
+            self._planned_item(message.backward.key, (message.backward, tensor), backward=True)
+        elif kind == "target":
+            self._target_item(end, message.target, tensor)
+        elif kind == "forward":
             self._spawn_held(self._forward(message.forward, tensor, self._verdicts.last), message.forward.key,
                              tensor, backward=False)
         elif kind == "backward":
@@ -299,6 +316,117 @@ class LinkedLoop:
             self._spawn(self._pass_error(end, message))
         else:
             raise errors.InvalidArgument(f"a shard takes no {kind} item on a Link")
+
+    # --- planned steps -------------------------------------------------------------------------------
+    def _planned_item(self, key: shard_pb2.StepKey, item: tuple, backward: bool) -> None:
+        """A micro-batch's forward or backward of a planned step, for its run (started by the step's first item)."""
+        try:
+            run = self._runs.get(key.step)
+            if run is None:
+                run = self._start_run(key, item[0].plan)
+            if run.aborted:
+                return  # the step failed; its other items are dropped
+            self._check_room(item[1])
+            run.deliver(key.microbatch, "backward" if backward else "forward", item)
+        except errors.ShardtrainError as error:
+            self._spawn(self._report(key, error, backward))
+
+    def _start_run(self, key: shard_pb2.StepKey, plan: shard_pb2.StepPlan) -> PlannedRun:
+        stage = self._shard.stage_for(key.deployment_id)
+        if key.step <= self._forwarded:
+            raise errors.InvalidArgument(f"step {key.step} comes after step {self._forwarded} on this stage: "
+                                         "steps count up")
+        if sum(not run.done for run in self._runs.values()) >= MAX_RUNS:
+            raise errors.ResourceExhausted(f"{MAX_RUNS} planned steps already run here; a step waits for an "
+                                           "optimizer step that has not come")
+        run = PlannedRun(self._ports(stage), key.step, plan)
+        self._runs[key.step] = run
+        self._forwarded = key.step
+        task = asyncio.ensure_future(self._execute(run))
+        run.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return run
+
+    def _check_room(self, tensor: torch.Tensor | None) -> None:
+        """ResourceExhausted if one more tensor would pass the bound of what a stage holds waiting."""
+        size = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        count, held = self._held
+        for run in self._runs.values():
+            count, held = count + run.held_items(), held + run.held_bytes()
+        if count >= MAX_HELD_ITEMS or held + size > MAX_HELD_BYTES:
+            raise errors.ResourceExhausted(
+                f"{count} forwards and backwards ({held >> 20} MiB) already wait to run here, at most "
+                f"{MAX_HELD_ITEMS} and {MAX_HELD_BYTES >> 20} MiB")
+
+    def _target_item(self, end: link.LinkEnd, target: shard_pb2.LossTarget, tensor: torch.Tensor | None) -> None:
+        key = target.key
+        try:
+            if end is not self._output:
+                raise errors.InvalidArgument("loss targets come from the SDK's output link to the last stage")
+            if tensor is None:
+                raise errors.InvalidArgument("a target item carries the target tensor")
+            self._check_room(tensor)
+            self._targets.put((key.step, key.microbatch), (target, tensor))
+        except errors.ShardtrainError as error:
+            self._spawn(self._report(key, error, backward=False))
+
+    async def _execute(self, run: PlannedRun) -> None:
+        """Runs a planned step's actions; a failure goes both ways (the stages before wait for gradients, those
+        after for activations), and the step's backward counts as failed here, so no stage applies its step."""
+        try:
+            await run.execute()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - reported; the step's optimizer step is refused everywhere
+            run.abort()
+            key = shard_pb2.StepKey(deployment_id=self._deployment_id, step=run.step)
+            await self._tell(link.error_item(key, error, self._shard.location, backward=True), up=True,
+                             either_way=False)
+            await self._tell(link.error_item(key, error, self._shard.location), up=False, either_way=False)
+            await self._shard.order.backward_finished(run.step, status_message(error, self._shard.location)[1])
+            return
+        run.done = True
+        await self._shard.order.backward_finished(run.step, "")
+
+    def _abort_run(self, step: int, reason: str) -> bool:
+        """Ends a planned step that failed on another stage; False if there is none running here."""
+        run = self._runs.get(step)
+        if run is None or run.done or run.aborted:
+            return False
+        run.abort()
+        if run.task is not None:
+            run.task.cancel()
+        self._spawn(self._shard.order.backward_finished(step, reason))
+        return True
+
+    def _ports(self, stage: Stage) -> StagePorts:
+        shard = self._shard
+        wait = shard.settings.timeouts.peer_wait
+        return StagePorts(
+            stage=stage, index=shard.plan.stage, num_stages=shard.plan.num_stages,
+            deployment_id=self._deployment_id, timeout=wait, simulate_compute=shard.settings.simulate_compute,
+            run=shard.run, in_flight=lambda: len(stage.in_flight_steps), averager=shard.averager_call,
+            averager_arm=shard.averager_arm, incoming_residuals=lambda key: self._incoming_residuals(stage, key),
+            after_optimizer_step=lambda number: shard.order.after_optimizer_step(number, wait),
+            target=self._target, loss=shard.loss, send_loss=self._send_loss, send_activation=self._send_activation,
+            send_residuals=self._send_residuals, residual_gradients=lambda key: shard.residual_gradients(stage, key),
+            send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients)
+
+    async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
+        what = f"the target of step {key.step} micro-batch {key.microbatch}"
+        entry = await self._targets.get((key.step, key.microbatch), self._shard.settings.timeouts.peer_wait, what)
+        self._targets.discard((key.step, key.microbatch))
+        return entry
+
+    async def _send_loss(self, key: shard_pb2.StepKey, loss: float) -> None:
+        if self._output is None:
+            await self._sdk_output()
+        await self._send(self._output, shard_pb2.LinkMessage(loss=shard_pb2.StepLoss(key=key, loss=loss)))
+
+    async def _send_planned_gradient(self, key: shard_pb2.StepKey, grad: torch.Tensor) -> None:
+        await self._send(self._up(), shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key)), grad,
+                         "gradients")
 
     async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None, after_verdict: int = 0) -> None:
         """Runs the stage's forward once the optimizer step the SDK names has settled here, and every step whose
@@ -431,7 +559,9 @@ class LinkedLoop:
             if stage is not None and not failure:
                 if request.zero_grad:
                     await shard.run(stage.zero_grad)
+                started = time.perf_counter()
                 await shard.run(stage.step)
+                self._record_stats(request, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
                              up=False)
@@ -440,14 +570,27 @@ class LinkedLoop:
             if stage is not None:
                 await shard.forget(stage, request.step)
 
+    def _record_stats(self, request: shard_pb2.StepRequest, optimizer_seconds: float) -> None:
+        """Keeps what the planned step this optimizer step ends did here, for a Flush that asks."""
+        run = self._runs.get(request.step)
+        if run is None or not run.done:
+            return
+        plan = self._shard.plan
+        self._stats[request.optimizer_step] = run.figures.stats(plan.stage, plan.replica, optimizer_seconds)
+        while len(self._stats) > STATS_KEPT:
+            del self._stats[min(self._stats)]
+
     async def _flush(self, flush: shard_pb2.Flush) -> None:
-        """Passes a Flush on (the last stage: back to the SDK) once its optimizer step settled here."""
+        """Passes a Flush on (the last stage: back to the SDK) once its optimizer step settled here, with this
+        stage's figures if it asks for them."""
         try:
             await self._shard.order.after_optimizer_step(flush.optimizer_step, self._shard.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
             await self._tell(link.error_item(None, error, self._shard.location, optimizer_step=flush.optimizer_step),
                              up=False)
             return
+        if flush.stats and flush.optimizer_step in self._stats:
+            flush.stage_stats.append(self._stats[flush.optimizer_step])
         await self._pass_down(shard_pb2.LinkMessage(flush=flush))
 
     async def _pass_down(self, item: shard_pb2.LinkMessage) -> None:
@@ -460,13 +603,20 @@ class LinkedLoop:
         """Passes a failure on the way it travels; a failed backward also counts as failed here."""
         error = message.error
         from_below = not end.toward_first
-        if error.backward and error.HasField("key") and from_below:
+        aborted = error.HasField("key") and self._abort_run(error.key.step, error.message)
+        if error.backward and error.HasField("key") and from_below and not aborted:
             await self._shard.order.backward_finished(error.key.step, error.message)
         await self._tell(message, up=from_below, either_way=False)
 
     def forget(self, up_to_step: int) -> None:
         """Drops the residuals of steps up to `up_to_step` that no forward took."""
         self._residuals.discard_where(lambda key: key[0] <= up_to_step)
+        self._targets.discard_where(lambda key: key[0] <= up_to_step)
+        for step in [step for step in self._runs if step <= up_to_step]:
+            run = self._runs.pop(step)
+            run.abort()
+            if run.task is not None:
+                run.task.cancel()
         self._ended_by_step = {step for step in self._ended_by_step if step > up_to_step}
 
     async def close(self) -> None:

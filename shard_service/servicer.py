@@ -14,7 +14,6 @@ from shard_service.links import Links
 from shard_service.loop import LinkedLoop
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
-from shard_service.pipeline import PipelineRun
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
@@ -55,7 +54,6 @@ class ShardServicer:
         self.local_links = carrier.Listener() if settings.local_links else None  # for same-host openers
         self._outbox = Mailbox()        # residuals and the output, waiting to be fetched
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
-        self._inbox = Mailbox()         # a TrainStep's activations and gradients, waiting for their turn
         self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
         self._losses: dict[bytes, tuple] = {}
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
@@ -82,7 +80,7 @@ class ShardServicer:
         Work that took under INLINE_SECONDS last time runs on the event loop itself: handing it to
         the compute thread and back costs two thread wake-ups, which on a busy host take longer than
         small work itself. Longer work goes to the compute thread so the loop keeps reading streams
-        (a TrainStep's next micro-batch) and serving deadlines meanwhile.
+        (a planned step's next micro-batch) and serving deadlines meanwhile.
         """
         async with self._stage_lock:
             name = work_kind(function.__name__, args)
@@ -122,7 +120,6 @@ class ShardServicer:
         await self.loop.reset(request.deployment_id)
         self._outbox.discard_where(lambda key: True)
         self._gradients.discard_where(lambda key: True)
-        self._inbox.discard_where(lambda key: True)
         self._losses.clear()  # built for the previous deployment's last stage
         if self._averager is not None:
             self._averager.close()
@@ -173,9 +170,8 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         stage = self.stage_for(header.key.deployment_id)
-        if header.scheduled:
-            await self._deliver(header.key, "activation", reader)
-            return shard_pb2.ForwardResponse()
+        if header.HasField("plan"):
+            raise InvalidArgument("a planned step's forwards travel on Links, not on Forward calls")
         key = (header.key.step, header.key.microbatch)
         # The header goes on at once, so later stages fetch their residuals and apply a deferred optimizer
         # step while this one computes.
@@ -245,9 +241,6 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.backward_link)  # opened at forward time
         header = await reader.header()
         stage = self.stage_for(header.key.deployment_id)
-        if header.scheduled:
-            await self._deliver(header.key, "gradient", reader)
-            return shard_pb2.BackwardResponse()
         failure = "cancelled"
         try:
             await self._backward(stage, header, reader)
@@ -329,43 +322,13 @@ class ShardServicer:
         stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
         self._outbox.discard_where(stale)
         self._gradients.discard_where(stale)
-        self._inbox.discard_where(stale)
         for key in [k for k in self._residual_grads if stale(k)]:
             del self._residual_grads[key]
         self.loop.forget(up_to_step)
         self._backward_links.abandon_where(stale)
         self._order.forget(up_to_step)
 
-    # --- pipelined training steps (shard_service/pipeline.py runs the actions) ---------------------
-
-    @boundary
-    async def TrainStep(self, request_iterator, context):
-        started = time.perf_counter()
-        reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
-        header = await reader.header()
-        stage = self.stage_for(header.key.deployment_id)
-        loss = self._loss(header.loss) if self._plan.stage == self._plan.num_stages - 1 else None
-        run = PipelineRun(self, stage, header, await reader.tensors(), loss)
-        if self._averager is not None:
-            await self._run(self._averager.connect)
-        await self._run(stage.zero_grad)
-        try:
-            figures = await run.execute()
-            averaging = time.perf_counter()
-            if self._averager is not None:
-                await self._run(self._averager.finish)
-            stepping = time.perf_counter()
-            await self._run(stage.step)
-        finally:
-            await self.forget(stage, header.key.step)
-        done = time.perf_counter()
-        return shard_pb2.TrainStepResponse(loss=sum(figures.losses), stats=shard_pb2.StageStats(
-            stage=self._plan.stage, replica=self._plan.replica, forward_seconds=figures.forward_seconds,
-            backward_seconds=figures.backward_seconds, allreduce_wait_seconds=stepping - averaging,
-            optimizer_seconds=done - stepping, step_seconds=done - started,
-            peak_activation_bytes=figures.peak_activation_bytes, peak_in_flight=figures.peak_in_flight))
-
-    def _loss(self, spec: shard_pb2.LossSpec) -> tuple:
+    def loss(self, spec: shard_pb2.LossSpec) -> tuple:
         """The loss function of a LossSpec and whether it sums, built once per distinct spec."""
         cache_key = spec.SerializeToString(deterministic=True)
         if cache_key not in self._losses:
@@ -374,7 +337,7 @@ class ShardServicer:
             elif spec.program.program:
                 self._losses[cache_key] = (CapturedProgram(spec.program.program).load({}), spec.sums)
             else:
-                raise InvalidArgument("a TrainStep's last stage needs a loss: a name or a captured program")
+                raise InvalidArgument("a planned step's last stage needs a loss: a name or a captured program")
         return self._losses[cache_key]
 
     @property
@@ -405,22 +368,8 @@ class ShardServicer:
                          self.loop.on_item, self.loop.closed, self.local_links)
 
     async def run(self, function, *args):
-        """Stage work, one piece at a time (for PipelineRun)."""
+        """Stage work, one piece at a time."""
         return await self._run(function, *args)
-
-    async def _deliver(self, key: shard_pb2.StepKey, kind: str, reader: RequestReader) -> None:
-        """Puts each micro-batch's tensor of a scheduled stream into the inbox as soon as it is complete."""
-        async for name, tensor in reader.each_tensor():
-            prefix, _, microbatch = name.partition("/")
-            if prefix != kind or not microbatch.isdigit():
-                raise InvalidArgument(f"a scheduled {kind} stream carries tensors named '{kind}/<microbatch>', "
-                                      f"got {name!r}")
-            self._inbox.put((key.step, int(microbatch), kind), tensor)
-
-    async def scheduled_input(self, key: shard_pb2.StepKey, kind: str):
-        """The activation or gradient of a micro-batch, once its neighbour has sent it."""
-        what = f"{kind} of step {key.step} micro-batch {key.microbatch}"
-        return await self._inbox.get((key.step, key.microbatch, kind), self.settings.timeouts.peer_wait, what)
 
     async def fetch_residuals(self, stage: Stage, key: shard_pb2.StepKey) -> dict:
         """Every residual this stage consumes for a micro-batch, fetched from their producers at once."""
@@ -440,6 +389,11 @@ class ShardServicer:
             what = f"gradient of residual {name!r} for step {key[0]} micro-batch {key[1]}"
             grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
         return grads
+
+    async def averager_call(self, name: str) -> None:
+        """Runs the replicas' averager's `name` ("connect" before a planned step, "finish" after its backwards)."""
+        if self._averager is not None:
+            await self._run(getattr(self._averager, name))
 
     def averager_arm(self, last_microbatch: bool) -> None:
         """Before a backward: on the last micro-batch, gradients are final and all-reduce as they appear."""

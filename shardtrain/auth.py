@@ -35,7 +35,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/Step": _TRAINING,
     "ShardService/Describe": _READING,
     "ShardService/ProbeSharedMemory": _READING,
-    "ShardService/TrainStep": _TRAINING,
     "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)
 }
 

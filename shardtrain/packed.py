@@ -64,14 +64,12 @@ def pack(message: shard_pb2.LinkMessage, tensor: torch.Tensor | None, options: w
     item = getattr(message, kind)
     flags, after, name = 0, 0, b""
     if number == FORWARD:
-        if item.scheduled or item.HasField("step_first"):
+        if item.HasField("step_first") or item.HasField("plan"):
             return None
         flags = (REQUIRES_GRAD * item.requires_grad | ZERO_GRAD * item.zero_grad
                  | INPUT_REQUIRES_GRAD * item.input_requires_grad | EVAL_MODE * item.eval_mode)
         after = item.after_optimizer_step
     elif number == BACKWARD:
-        if item.scheduled:
-            return None
         flags = ZERO_GRAD * item.zero_grad
     else:
         name = item.name.encode()

@@ -71,7 +71,7 @@ class ShardSettings:
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
-    simulate_compute: float = 0.0  # seconds added to each TrainStep action, standing for device work (benchmarks)
+    simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
     security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
     timeouts: Timeouts = field(default_factory=Timeouts)
 

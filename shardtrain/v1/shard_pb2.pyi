@@ -194,24 +194,32 @@ class StepKey(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "scheduled", "eval_mode")
+    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "eval_mode", "plan")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
     AFTER_OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIRST_FIELD_NUMBER: _ClassVar[int]
     INPUT_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     EVAL_MODE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     requires_grad: bool
     zero_grad: bool
     after_optimizer_step: int
     step_first: StepRequest
     input_requires_grad: bool
-    scheduled: bool
     eval_mode: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., scheduled: _Optional[bool] = ..., eval_mode: _Optional[bool] = ...) -> None: ...
+    plan: StepPlan
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., eval_mode: _Optional[bool] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("microbatches", "schedule")
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    microbatches: int
+    schedule: str
+    def __init__(self, microbatches: _Optional[int] = ..., schedule: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("header", "tensor")
@@ -226,14 +234,12 @@ class ForwardResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BackwardHeader(_message.Message):
-    __slots__ = ("key", "scheduled", "zero_grad")
+    __slots__ = ("key", "zero_grad")
     KEY_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
-    scheduled: bool
     zero_grad: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., scheduled: _Optional[bool] = ..., zero_grad: _Optional[bool] = ...) -> None: ...
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., zero_grad: _Optional[bool] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("header", "tensor")
@@ -347,30 +353,6 @@ class PipelineAction(_message.Message):
     microbatch: int
     def __init__(self, backward: _Optional[bool] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
-class TrainStepHeader(_message.Message):
-    __slots__ = ("key", "microbatch_sizes", "batch_size", "actions", "loss", "eval_mode")
-    KEY_FIELD_NUMBER: _ClassVar[int]
-    MICROBATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    ACTIONS_FIELD_NUMBER: _ClassVar[int]
-    LOSS_FIELD_NUMBER: _ClassVar[int]
-    EVAL_MODE_FIELD_NUMBER: _ClassVar[int]
-    key: StepKey
-    microbatch_sizes: _containers.RepeatedScalarFieldContainer[int]
-    batch_size: int
-    actions: _containers.RepeatedCompositeFieldContainer[PipelineAction]
-    loss: LossSpec
-    eval_mode: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., microbatch_sizes: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., actions: _Optional[_Iterable[_Union[PipelineAction, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., eval_mode: _Optional[bool] = ...) -> None: ...
-
-class TrainStepRequest(_message.Message):
-    __slots__ = ("header", "tensor")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    TENSOR_FIELD_NUMBER: _ClassVar[int]
-    header: TrainStepHeader
-    tensor: _tensor_pb2.TensorChunk
-    def __init__(self, header: _Optional[_Union[TrainStepHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
-
 class StageStats(_message.Message):
     __slots__ = ("stage", "replica", "forward_seconds", "backward_seconds", "allreduce_wait_seconds", "optimizer_seconds", "step_seconds", "peak_activation_bytes", "peak_in_flight")
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -392,14 +374,6 @@ class StageStats(_message.Message):
     peak_activation_bytes: int
     peak_in_flight: int
     def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., allreduce_wait_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peak_in_flight: _Optional[int] = ...) -> None: ...
-
-class TrainStepResponse(_message.Message):
-    __slots__ = ("loss", "stats")
-    LOSS_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
-    loss: float
-    stats: StageStats
-    def __init__(self, loss: _Optional[float] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class LinkOpen(_message.Message):
     __slots__ = ("deployment_id", "role", "from_stage", "shared_memory", "local_carrier", "local_address", "local_token", "packed_to_opener", "packed_to_answerer")
@@ -448,10 +422,34 @@ class LinkStep(_message.Message):
     def __init__(self, request: _Optional[_Union[StepRequest, _Mapping]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class Flush(_message.Message):
-    __slots__ = ("optimizer_step",)
+    __slots__ = ("optimizer_step", "stats", "stage_stats")
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_STATS_FIELD_NUMBER: _ClassVar[int]
     optimizer_step: int
-    def __init__(self, optimizer_step: _Optional[int] = ...) -> None: ...
+    stats: bool
+    stage_stats: _containers.RepeatedCompositeFieldContainer[StageStats]
+    def __init__(self, optimizer_step: _Optional[int] = ..., stats: _Optional[bool] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ...) -> None: ...
+
+class LossTarget(_message.Message):
+    __slots__ = ("key", "loss", "rows", "batch_rows")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    loss: LossSpec
+    rows: int
+    batch_rows: int
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., rows: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+
+class StepLoss(_message.Message):
+    __slots__ = ("key", "loss")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    key: StepKey
+    loss: float
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("key", "name")
@@ -462,7 +460,7 @@ class TensorKey(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "tensor")
+    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "target", "loss", "tensor")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +471,8 @@ class LinkMessage(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     open: LinkOpen
     forward: ForwardHeader
@@ -484,5 +484,7 @@ class LinkMessage(_message.Message):
     output: TensorKey
     backward_done: TensorKey
     error: LinkError
+    target: LossTarget
+    loss: StepLoss
     tensor: _tensor_pb2.TensorChunk
-    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., target: _Optional[_Union[LossTarget, _Mapping]] = ..., loss: _Optional[_Union[StepLoss, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...

@@ -95,11 +95,6 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
                 _registered_method=True)
-        self.TrainStep = channel.stream_unary(
-                '/shardtrain.v1.ShardService/TrainStep',
-                request_serializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.SerializeToString,
-                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.FromString,
-                _registered_method=True)
         self.Link = channel.stream_stream(
                 '/shardtrain.v1.ShardService/Link',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
@@ -195,15 +190,6 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def TrainStep(self, request_iterator, context):
-        """Runs this stage's share of one pipelined training step: its planned forward and backward actions
-        over the micro-batches (activations and gradients go straight to the neighbouring shards), the
-        gradient all-reduce with the stage's other replicas, then the optimizer. Sent to every shard at once.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Link(self, request_iterator, context):
         """The PyTorch-shaped loop's data path: one long-lived stream between two parties of a deployment
         (the SDK and the first or last stage, a stage and the next one, a residual's producer and its
@@ -276,11 +262,6 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ProbeSharedMemory,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.SerializeToString,
-            ),
-            'TrainStep': grpc.stream_unary_rpc_method_handler(
-                    servicer.TrainStep,
-                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.FromString,
-                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.SerializeToString,
             ),
             'Link': grpc.stream_stream_rpc_method_handler(
                     servicer.Link,
@@ -612,33 +593,6 @@ class ShardService:
             '/shardtrain.v1.ShardService/ProbeSharedMemory',
             shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def TrainStep(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/shardtrain.v1.ShardService/TrainStep',
-            shardtrain_dot_v1_dot_shard__pb2.TrainStepRequest.SerializeToString,
-            shardtrain_dot_v1_dot_shard__pb2.TrainStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ from shardtrain import errors
 from tests.integration.training import SKIP_A_STAGE, largest_difference, regression_batches
 
 ADAM = (torch.optim.Adam, {"lr": 3e-3})
+SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 # Summing micro-batch gradients rounds differently from one full-batch backward (~1e-7 relative), and
 # Adam divides by the gradient's own scale, so near-zero gradients turn that into visible steps:
 # weights are compared to 1e-4, against Adam's step of up to 3e-3 per iteration.
@@ -174,3 +175,38 @@ def test_a_failing_stage_cancels_the_step_on_every_shard(cluster4):
         assert time.monotonic() - started < 30, "a shard still holds the failed step"
         time.sleep(0.05)
     assert model.train_step(x, y, "MSELoss", microbatches=2) > 0
+
+
+def test_a_step_that_fails_on_a_later_micro_batch_changes_no_stage(cluster4):
+    """Under 1F1B the last stage runs micro-batch 0's backward before micro-batch 1's loss fails: every stage must
+    still refuse the optimizer step, or the stages' weights would drift apart."""
+    model = cluster4.deploy(classifier(), optimizer=ADAM, num_stages=3)
+    x, _ = regression_batches(steps=1, batch=8, features=6, outputs=5)[0]
+    labels = torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(0))
+    model.train_step(x, labels, "CrossEntropyLoss", microbatches=2)
+    before = model.state_dict()
+    bad = labels.clone()
+    bad[6] = 7  # no such class: only micro-batch 1's loss fails
+    with pytest.raises(errors.InvalidArgument, match="the loss failed on micro-batch 1"):
+        model.train_step(x, bad, "CrossEntropyLoss", microbatches=2)
+    assert largest_difference(model.state_dict(), before) == 0
+    assert model.train_step(x, labels, "CrossEntropyLoss", microbatches=2) > 0
+
+
+def test_train_step_and_the_loop_take_turns_as_in_one_process(cluster4):
+    """Both run on the same Links and optimizer step count: a planned step, a loop step, a planned step."""
+    module = classifier()
+    batches = regression_batches(steps=3, batch=12, features=6, outputs=5)
+    expected, expected_losses = train_full_batch(module, batches, SGD)
+    model = cluster4.deploy(module, optimizer=SGD, num_stages=3)
+    losses = [model.train_step(*batches[0], "MSELoss", microbatches=3)]
+    model.zero_grad()  # a planned step leaves its gradients, as a step in one process does
+    x, y = batches[1]
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    model.step()
+    model.zero_grad()
+    losses.append(loss.item())
+    losses.append(model.train_step(*batches[2], "MSELoss", microbatches=2, schedule="gpipe"))
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert largest_difference(model.state_dict(), expected) <= PIPELINE_TOLERANCE

@@ -57,11 +57,11 @@ def test_every_frequent_item_comes_back_as_sent(kind, tensor):
 
 
 @pytest.mark.parametrize("header, item, unpacked", [
-    (shard_pb2.ForwardHeader, FORWARD.forward, {"scheduled", "step_first"}),
-    (shard_pb2.BackwardHeader, ITEMS["backward zeroing first"].backward, {"scheduled"})])
+    (shard_pb2.ForwardHeader, FORWARD.forward, {"plan", "step_first"}),
+    (shard_pb2.BackwardHeader, ITEMS["backward zeroing first"].backward, set())])
 def test_the_items_above_set_every_field_a_packed_forward_or_backward_carries(header, item, unpacked):
     """A field added to ForwardHeader or BackwardHeader is either packed (and set above, so the round trip checks
-    it) or makes the item go as a LinkMessage, as `scheduled` and `step_first` do."""
+    it) or makes the item go as a LinkMessage, as `plan` and `step_first` do."""
     fields = {field.name for field in header.DESCRIPTOR.fields}
     assert {field.name for field, _ in item.ListFields()} == fields - unpacked
 
@@ -90,11 +90,10 @@ def test_a_strided_tensor_is_sent_as_its_contiguous_values():
     shard_pb2.LinkMessage(step=shard_pb2.LinkStep()),
     shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=1)),
     shard_pb2.LinkMessage(error=shard_pb2.LinkError(code="INTERNAL")),
-    shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY, scheduled=True)),
+    shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY, plan=shard_pb2.StepPlan(microbatches=2))),
     shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY, step_first=shard_pb2.StepRequest())),
-    shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY, scheduled=True)),
     shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=shard_pb2.StepKey(deployment_id="other"))),
-], ids=["step", "flush", "error", "scheduled forward", "step_first", "scheduled backward", "other deployment"])
+], ids=["step", "flush", "error", "planned forward", "step_first", "other deployment"])
 def test_other_items_stay_link_messages(message):
     assert packed.pack(message, None, wire.EXACT, "d") is None
 

@@ -28,5 +28,5 @@ def test_inputs_and_targets_must_share_the_batch():
 
 
 def test_microbatches_must_be_positive():
-    with pytest.raises(InvalidArgument, match="at least 1"):
+    with pytest.raises(InvalidArgument, match=r"microbatches must be an integer in 1\.\.4096, got 0"):
         split_batch(torch.zeros(4, 1), torch.zeros(4), replicas=1, microbatches=0)

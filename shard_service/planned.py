@@ -1,0 +1,210 @@
+"""One planned step (model.train_step) on one stage: its forwards and backwards over the micro-batches, in the order
+the schedule gives this stage, on the same Links and with the same items as the PyTorch-shaped loop.
+
+The micro-batches' forward items (activations) and backward items (gradients) come over the stage's links
+and wait in the run's inbox until their action's turn; results leave as soon as they exist, so stage i works on
+micro-batch k+1 while stage i+1 works on k. The last stage computes each micro-batch's loss against the target
+the SDK sent it and starts that micro-batch's backward itself. The run's end is the step's backward on this stage:
+the optimizer step item that follows (loop.py) is applied once it is over, on every stage or on none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from shardtrain import errors, schedule
+from shardtrain.v1 import shard_pb2
+
+FORWARD, BACKWARD = "forward", "backward"
+MAX_RUNS = 4  # planned steps a stage holds at once: the SDK runs one at a time; a few more while one settles
+
+
+class Figures:
+    """What the stage did in one planned step, for StageStats."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.forward_seconds = self.backward_seconds = self.allreduce_seconds = 0.0
+        self.peak_activation_bytes = self.peak_in_flight = 0
+
+    def stats(self, stage: int, replica: int, optimizer_seconds: float) -> shard_pb2.StageStats:
+        return shard_pb2.StageStats(
+            stage=stage, replica=replica, forward_seconds=self.forward_seconds,
+            backward_seconds=self.backward_seconds, allreduce_wait_seconds=self.allreduce_seconds,
+            optimizer_seconds=optimizer_seconds, step_seconds=time.perf_counter() - self.started,
+            peak_activation_bytes=self.peak_activation_bytes, peak_in_flight=self.peak_in_flight)
+
+
+class PlannedRun:
+    """The actions of one stage in one planned step. `ports` is what the run needs of its shard (StagePorts)."""
+
+    def __init__(self, ports: StagePorts, step: int, plan: shard_pb2.StepPlan):
+        self.ports = ports
+        self.step = step
+        self.plan = plan
+        self.actions = _actions(plan, ports.index, ports.num_stages)
+        self.final_backward = self.actions[-1].microbatch if self.actions else -1
+        self.figures = Figures()
+        self._inbox: dict[tuple[int, str], asyncio.Future] = {}
+        self.task: asyncio.Task | None = None  # what runs execute(), once started
+        self.done = False     # every action ran
+        self.aborted = False  # the step failed, here or on another stage
+
+    # --- what arrives ------------------------------------------------------------------------------
+    def deliver(self, microbatch: int, kind: str, value) -> None:
+        """A micro-batch's forward (header, activation) or backward (header, gradient) item, for its turn."""
+        if not 0 <= microbatch < self.plan.microbatches:
+            raise errors.InvalidArgument(f"step {self.step} is planned over {self.plan.microbatches} micro-batches; "
+                                         f"got a {kind} item for micro-batch {microbatch}")
+        slot = self._slot(microbatch, kind)
+        if slot.done():
+            raise errors.InvalidArgument(f"a second {kind} item for step {self.step} micro-batch {microbatch}")
+        slot.set_result(value)
+
+    def _slot(self, microbatch: int, kind: str) -> asyncio.Future:
+        key = (microbatch, kind)
+        if key not in self._inbox:
+            self._inbox[key] = asyncio.get_running_loop().create_future()
+        return self._inbox[key]
+
+    async def _take(self, microbatch: int, kind: str):
+        slot = self._slot(microbatch, kind)
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot), self.ports.timeout)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"the {kind} of step {self.step} micro-batch {microbatch} did not arrive "
+                                          f"within {self.ports.timeout:g} s") from None
+        finally:
+            self._inbox.pop((microbatch, kind), None)
+
+    def _waiting(self) -> list:
+        return [slot.result() for slot in self._inbox.values() if slot.done() and not slot.cancelled()
+                and slot.exception() is None]
+
+    def held_items(self) -> int:
+        """Items that wait in the inbox for their turn."""
+        return len(self._waiting())
+
+    def held_bytes(self) -> int:
+        """Bytes of the items that wait in the inbox."""
+        return sum(_bytes(item[1]) for item in self._waiting())
+
+    # --- running -----------------------------------------------------------------------------------
+    async def execute(self) -> None:
+        """Runs every action in order, then the replicas' all-reduce; raises what failed."""
+        ports = self.ports
+        await ports.averager("connect")
+        for action in self.actions:
+            if action.op == schedule.FORWARD:
+                await self._forward(action.microbatch)
+            else:
+                await self._backward(action.microbatch)
+            self.figures.peak_in_flight = max(self.figures.peak_in_flight, ports.in_flight())
+        start = time.perf_counter()
+        await ports.averager("finish")
+        self.figures.allreduce_seconds = time.perf_counter() - start
+
+    async def _timed(self, function, *args, simulated: bool = True):
+        start = time.perf_counter()
+        result = await self.ports.run(function, *args)
+        if simulated and self.ports.simulate_compute:  # stands for device work (benchmarks)
+            await asyncio.sleep(self.ports.simulate_compute)
+        return result, time.perf_counter() - start
+
+    async def _forward(self, k: int) -> None:
+        ports = self.ports
+        header, x = await self._take(k, FORWARD)
+        incoming = await ports.incoming_residuals(header.key)
+        await ports.after_optimizer_step(header.after_optimizer_step)
+        if header.zero_grad:
+            await ports.run(ports.stage.zero_grad)
+        (output, outgoing), seconds = await self._timed(ports.stage.forward, (self.step, k), x, incoming, True,
+                                                        False, not header.eval_mode)
+        self.figures.forward_seconds += seconds
+        self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, ports.stage.in_flight_bytes)
+        if ports.is_last:
+            target, y = await ports.target(header.key)
+            loss_fn, sums = ports.loss(target.loss)
+            loss, seconds = await self._timed(ports.stage.attach_loss, (self.step, k), loss_fn, y,
+                                              _weight(target, sums), simulated=False)  # within the simulated time
+            self.figures.forward_seconds += seconds
+            await ports.send_loss(header.key, loss)
+        else:
+            await ports.send_activation(header, output)
+        await ports.send_residuals(header.key, outgoing)
+
+    async def _backward(self, k: int) -> None:
+        ports = self.ports
+        key = shard_pb2.StepKey(deployment_id=ports.deployment_id, step=self.step, microbatch=k)
+        # The last stage starts from its loss (Stage.backward seeds it with ones); the others from the next stage.
+        grad = None if ports.is_last else (await self._take(k, BACKWARD))[1]
+        residual_grads = await ports.residual_gradients((self.step, k))
+        ports.averager_arm(k == self.final_backward)
+        (grad_input, incoming_grads), seconds = await self._timed(ports.stage.backward, (self.step, k), grad,
+                                                                  residual_grads)
+        self.figures.backward_seconds += seconds
+        if ports.index > 0:
+            if grad_input is None:
+                raise errors.InvalidArgument(f"stage {ports.index}: micro-batch {k} produced no input gradient")
+            await ports.send_input_gradient(key, grad_input)
+        await ports.send_residual_gradients(key, incoming_grads)
+
+    def abort(self) -> None:
+        """Drops what waits in the inbox and fails every wait for an item that will not come now."""
+        self.aborted = True
+        for slot in self._inbox.values():
+            if not slot.done():
+                slot.set_exception(errors.Cancelled(f"step {self.step} failed on another stage"))
+                slot.exception()
+        self._inbox.clear()
+
+
+class StagePorts:
+    """What a planned run uses of its shard: the stage and its compute thread, the links' sends, the waits.
+    A plain record of callables, so that the run can be driven without a server."""
+
+    def __init__(self, *, stage, index: int, num_stages: int, deployment_id: str, timeout: float,
+                 simulate_compute: float, run: Callable[..., Awaitable], in_flight: Callable[[], int],
+                 averager: Callable[[str], Awaitable], averager_arm: Callable[[bool], None],
+                 incoming_residuals, after_optimizer_step, target, loss, send_loss, send_activation,
+                 send_residuals, residual_gradients, send_input_gradient, send_residual_gradients):
+        self.stage, self.index, self.num_stages = stage, index, num_stages
+        self.is_last = index == num_stages - 1
+        self.deployment_id, self.timeout, self.simulate_compute = deployment_id, timeout, simulate_compute
+        self.run, self.in_flight, self.averager, self.averager_arm = run, in_flight, averager, averager_arm
+        self.incoming_residuals, self.after_optimizer_step = incoming_residuals, after_optimizer_step
+        self.target, self.loss, self.send_loss = target, loss, send_loss
+        self.send_activation, self.send_residuals = send_activation, send_residuals
+        self.residual_gradients = residual_gradients
+        self.send_input_gradient, self.send_residual_gradients = send_input_gradient, send_residual_gradients
+
+
+def check_plan(plan: shard_pb2.StepPlan) -> None:
+    """InvalidArgument unless `plan` names a known schedule and a micro-batch count within bounds."""
+    if plan.schedule not in schedule.SCHEDULES:
+        raise errors.InvalidArgument(f"unknown schedule {plan.schedule!r}; expected one of {schedule.SCHEDULES}")
+    if not 1 <= plan.microbatches <= schedule.MAX_MICROBATCHES:
+        raise errors.InvalidArgument(f"a planned step has 1 to {schedule.MAX_MICROBATCHES} micro-batches, "
+                                     f"got {plan.microbatches}")
+
+
+def _actions(plan: shard_pb2.StepPlan, stage: int, num_stages: int) -> list[schedule.Action]:
+    check_plan(plan)
+    return schedule.stage_actions(plan.schedule, stage, num_stages, plan.microbatches)
+
+
+def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:
+    """A micro-batch's share of the batch's loss: its rows over the whole batch's for a mean-reducing loss, so that
+    the micro-batches' gradients add up to the whole batch's."""
+    if not 0 < target.rows <= target.batch_rows:
+        raise errors.InvalidArgument(f"a target's rows must be within 1..batch_rows, got {target.rows} of "
+                                     f"{target.batch_rows}")
+    return 1.0 if sums else target.rows / target.batch_rows
+
+
+def _bytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

@@ -1,0 +1,171 @@
+"""shard_service.planned: three stages' planned runs wired to each other in one process, no server: each runs its
+actions in the schedule's order, sends exactly what it should, and together they compute one process's gradients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shard_service.planned import PlannedRun, StagePorts
+from shard_service.stage import Stage
+from shardtrain import errors, losses, schedule
+from shardtrain.residuals import StageResiduals
+from shardtrain.v1 import shard_pb2
+from tests.unit.test_stage import SGD, capture, model_state, source
+
+LAYERS = [torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)]  # one per stage
+
+
+@pytest.fixture(scope="module")
+def programs() -> list[bytes]:
+    examples = [torch.randn(2, 3), torch.randn(2, 4), torch.randn(2, 4)]
+    return [capture(layer, example) for layer, example in zip(LAYERS, examples)]
+
+
+def stages(programs, model: torch.nn.Sequential) -> list[Stage]:
+    built = []
+    for index, (layer, program) in enumerate(zip(model, programs)):
+        stage = Stage(index, [source(index, layer, program)], StageResiduals(), SGD, "cpu")
+        stage.load_state({k: v for k, v in model_state(model).items() if k.startswith(f"{index}.")})
+        built.append(stage)
+    return built
+
+
+class Pipeline:
+    """Three runs of one planned step whose ports hand items straight to the neighbouring run, logging each send."""
+
+    def __init__(self, built: list[Stage], plan: shard_pb2.StepPlan, targets: list[torch.Tensor],
+                 loss: str = "MSELoss"):
+        self.sent: list[tuple] = []   # (stage, what, micro-batch) in the order they were sent
+        self.ran: dict[int, list[tuple[str, int]]] = {i: [] for i in range(len(built))}
+        self.losses: list[float] = []
+        self.runs: list[PlannedRun] = []
+        loss_fn = losses.build(loss, "{}")
+        rows = sum(len(t) for t in targets)
+        for index, stage in enumerate(built):
+            self.runs.append(PlannedRun(self._ports(index, stage, len(built), targets, rows, loss_fn), 0, plan))
+
+    def _ports(self, index: int, stage: Stage, count: int, targets, rows: int, loss_fn) -> StagePorts:
+        async def run(function, *args):
+            if function.__name__ in ("forward", "backward"):
+                self.ran[index].append((function.__name__, args[0][1]))
+            return function(*args)
+
+        async def nothing(*_):
+            return {}
+
+        async def target(key):
+            y = targets[key.microbatch]
+            return shard_pb2.LossTarget(key=key, rows=len(y), batch_rows=rows), y
+
+        async def send_loss(key, value):
+            self.sent.append((index, "loss", key.microbatch))
+            self.losses.append(value)
+
+        async def send_activation(header, output):
+            self.sent.append((index, "activation", header.key.microbatch))
+            self.runs[index + 1].deliver(header.key.microbatch, "forward", (header, output))
+
+        async def send_input_gradient(key, grad):
+            self.sent.append((index, "gradient", key.microbatch))
+            self.runs[index - 1].deliver(key.microbatch, "backward", (shard_pb2.BackwardHeader(key=key), grad))
+
+        return StagePorts(
+            stage=stage, index=index, num_stages=count, deployment_id="d", timeout=5.0, simulate_compute=0.0,
+            run=run, in_flight=lambda: len(stage.in_flight_steps), averager=nothing, averager_arm=lambda last: None,
+            incoming_residuals=nothing, after_optimizer_step=nothing, target=target, loss=lambda spec: loss_fn,
+            send_loss=send_loss, send_activation=send_activation, send_residuals=nothing,
+            residual_gradients=nothing, send_input_gradient=send_input_gradient, send_residual_gradients=nothing)
+
+    async def execute(self, inputs: list[torch.Tensor]) -> list:
+        for k, x in enumerate(inputs):
+            header = shard_pb2.ForwardHeader(key=shard_pb2.StepKey(deployment_id="d", step=0, microbatch=k),
+                                             requires_grad=True, zero_grad=k == 0)
+            self.runs[0].deliver(k, "forward", (header, x))
+        return await asyncio.gather(*(run.execute() for run in self.runs), return_exceptions=True)
+
+
+def batch(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(rows, 3), torch.randn(rows, 2)
+
+
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+def test_each_stage_runs_its_schedule_and_the_gradients_equal_one_process(programs, name):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    built = stages(programs, model)
+    x, y = batch()
+    m = 4
+    pipeline = Pipeline(built, shard_pb2.StepPlan(microbatches=m, schedule=name), list(y.chunk(m)))
+    assert asyncio.run(pipeline.execute(list(x.chunk(m)))) == [None, None, None]
+
+    for index in range(3):
+        expected = [(a.op, a.microbatch) for a in schedule.stage_actions(name, index, 3, m)]
+        assert pipeline.ran[index] == expected
+    # Stage 0 sends no input gradient (nobody asked for it); the last stage sends losses, not activations.
+    assert sorted(pipeline.sent) == sorted(
+        [(0, "activation", k) for k in range(m)] + [(1, "activation", k) for k in range(m)]
+        + [(2, "loss", k) for k in range(m)] + [(1, "gradient", k) for k in range(m)]
+        + [(2, "gradient", k) for k in range(m)])
+
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    assert sum(pipeline.losses) == pytest.approx(loss.item(), abs=1e-6)
+    for index, stage in enumerate(built):
+        for key, parameter in model.named_parameters():
+            if key.startswith(f"{index}."):
+                assert torch.allclose(stage._state[key].grad, parameter.grad, atol=1e-6), key
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_a_loss_that_fails_on_one_micro_batch_fails_the_last_stage_after_what_it_sent(programs):
+    """1F1B, 3 stages, 2 micro-batches: the last stage runs F0 B0 F1 B1. The target of micro-batch 1 does not fit the
+    output, so the last stage fails at F1, after it sent micro-batch 0's loss and gradient and nothing of micro-batch
+    1; the stages before still wait for micro-batch 1's gradient until the run is aborted."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = batch(4)
+    targets = [y[:2], torch.randn(2, 3)]  # micro-batch 1: 3 columns against an output of 2
+    pipeline = Pipeline(stages(programs, model), shard_pb2.StepPlan(microbatches=2, schedule="1f1b"), targets)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(run.execute()) for run in pipeline.runs]
+        for k, xk in enumerate(x.chunk(2)):
+            header = shard_pb2.ForwardHeader(key=shard_pb2.StepKey(deployment_id="d", step=0, microbatch=k),
+                                             requires_grad=True, zero_grad=k == 0)
+            pipeline.runs[0].deliver(k, "forward", (header, xk))
+        with pytest.raises(errors.InvalidArgument, match="the loss failed on micro-batch 1"):
+            await tasks[2]
+        await asyncio.sleep(0.05)
+        assert not tasks[0].done() and not tasks[1].done()  # waiting for micro-batch 1's gradient
+        for run in pipeline.runs[:2]:
+            run.abort()
+        for task in tasks[:2]:
+            with pytest.raises(errors.Cancelled):
+                await task
+    asyncio.run(scenario())
+    assert [s for s in pipeline.sent if s[0] == 2] == [(2, "loss", 0), (2, "gradient", 0)]
+    assert pipeline.ran[2] == [("forward", 0), ("backward", 0), ("forward", 1)]
+
+
+def test_items_outside_the_plan_are_refused(programs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    pipeline = Pipeline(stages(programs, model), shard_pb2.StepPlan(microbatches=2, schedule="gpipe"), [])
+
+    async def scenario():
+        run = pipeline.runs[1]
+        with pytest.raises(errors.InvalidArgument, match="over 2 micro-batches"):
+            run.deliver(2, "forward", (None, None))
+        run.deliver(0, "forward", (None, torch.zeros(1)))
+        with pytest.raises(errors.InvalidArgument, match="a second forward item"):
+            run.deliver(0, "forward", (None, torch.zeros(1)))
+        assert run.held_items() == 1 and run.held_bytes() == 4
+    asyncio.run(scenario())
+    with pytest.raises(errors.InvalidArgument, match="unknown schedule"):
+        PlannedRun(pipeline.runs[0].ports, 0, shard_pb2.StepPlan(microbatches=2, schedule="zigzag"))
+    with pytest.raises(errors.InvalidArgument, match="1 to 4096 micro-batches"):
+        PlannedRun(pipeline.runs[0].ports, 0, shard_pb2.StepPlan(microbatches=0, schedule="gpipe"))
