@@ -42,9 +42,10 @@ class SdkLinks:
         self._ends_with: dict[int, list[int]] = {}       # optimizer step -> the backwards it ends
         self._after_forward: dict[int, int] = {}         # optimizer step -> the last forward step sent before it
         self._flushed = 0                                # the highest optimizer step a Flush was sent for
-        self._planned: dict[int, asyncio.Future] = {}    # planned step -> its loss, once every micro-batch's came
+        self._losses: dict[int, asyncio.Future] = {}     # planned step -> its loss, once every micro-batch's came
         self._loss_parts: dict[int, list] = {}           # planned step -> [loss so far, micro-batches still to come]
-        self.stats: dict[int, list] = {}                 # optimizer step -> the StageStats its Flush brought back
+        self._planned: dict[int, asyncio.Future] = {}    # planned step -> fails if the step fails anywhere
+        self._stats: dict[int, list] = {}                # optimizer step -> the StageStats its Flush brought back
 
     def _link(self, role: int) -> link.ClientLink:
         client = self._links.get(role)
@@ -105,12 +106,14 @@ class SdkLinks:
 
     async def planned(self, forwards: list[tuple[shard_pb2.ForwardHeader, torch.Tensor]],
                       targets: list[tuple[shard_pb2.LossTarget, torch.Tensor]],
-                      request: shard_pb2.StepRequest) -> tuple[float, list]:
+                      request: shard_pb2.StepRequest) -> tuple[float, asyncio.Future]:
         """A planned step: the micro-batches into the first stage, their targets into the last, then the optimizer
-        step and a Flush asking for every stage's figures. Returns the step's loss and the figures once every
-        stage settled the step."""
+        step and a Flush asking for every stage's figures. Returns the step's loss as soon as the last stage sent
+        it, with a future that ends (with the stages' StageStats) once every stage settled the step, or fails with
+        the step's failure: the backwards and the optimizer step go on meanwhile, as after the loop's step()."""
         step, number = forwards[0][0].key.step, request.optimizer_step
-        loss = self._expect(self._planned, step)
+        loss = self._expect(self._losses, step)
+        failed = self._expect(self._planned, step)
         self._loss_parts[step] = [0.0, len(forwards)]
         settled = self._expect(self._settles, number)
         self._after_forward[number] = step
@@ -129,12 +132,25 @@ class SdkLinks:
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=flush))
         try:
             await asyncio.gather(send_targets(), send_inputs())
-            value = await self._wait(self._planned, step, loss, f"the loss of step {step} from {self._last.name}")
-            await self._wait(self._settles, number, settled, f"optimizer step {number}'s end on every stage")
+            value = await self._wait(self._losses, step, loss, f"the loss of step {step} from {self._last.name}")
+        except BaseException:
+            self._planned.pop(step, None)
+            raise
         finally:
             self._loss_parts.pop(step, None)
+        return value, asyncio.ensure_future(self._planned_outcome(step, number, settled, failed))
+
+    async def _planned_outcome(self, step: int, number: int, settled: asyncio.Future, failed: asyncio.Future) -> list:
+        """The StageStats of a planned step once every stage settled it; its failure if it failed anywhere (a
+        failure's error items travel ahead of the step's verdict on every link, so they arrive first)."""
+        try:
+            await asyncio.shield(settled)  # no deadline here: flush() sets one when someone must know
+            if failed.done():
+                failed.result()
+            return self._stats.pop(number, [])
+        finally:
             self._planned.pop(step, None)
-        return value, self.stats.pop(number, [])
+            self._stats.pop(number, None)
 
     def step(self, request: shard_pb2.StepRequest) -> asyncio.Future:
         """Sends an optimizer step down the stages. The future ends once every stage settled it (with an error
@@ -157,9 +173,9 @@ class SdkLinks:
                 del self._settles[number]
             self._after_forward.pop(number, None)
 
-    async def flush(self) -> None:
+    async def flush(self, wait: bool = True) -> None:
         """Asks every stage to confirm the optimizer steps sent so far, unless a later output already did;
-        waits (up to the deadline) until they have."""
+        with `wait`, waits (up to the deadline) until they have."""
         pending = [number for number, future in self._settles.items() if not future.done()]
         if not pending:
             return
@@ -168,6 +184,8 @@ class SdkLinks:
             self._flushed = number
             flush = shard_pb2.Flush(optimizer_step=number)
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=flush))
+        if not wait:
+            return
         try:
             await asyncio.wait_for(asyncio.gather(*(asyncio.shield(self._settles[n]) for n in pending
                                                     if n in self._settles), return_exceptions=True), self._timeout)
@@ -198,10 +216,8 @@ class SdkLinks:
         elif kind == "loss":
             self._add_loss(message.loss)
         elif kind == "flush":
-            if message.flush.stats:
-                self.stats[message.flush.optimizer_step] = list(message.flush.stage_stats)
-                while len(self.stats) > 4:  # a failed step's figures nobody will read
-                    del self.stats[min(self.stats)]
+            if message.flush.stats and message.flush.optimizer_step in self._settles:
+                self._stats[message.flush.optimizer_step] = list(message.flush.stage_stats)
             self._settled(message.flush.optimizer_step)
         elif kind == "error":
             self._failed(message.error)
@@ -213,7 +229,7 @@ class SdkLinks:
         parts[0] += loss.loss
         parts[1] -= 1
         if parts[1] == 0:
-            _resolve(self._planned.get(loss.key.step), parts[0])
+            _resolve(self._losses.get(loss.key.step), parts[0])
 
     def _failed(self, error: shard_pb2.LinkError) -> None:
         exception = link.raised(error)
@@ -225,7 +241,8 @@ class SdkLinks:
             self._link_broke(exception, error.through_step if error.HasField("through_step") else None)
             return
         step = error.key.step
-        _resolve(self._planned.get(step), None, exception)  # a planned step fails whichever way its error came
+        for pending in (self._losses, self._planned):  # a planned step fails whichever way its error came
+            _resolve(pending.get(step), None, exception)
         first, second = (self._backwards, self._outputs) if error.backward else (self._outputs, self._backwards)
         _resolve(first.get(step), None, exception)
         if not error.backward:
@@ -237,7 +254,7 @@ class SdkLinks:
         caused ended the user's iteration and the next one began: that one went out later and stays."""
         def lost(step: int) -> bool:
             return through_step is None or step <= through_step
-        for pending in (self._outputs, self._backwards, self._planned):
+        for pending in (self._outputs, self._backwards, self._losses, self._planned):
             for step, future in pending.items():
                 if lost(step):
                     _resolve(future, None, exception)

@@ -156,7 +156,9 @@ class DistributedModel:
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn="MSELoss", microbatches: int = 1,
                    schedule: str = "1f1b") -> float:
         """One pipelined training step on the shards: zero_grad, forward and backward of every micro-batch,
-        the replicas' gradient all-reduce, and the optimizer step. Returns the batch's loss.
+        the replicas' gradient all-reduce, and the optimizer step. Returns the batch's loss as soon as the
+        last stage computed it; the backwards and the optimizer step go on meanwhile, and a failure of
+        theirs is raised by the next call into the model, as after the loop's step().
 
         The batch is split over the replicas, then into `microbatches` pieces (uneven sizes are fine);
         stage i works on micro-batch k+1 while stage i+1 works on k, under `schedule` "1f1b" (stage s
@@ -170,7 +172,10 @@ class DistributedModel:
         return self._io.run(self._train_step(x, y, loss_fn, microbatches, schedule))
 
     def stats(self) -> list[dict]:
-        """Per shard, what it did in the last train_step: compute seconds, busy fraction, peak activations."""
+        """Per shard, what it did in the last train_step: compute seconds, busy fraction, peak activations.
+        Waits for that step to settle on every stage."""
+        self._check_open()
+        self._io.run(self._synchronize())
         return list(self._trainer.stats)
 
     # -- the explicit asynchronous API ---------------------------------------------------------
@@ -203,23 +208,29 @@ class DistributedModel:
 
     # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
     async def _train_step(self, x, y, loss_fn, microbatches: int, schedule: str) -> float:
-        await self._synchronize()
+        self._inflight.raise_failures()
+        if self._backward_steps:
+            await self._synchronize()  # a loop backward still running would add to the step's fresh gradients
         spec = await self._loss_specs(loss_fn, x, y)
-        # A planned step starts from zero gradients: a pending zero_grad and the gradients of backwards that no
-        # step took yet are moot.
+        # One step ahead of the shards at most, as the loop. No output confirms a loop step before this one: ask.
+        await self._clients.flush(wait=False)
+        await self._inflight.drain_previous()
+        # A planned step starts from zero gradients: a pending zero_grad is moot.
         self._zero_grad_pending = False
-        self._backward_steps.clear()
         self._outdate_awaiting_backward()
         self._has_gradients = True  # as after a step in one process: the step's gradients stay
         step, after = self._begin_step(), self._settle_before_forward
         self._optimizer_steps += 1
         self._settle_before_forward = self._optimizer_steps
         try:
-            return await self._trainer.run(step, x, y, spec, microbatches, schedule, after, self._optimizer_steps,
-                                           eval_mode=not self.training)
+            loss, settled = await self._trainer.run(step, x, y, spec, microbatches, schedule, after,
+                                                    self._optimizer_steps, eval_mode=not self.training)
         except BaseException:
             self._abandon_deferred_work()
             raise
+        self._inflight.add(settled)
+        self._inflight.next_iteration()
+        return loss
 
     async def _predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` without autograd (an example for capturing a loss), in eval mode: it must

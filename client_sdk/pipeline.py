@@ -36,9 +36,12 @@ class PipelineTrainer:
         self.stats: list[dict] = []
 
     async def run(self, step: int, x: torch.Tensor, y: torch.Tensor, loss: shard_pb2.LossSpec, microbatches: int,
-                  schedule: str, after_optimizer_step: int, optimizer_step: int, eval_mode: bool = False) -> float:
-        """One training step (on the layers' eval-mode graphs with `eval_mode`) as optimizer step `optimizer_step`;
-        returns the batch's loss (the mean loss for averaging losses)."""
+                  schedule: str, after_optimizer_step: int, optimizer_step: int,
+                  eval_mode: bool = False) -> tuple[float, asyncio.Future]:
+        """One training step (on the layers' eval-mode graphs with `eval_mode`) as optimizer step `optimizer_step`.
+        Returns the batch's loss (the mean loss for averaging losses) as soon as every replica's last stage sent
+        it, and a future that ends once every stage of every replica settled the step (then `stats` holds its
+        figures), or fails with the step's failure."""
         if schedule not in schedules.SCHEDULES:
             raise InvalidArgument(f"unknown schedule {schedule!r}; choose one of {schedules.SCHEDULES}")
         plan = shard_pb2.StepPlan(microbatches=microbatches, schedule=schedule)
@@ -46,8 +49,11 @@ class PipelineTrainer:
         results = await _all_or_nothing([
             clients.planned_step(step, share, x.shape[0], loss, plan, after_optimizer_step, optimizer_step, eval_mode)
             for clients, share in zip(self.replicas, shares)])
-        self.stats = [_stats_dict(stats) for _, per_stage in results for stats in per_stage]
-        return sum(value for value, _ in results)
+        return sum(value for value, _ in results), asyncio.ensure_future(self._settled([o for _, o in results]))
+
+    async def _settled(self, outcomes: list[asyncio.Future]) -> None:
+        per_replica = await _all_or_nothing(outcomes)
+        self.stats = [_stats_dict(stats) for per_stage in per_replica for stats in per_stage]
 
 
 async def _all_or_nothing(calls: list) -> list:

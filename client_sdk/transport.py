@@ -46,10 +46,10 @@ class StageClients:
 
     async def planned_step(self, step: int, share: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_rows: int,
                            loss: shard_pb2.LossSpec, plan: shard_pb2.StepPlan, after_optimizer_step: int,
-                           optimizer_step: int, eval_mode: bool) -> tuple[float, list]:
+                           optimizer_step: int, eval_mode: bool) -> tuple[float, asyncio.Future]:
         """One planned step over this pipeline's Links: each (input, target) micro-batch of `share` forward and
         backward on every stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's
-        loss and every stage's StageStats."""
+        loss once the last stage computed it, and a future of every stage's StageStats once the step settled."""
         forwards = [(shard_pb2.ForwardHeader(key=self.key(step, k), requires_grad=True, zero_grad=k == 0,
                                              after_optimizer_step=after_optimizer_step, eval_mode=eval_mode,
                                              plan=plan), x.detach())
@@ -85,9 +85,10 @@ class StageClients:
         """Sends an optimizer step down the stages; the future ends once every stage has applied it (or refused)."""
         return self._links.step(request)
 
-    async def flush(self) -> None:
-        """Makes sure every optimizer step sent so far is confirmed (asks the stages if no output did)."""
-        await self._links.flush()
+    async def flush(self, wait: bool = True) -> None:
+        """Makes sure every optimizer step sent so far is confirmed (asks the stages if no output did); without
+        `wait`, only asks."""
+        await self._links.flush(wait)
 
     async def read_state(self) -> dict[str, torch.Tensor]:
         """Every stage's weights, merged under the user's state-dict keys."""

@@ -29,19 +29,17 @@ import asyncio
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from shard_service.mailbox import Mailbox
 from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts
+from shard_service.runtime import ShardRuntime
+from shard_service.stage import Stage
 from shardtrain import eager, errors, link
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
-if TYPE_CHECKING:
-    from shard_service.servicer import ShardServicer
-    from shard_service.stage import Stage
 
 log = logging.getLogger("shardtrain.shard.loop")
 _ROLES = shard_pb2.LinkRole
@@ -66,8 +64,9 @@ def _check_forward(header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> N
 class LinkedLoop:
     """The links of one shard for its current deployment, and the work their items start."""
 
-    def __init__(self, shard: ShardServicer):
-        self._shard = shard
+    def __init__(self, runtime: ShardRuntime):
+        self._runtime = runtime
+        runtime.forgetters.append(self.forget)
         self._deployment_id = ""
         self._input: link.LinkEnd | None = None    # the SDK's input link (first stage)
         self._output: link.LinkEnd | None = None   # the SDK's output link (last stage)
@@ -109,8 +108,8 @@ class LinkedLoop:
 
     def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
-        self._shard.stage_for(opening.deployment_id)
-        plan = self._shard.plan
+        self._runtime.stage_for(opening.deployment_id)
+        plan = self._runtime.plan
         end.toward_first = opening.role != _ROLES.LINK_ROLE_OUTPUT
         if opening.role == _ROLES.LINK_ROLE_INPUT and plan.stage == 0:
             self._input = end
@@ -150,20 +149,20 @@ class LinkedLoop:
         """The SDK hears that a link of this stage broke: it fails the steps this stage ran a forward for, whose items
         may have been on it, and no later one. A later step opens the link again (or fails by itself if the stage
         is gone); without the bound, a report the SDK read after the failure it caused failed the next step too."""
-        return link.error_item(None, error, self._shard.location, through_step=self._forwarded)
+        return link.error_item(None, error, self._runtime.location, through_step=self._forwarded)
 
     def _client(self, address: str, role: int) -> link.ClientLink:
         """The Link this stage opened to `address`, opened again if it broke."""
         client = self._opened.get(address)
         if client is None or client.broken is not None:
-            peer = self._shard.links.peer(address)
-            local = peer.same_host and self._shard.settings.local_links
+            peer = self._runtime.links.peer(address)
+            local = peer.same_host and self._runtime.settings.local_links
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
-                                         from_stage=self._shard.plan.stage, shared_memory=peer.same_host,
+                                         from_stage=self._runtime.plan.stage, shared_memory=peer.same_host,
                                          local_carrier=local, packed_to_opener=local)
             # A link to the next stage starts with the last verdicts passed down: one may have been lost with the
             # link before (the next stage takes each verdict once).
-            first = self._verdicts.passed if address == self._shard.plan.next_address else ()
+            first = self._verdicts.passed if address == self._runtime.plan.next_address else ()
             client = link.ClientLink(peer, opening, self.on_item, self._broke, first_items=first)
             client.toward_first = False
             self._opened[address] = client
@@ -178,11 +177,11 @@ class LinkedLoop:
         # A link opened again only to resend verdicts, which the next stage never accepted: the SDK heard already.
         attempt = self._reopening.pop(client, None)
         quiet = attempt is not None and not client.accepted
-        self._spawn(self._shard.order.backwards_lost(self._forwarded, str(error)))
+        self._spawn(self._runtime.order.backwards_lost(self._forwarded, str(error)))
         if not quiet:
-            log.warning("%s: the link to %s broke: %s", self._shard.location, client.name, error)
+            log.warning("%s: the link to %s broke: %s", self._runtime.location, client.name, error)
             self._tell_soon(self._break_item(error), up=True)
-        if address != self._shard.plan.next_address or not self._verdicts.passed or not (client.accepted or quiet):
+        if address != self._runtime.plan.next_address or not self._verdicts.passed or not (client.accepted or quiet):
             return
         # A verdict this stage passed down may have been lost with the link: the step would stand here and not on
         # the stages after. The link opens again now, not with the next forward, so that they have it when the
@@ -203,22 +202,22 @@ class LinkedLoop:
 
     # --- sending ---------------------------------------------------------------------------------------
     def _down(self) -> link.LinkEnd | None:
-        plan = self._shard.plan
+        plan = self._runtime.plan
         return self._client(plan.next_address, _ROLES.LINK_ROLE_NEXT) if plan.next_address else self._output
 
     def _up(self) -> link.LinkEnd | None:
-        plan = self._shard.plan
+        plan = self._runtime.plan
         return self._from_stage.get(plan.stage - 1) if plan.stage > 0 else self._input
 
     async def _send(self, end: link.LinkEnd | None, message, tensor: torch.Tensor | None = None,
                     kind: str = "activations") -> None:
         if end is None:
-            raise errors.Unavailable(f"{self._shard.location}: no link to send a {message.WhichOneof('item')} on")
-        await end.send(message, tensor, self._shard.links.options(end.same_host, kind))
+            raise errors.Unavailable(f"{self._runtime.location}: no link to send a {message.WhichOneof('item')} on")
+        await end.send(message, tensor, self._runtime.links.options(end.same_host, kind))
 
     async def _report(self, key: shard_pb2.StepKey, error: BaseException, backward: bool) -> None:
         """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
-        await self._tell(link.error_item(key, error, self._shard.location, backward), up=backward)
+        await self._tell(link.error_item(key, error, self._runtime.location, backward), up=backward)
 
     async def _tell(self, item: shard_pb2.LinkMessage, up: bool, either_way: bool = True) -> None:
         """Sends an error item up or down the stages; one that starts here goes the other way if that way is gone
@@ -230,7 +229,7 @@ class LinkedLoop:
                 return
             except errors.ShardtrainError:
                 continue
-        log.warning("%s: nobody left to tell: %s", self._shard.location, item.error.message)
+        log.warning("%s: nobody left to tell: %s", self._runtime.location, item.error.message)
 
     def _tell_soon(self, item: shard_pb2.LinkMessage, up: bool) -> None:
         """_tell from a callback. Dropped if a new deployment came first: the old one's news would open its
@@ -277,7 +276,7 @@ class LinkedLoop:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the work reports its own failures; this is a last resort
-            log.error("%s: link work failed: %r", self._shard.location, error)
+            log.error("%s: link work failed: %r", self._runtime.location, error)
 
     # --- items -----------------------------------------------------------------------------------------
     def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
@@ -299,7 +298,7 @@ class LinkedLoop:
             request = message.step.request
             if not self._verdicts.take(request.optimizer_step) and end is not self._input:
                 log.debug("%s: optimizer step %d's verdict came again (over a new link); taken once already",
-                          self._shard.location, request.optimizer_step)
+                          self._runtime.location, request.optimizer_step)
                 return
             if end is self._input and request.backwards_end_with_step:
                 self._ended_by_step.update(request.backward_steps)
@@ -310,7 +309,7 @@ class LinkedLoop:
             key = message.residual.key
             self._residuals.put((key.step, key.microbatch, message.residual.name), tensor)
         elif kind == "residual_gradient":
-            self._spawn(self._shard.accumulate(message.residual_gradient.key, message.residual_gradient.name,
+            self._spawn(self._runtime.accumulate(message.residual_gradient.key, message.residual_gradient.name,
                                                tensor))
         elif kind == "error":
             self._spawn(self._pass_error(end, message))
@@ -332,7 +331,7 @@ class LinkedLoop:
             self._spawn(self._report(key, error, backward))
 
     def _start_run(self, key: shard_pb2.StepKey, plan: shard_pb2.StepPlan) -> PlannedRun:
-        stage = self._shard.stage_for(key.deployment_id)
+        stage = self._runtime.stage_for(key.deployment_id)
         if key.step <= self._forwarded:
             raise errors.InvalidArgument(f"step {key.step} comes after step {self._forwarded} on this stage: "
                                          "steps count up")
@@ -381,13 +380,13 @@ class LinkedLoop:
         except Exception as error:  # noqa: BLE001 - reported; the step's optimizer step is refused everywhere
             run.abort()
             key = shard_pb2.StepKey(deployment_id=self._deployment_id, step=run.step)
-            await self._tell(link.error_item(key, error, self._shard.location, backward=True), up=True,
+            await self._tell(link.error_item(key, error, self._runtime.location, backward=True), up=True,
                              either_way=False)
-            await self._tell(link.error_item(key, error, self._shard.location), up=False, either_way=False)
-            await self._shard.order.backward_finished(run.step, status_message(error, self._shard.location)[1])
+            await self._tell(link.error_item(key, error, self._runtime.location), up=False, either_way=False)
+            await self._runtime.order.backward_finished(run.step, status_message(error, self._runtime.location)[1])
             return
         run.done = True
-        await self._shard.order.backward_finished(run.step, "")
+        await self._runtime.order.backward_finished(run.step, "")
 
     def _abort_run(self, step: int, reason: str) -> bool:
         """Ends a planned step that failed on another stage; False if there is none running here."""
@@ -397,11 +396,11 @@ class LinkedLoop:
         run.abort()
         if run.task is not None:
             run.task.cancel()
-        self._spawn(self._shard.order.backward_finished(step, reason))
+        self._spawn(self._runtime.order.backward_finished(step, reason))
         return True
 
     def _ports(self, stage: Stage) -> StagePorts:
-        shard = self._shard
+        shard = self._runtime
         wait = shard.settings.timeouts.peer_wait
         return StagePorts(
             stage=stage, index=shard.plan.stage, num_stages=shard.plan.num_stages,
@@ -415,7 +414,7 @@ class LinkedLoop:
 
     async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
         what = f"the target of step {key.step} micro-batch {key.microbatch}"
-        entry = await self._targets.get((key.step, key.microbatch), self._shard.settings.timeouts.peer_wait, what)
+        entry = await self._targets.get((key.step, key.microbatch), self._runtime.settings.timeouts.peer_wait, what)
         self._targets.discard((key.step, key.microbatch))
         return entry
 
@@ -432,7 +431,7 @@ class LinkedLoop:
         """Runs the stage's forward once the optimizer step the SDK names has settled here, and every step whose
         verdict came before this forward (the SDK stops naming one after a failure, when a verdict sent again
         over a new link may still come first), then sends the activation and residuals on."""
-        shard = self._shard
+        shard = self._runtime
         try:
             stage = shard.stage_for(header.key.deployment_id)
             _check_forward(header, x)
@@ -452,7 +451,7 @@ class LinkedLoop:
 
     async def _send_activation(self, header: shard_pb2.ForwardHeader, result: torch.Tensor) -> None:
         """To the next stage, or (from the last stage) to the SDK as the output."""
-        if self._shard.plan.next_address:
+        if self._runtime.plan.next_address:
             await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)
             return
         if self._output is None:
@@ -462,21 +461,21 @@ class LinkedLoop:
     async def _send_residuals(self, key: shard_pb2.StepKey, outgoing: dict[str, torch.Tensor]) -> None:
         """Each residual this stage produced, straight to every stage that consumes it."""
         for name, tensor in outgoing.items():
-            sink = next(r for r in self._shard.plan.outgoing_residuals if r.name == name)
+            sink = next(r for r in self._runtime.plan.outgoing_residuals if r.name == name)
             for address in sink.consumer_addresses:
                 item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
                 await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
 
     async def _sdk_output(self) -> None:
         """Waits (up to the peer-wait deadline) for the SDK's output link, opened at the same time as the input."""
-        timeout = self._shard.settings.timeouts.peer_wait
+        timeout = self._runtime.settings.timeouts.peer_wait
         try:
             await asyncio.wait_for(self._output_opened.wait(), timeout)
         except TimeoutError:
             raise errors.DeadlineExceeded(f"the SDK did not open its output link within {timeout:g} s") from None
 
     async def _incoming_residuals(self, stage, key: shard_pb2.StepKey) -> dict:
-        shard = self._shard
+        shard = self._runtime
         incoming = {}
         for name in stage.residuals.incoming:
             producer = shard.links.producer(name).producer_stage
@@ -489,7 +488,7 @@ class LinkedLoop:
         return incoming
 
     async def _backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> None:
-        shard = self._shard
+        shard = self._runtime
         key = (header.key.step, header.key.microbatch)
         try:
             stage = shard.stage_for(header.key.deployment_id)
@@ -510,7 +509,7 @@ class LinkedLoop:
     async def _send_residual_gradients(self, key: shard_pb2.StepKey, grads: dict[str, torch.Tensor]) -> None:
         """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
         for name, grad in grads.items():
-            producer = self._shard.links.producer(name).producer_stage
+            producer = self._runtime.links.producer(name).producer_stage
             item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
             await self._send(self._from_stage.get(producer), item, grad, "residuals")
 
@@ -518,7 +517,7 @@ class LinkedLoop:
         """To the previous stage (which clears its gradients first when this one did), or (from the first stage) to
         the SDK as the end of the backward."""
         key = header.key
-        if self._shard.plan.stage > 0:
+        if self._runtime.plan.stage > 0:
             item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key, zero_grad=header.zero_grad))
         elif grad_input is None and key.step in self._ended_by_step:
             self._ended_by_step.discard(key.step)
@@ -532,7 +531,7 @@ class LinkedLoop:
         unless one of them failed here or on a stage before."""
         request = item.request
         stage, failure = await self._step_verdict(request, item.failure)
-        if self._shard.plan.next_address:
+        if self._runtime.plan.next_address:
             verdict = shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
             self._verdicts.passed_down(verdict)
             await self._pass_down(verdict)
@@ -541,7 +540,7 @@ class LinkedLoop:
     async def _step_verdict(self, request: shard_pb2.StepRequest, failure: str) -> tuple[Stage | None, str]:
         """Once this stage's backwards of the step are over: the stage, and why the step is refused ("" if it is
         not; a reason from a stage before wins)."""
-        shard = self._shard
+        shard = self._runtime
         try:
             stage = shard.stage_for(request.deployment_id)
             failures = await shard.order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
@@ -554,7 +553,7 @@ class LinkedLoop:
 
     async def _apply_step(self, stage: Stage | None, request: shard_pb2.StepRequest, failure: str) -> None:
         """Applies the step unless it was refused; either way it counts as settled here, and the step's state goes."""
-        shard = self._shard
+        shard = self._runtime
         try:
             if stage is not None and not failure:
                 if request.zero_grad:
@@ -575,7 +574,7 @@ class LinkedLoop:
         run = self._runs.get(request.step)
         if run is None or not run.done:
             return
-        plan = self._shard.plan
+        plan = self._runtime.plan
         self._stats[request.optimizer_step] = run.figures.stats(plan.stage, plan.replica, optimizer_seconds)
         while len(self._stats) > STATS_KEPT:
             del self._stats[min(self._stats)]
@@ -584,9 +583,9 @@ class LinkedLoop:
         """Passes a Flush on (the last stage: back to the SDK) once its optimizer step settled here, with this
         stage's figures if it asks for them."""
         try:
-            await self._shard.order.after_optimizer_step(flush.optimizer_step, self._shard.settings.timeouts.peer_wait)
+            await self._runtime.order.after_optimizer_step(flush.optimizer_step, self._runtime.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
-            await self._tell(link.error_item(None, error, self._shard.location, optimizer_step=flush.optimizer_step),
+            await self._tell(link.error_item(None, error, self._runtime.location, optimizer_step=flush.optimizer_step),
                              up=False)
             return
         if flush.stats and flush.optimizer_step in self._stats:
@@ -597,7 +596,7 @@ class LinkedLoop:
         try:
             await self._send(self._down(), item)
         except errors.ShardtrainError as error:
-            log.warning("%s: could not pass on a %s item: %s", self._shard.location, item.WhichOneof("item"), error)
+            log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error)
 
     async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
         """Passes a failure on the way it travels; a failed backward also counts as failed here."""
@@ -605,7 +604,7 @@ class LinkedLoop:
         from_below = not end.toward_first
         aborted = error.HasField("key") and self._abort_run(error.key.step, error.message)
         if error.backward and error.HasField("key") and from_below and not aborted:
-            await self._shard.order.backward_finished(error.key.step, error.message)
+            await self._runtime.order.backward_finished(error.key.step, error.message)
         await self._tell(message, up=from_below, either_way=False)
 
     def forget(self, up_to_step: int) -> None:

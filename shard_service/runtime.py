@@ -1,0 +1,198 @@
+"""What a shard is, apart from how calls reach it: the loaded stage, its compute thread, what it has settled, its
+replicas' averager and losses, and the residual gradients it gathers. The Link loop (loop.py) and the gRPC servicer
+(servicer.py) both work through one ShardRuntime; it knows neither."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shard_service.links import Links
+from shard_service.mailbox import Mailbox
+from shard_service.ordering import StepOrder
+from shard_service.replicas import GradientAverager
+from shard_service.stage import LayerSource, Stage
+from shard_service.stage_plan import check_load
+from shard_service.threads import ThreadChoice, work_kind
+from shardtrain import losses
+from shardtrain.capture import CapturedProgram
+from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.residuals import StageResiduals, Wiring
+from shardtrain.settings import ShardSettings
+from shardtrain.v1 import shard_pb2
+
+log = logging.getLogger("shardtrain.shard")
+INLINE_SECONDS = 5e-3
+
+
+def _with_threads(threads: int, function, *args):
+    """Runs `function` with `threads` intra-op threads (a per-thread OpenMP setting: set where it runs);
+    returns its result and how long it ran (there, not counting the hand-off to and from the compute thread)."""
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    return function(*args), time.perf_counter() - start
+
+
+class ShardRuntime:
+    """One shard's stage and the state around it, for the current deployment."""
+
+    def __init__(self, settings: ShardSettings, address: str):
+        self.settings = settings
+        self.address = address
+        self.deployment_id = ""
+        self._stage: Stage | None = None
+        self.links = Links(settings)
+        self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
+        self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
+        self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
+        self._losses: dict[bytes, tuple] = {}
+        self.order = StepOrder()        # what this shard has settled: optimizer steps and backwards
+        self.forgetters: list[Callable[[int], None]] = []  # what else drops a step's leftovers (loop, servicer)
+        self._stage_lock = asyncio.Lock()
+        self._durations: dict[str, float] = {}
+        self._threads = ThreadChoice(settings.threads or torch.get_num_threads())
+        # One stage, one thread, in order. OpenMP thread counts are per thread, so _with_threads sets
+        # the count where the work runs: set only in the main thread, the compute thread would start
+        # a team per core and spin against the other shards on the same host.
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage")
+
+    @property
+    def location(self) -> str:
+        """How errors name this shard."""
+        stage = f"stage {self._stage.index}" if self._stage else "no stage loaded"
+        return f"shard {self.address} ({stage})"
+
+    @property
+    def plan(self) -> shard_pb2.StagePlan:
+        """Where this shard's stage sits: neighbours and residual traffic."""
+        return self.links.plan
+
+    @property
+    def stage(self) -> Stage | None:
+        """The loaded stage, if any."""
+        return self._stage
+
+    async def run(self, function, *args):
+        """Runs stage work one piece at a time, in arrival order.
+
+        Work that took under INLINE_SECONDS last time runs on the event loop itself: handing it to
+        the compute thread and back costs two thread wake-ups, which on a busy host take longer than
+        small work itself. Longer work goes to the compute thread so the loop keeps reading streams
+        (a planned step's next micro-batch) and serving deadlines meanwhile.
+        """
+        async with self._stage_lock:
+            name = work_kind(function.__name__, args)
+            threads = self._threads.threads(name)
+            if self._durations.get(name, INLINE_SECONDS) < INLINE_SECONDS:
+                result, elapsed = _with_threads(threads, function, *args)
+            else:
+                result, elapsed = await asyncio.get_running_loop().run_in_executor(
+                    self._compute, _with_threads, threads, function, *args)
+            self._durations[name] = elapsed
+            self._threads.record(name, threads, elapsed)
+            return result
+
+    def stage_for(self, deployment_id: str) -> Stage:
+        """The stage, if it belongs to `deployment_id`; FailedPrecondition otherwise."""
+        if self._stage is None:
+            raise FailedPrecondition("no stage is loaded here; deploy a model first")
+        if deployment_id != self.deployment_id:
+            raise FailedPrecondition(f"this shard holds deployment {self.deployment_id!r}, "
+                                     f"not {deployment_id!r}; the model was redeployed")
+        return self._stage
+
+    async def load(self, request: shard_pb2.LoadStageRequest) -> shard_pb2.LoadStageResponse:
+        """Builds the stage a LoadStage asks for and drops everything of the previous deployment."""
+        check_load(request)
+        sources = [LayerSource(layer.index, layer.description, layer.program,
+                               Wiring(tuple(layer.dependencies), tuple(layer.out_variables)),
+                               {entry.graph_key: entry.model_key for entry in layer.state}, layer.eval_program)
+                   for layer in request.layers]
+        plan = request.plan
+        residuals = StageResiduals({r.name: r.producer_stage for r in plan.incoming_residuals},
+                                   {r.name: list(r.consumer_stages) for r in plan.outgoing_residuals})
+        optimizer = (request.optimizer.name, request.optimizer.kwargs_json)
+        stage = await self.run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
+                               self.settings.max_in_flight)
+        await self.links.adopt(plan, request.encodings)
+        self._stage, self.deployment_id = stage, request.deployment_id
+        self._gradients.discard_where(lambda key: True)
+        self._residual_grads.clear()
+        self._losses.clear()  # built for the previous deployment's last stage
+        if self._averager is not None:
+            self._averager.close()
+        # Off the event loop: joining a replica's rendezvous store blocks until it answers or times out.
+        self._averager = await asyncio.to_thread(GradientAverager.for_plan, plan, stage, self.address,
+                                                 self.settings.timeouts.peer_wait)
+        self.order = StepOrder()
+        log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
+                 request.deployment_id)
+        return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,
+                                           rendezvous=self._averager.hosted if self._averager else "")
+
+    async def accumulate(self, key: shard_pb2.StepKey, name: str, grad: torch.Tensor | None) -> None:
+        """Adds one consumer's gradient of residual `name`; the sum is ready once every consumer sent its own."""
+        stage = self.stage_for(key.deployment_id)
+        if name not in stage.residuals.outgoing:
+            raise InvalidArgument(f"stage {stage.index} did not produce residual {name!r}; "
+                                  f"it produces {sorted(stage.residuals.outgoing)}")
+        entry = (key.step, key.microbatch, name)
+        received = self._residual_grads.setdefault(entry, [])
+        received.append(grad)
+        if len(received) == len(stage.residuals.outgoing[name]):
+            del self._residual_grads[entry]
+            present = [g for g in received if g is not None]
+            self._gradients.put(entry, sum(present[1:], present[0]) if present else None)
+
+    async def residual_gradients(self, stage: Stage, key) -> dict:
+        """The gradients of the residuals this stage produced, once every consumer has sent its own."""
+        grads = {}
+        for name in stage.residuals.outgoing:
+            what = f"gradient of residual {name!r} for step {key[0]} micro-batch {key[1]}"
+            grads[name] = await self._gradients.get((*key, name), self.settings.timeouts.peer_wait, what)
+        return grads
+
+    async def forget(self, stage: Stage, up_to_step: int) -> None:
+        """Drops every leftover of steps up to `up_to_step` (forwards whose backward never came, failed steps)."""
+        await self.run(stage.forget, up_to_step)
+        stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
+        self._gradients.discard_where(stale)
+        for key in [k for k in self._residual_grads if stale(k)]:
+            del self._residual_grads[key]
+        for forget in self.forgetters:
+            forget(up_to_step)
+        self.order.forget(up_to_step)
+
+    def loss(self, spec: shard_pb2.LossSpec) -> tuple:
+        """The loss function of a LossSpec and whether it sums, built once per distinct spec."""
+        cache_key = spec.SerializeToString(deterministic=True)
+        if cache_key not in self._losses:
+            if spec.name:
+                self._losses[cache_key] = losses.build(spec.name, spec.kwargs_json)
+            elif spec.program.program:
+                self._losses[cache_key] = (CapturedProgram(spec.program.program).load({}), spec.sums)
+            else:
+                raise InvalidArgument("a planned step's last stage needs a loss: a name or a captured program")
+        return self._losses[cache_key]
+
+    async def averager_call(self, name: str) -> None:
+        """Runs the replicas' averager's `name` ("connect" before a planned step, "finish" after its backwards)."""
+        if self._averager is not None:
+            await self.run(getattr(self._averager, name))
+
+    def averager_arm(self, last_microbatch: bool) -> None:
+        """Before a backward: on the last micro-batch, gradients are final and all-reduce as they appear."""
+        if self._averager is not None:
+            self._averager.arm(last_microbatch)
+
+    async def close(self) -> None:
+        """Closes peer channels, the compute thread and the replicas' averager."""
+        await self.links.close()
+        self._compute.shutdown(wait=False, cancel_futures=True)
+        if self._averager is not None:
+            self._averager.close()
