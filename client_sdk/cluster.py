@@ -145,7 +145,8 @@ class Cluster:
         replicas = []
         for replica in range(max(s.replica for s in response.stages) + 1):
             addresses = [s.shard_address for s in response.stages if s.replica == replica]
-            replicas.append(StageClients(response.deployment_id, addresses, self.security, self.timeouts, encodings))
+            replicas.append(StageClients(response.deployment_id, addresses, self.security, self.timeouts, encodings,
+                                         response.deployment_secret))
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas)
         key_order = [entry.model_key for layer in captured for entry in layer.state]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from client_sdk.links import SdkLinks
-from shardtrain import optim, shm, wire
+from shardtrain import auth, optim, shm, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts
@@ -20,10 +20,13 @@ class StageClients:
     """One Peer per stage of a deployment, created on the IoLoop (grpc.aio channels belong to a loop)."""
 
     def __init__(self, deployment_id: str, addresses: Sequence[str], security: Security, timeouts: Timeouts,
-                 encodings: tensor_pb2.WireEncodings | None = None):
+                 encodings: tensor_pb2.WireEncodings | None = None, secret: str = ""):
         self.deployment_id = deployment_id
+        self.secret = secret  # DeployResponse.deployment_secret
         self.stages = [Peer(f"shard at {address} (stage {index})", address, SHARD_SERVICE,
                             security, timeouts.rpc) for index, address in enumerate(addresses)]
+        for peer in self.stages:  # every call on the deployment carries its secret
+            peer.metadata = auth.with_deployment(peer.metadata, secret)
         self._encodings = encodings or tensor_pb2.WireEncodings()
         self._segments: shm.SegmentPool | None = None
         self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc)

@@ -8,7 +8,7 @@ import uuid
 
 from coordinator.placement import StagePlacement, place
 from coordinator.registry import ShardRegistry
-from shardtrain import optim, partition, schedule
+from shardtrain import auth, optim, partition, schedule
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ShardtrainError
 from shardtrain.residuals import Wiring, route
 from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
@@ -57,11 +57,11 @@ class CoordinatorServicer:
         routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges)
         shards = self.registry.take(len(ranges) * replicas)
         pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)]) for r in range(replicas)]
-        deployment_id = uuid.uuid4().hex[:12]
-        await self._ship_all(deployment_id, pipelines, layers, request)
+        deployment_id, secret = uuid.uuid4().hex[:12], auth.new_deployment_secret()
+        await self._ship_all((deployment_id, secret), pipelines, layers, request)
         log.info("deployed %s: %s", deployment_id,
                  [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines])
-        return coordinator_pb2.DeployResponse(deployment_id=deployment_id, stages=[
+        return coordinator_pb2.DeployResponse(deployment_id=deployment_id, deployment_secret=secret, stages=[
             coordinator_pb2.StageAssignment(stage=p.stage, shard_id=p.shard.shard_id, shard_address=p.shard.address,
                                             first_layer=p.first_layer, end_layer=p.end_layer, replica=replica)
             for replica, pipeline in enumerate(pipelines) for p in pipeline])
@@ -87,11 +87,11 @@ class CoordinatorServicer:
         finally:
             await peer.close()
 
-    async def _ship_all(self, deployment_id: str, pipelines, layers, request) -> None:
+    async def _ship_all(self, deployment: tuple[str, str], pipelines, layers, request) -> None:
         """Replica 0 first: its shards host the rendezvous where each stage's other replicas meet."""
-        first = await asyncio.gather(*(self._ship(deployment_id, p, len(pipelines[0]), layers, request,
+        first = await asyncio.gather(*(self._ship(deployment, p, len(pipelines[0]), layers, request,
                                                   0, len(pipelines), "") for p in pipelines[0]))
-        await asyncio.gather(*(self._ship(deployment_id, p, len(pipeline), layers, request, replica, len(pipelines),
+        await asyncio.gather(*(self._ship(deployment, p, len(pipeline), layers, request, replica, len(pipelines),
                                           first[p.stage].rendezvous)
                                for replica, pipeline in enumerate(pipelines) if replica for p in pipeline))
 
@@ -108,7 +108,7 @@ class CoordinatorServicer:
                 shard_pb2.PipelineAction(backward=a.op == schedule.BACKWARD, microbatch=a.microbatch) for a in plan])
             for stage, plan in enumerate(plans)])
 
-    async def _ship(self, deployment_id: str, placement: StagePlacement, num_stages: int, layers, deploy,
+    async def _ship(self, deployment: tuple[str, str], placement: StagePlacement, num_stages: int, layers, deploy,
                     replica: int, num_replicas: int, rendezvous: str) -> shard_pb2.LoadStageResponse:
         plan = shard_pb2.StagePlan(
             stage=placement.stage, num_stages=num_stages, previous_address=placement.previous_address,
@@ -118,7 +118,8 @@ class CoordinatorServicer:
             outgoing_residuals=[shard_pb2.ResidualSink(name=n, consumer_stages=c,
                                                        consumer_addresses=placement.consumers.get(n, []))
                                 for n, c in placement.outgoing.items()])
-        request = shard_pb2.LoadStageRequest(deployment_id=deployment_id, plan=plan, optimizer=deploy.optimizer,
+        request = shard_pb2.LoadStageRequest(deployment_id=deployment[0], deployment_secret=deployment[1], plan=plan,
+                                             optimizer=deploy.optimizer,
                                              layers=layers[placement.first_layer:placement.end_layer],
                                              encodings=deploy.encodings)
         shard = Peer(f"shard {placement.shard.shard_id} at {placement.shard.address}", placement.shard.address,

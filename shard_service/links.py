@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shardtrain import shm, wire
+from shardtrain import auth, shm, wire
 from shardtrain.rpc import SHARD_SERVICE, OpenedCall, Peer, fetch_tensor
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, tensor_pb2
@@ -25,12 +25,15 @@ class Links:
         self.encodings = tensor_pb2.WireEncodings()  # exact until a deployment asks otherwise
         self.segments = shm.SegmentPool() if settings.shared_memory and shm.available() else None
         self._peers: dict[str, Peer] = {}
+        self._secret = ""  # the deployment's, carried by the calls and links this shard makes for it
 
     def peer(self, address: str) -> Peer:
         """The Peer at `address`, opened on first use."""
         if address not in self._peers:
-            self._peers[address] = Peer(f"shard at {address}", address, SHARD_SERVICE,
-                                        self.settings.security, self.settings.timeouts.rpc)
+            peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security,
+                        self.settings.timeouts.rpc)
+            peer.metadata = auth.with_deployment(peer.metadata, self._secret)
+            self._peers[address] = peer
         return self._peers[address]
 
     def options(self, same_host: bool, kind: str) -> wire.SendOptions:
@@ -38,8 +41,12 @@ class Links:
         segments = self.segments if same_host else None
         return wire.SendOptions(self.settings.chunk_bytes, getattr(self.encodings, kind), segments)
 
-    async def adopt(self, plan: shard_pb2.StagePlan, encodings: tensor_pb2.WireEncodings) -> None:
-        """Takes a new stage's plan; learns which of the peers it sends to share this host."""
+    async def adopt(self, plan: shard_pb2.StagePlan, encodings: tensor_pb2.WireEncodings, secret: str) -> None:
+        """Takes a new stage's plan and its deployment's secret; learns which of the peers it sends to share this
+        host."""
+        self._secret = secret
+        for peer in self._peers.values():
+            peer.metadata = auth.with_deployment(peer.metadata, secret)
         if self.segments is not None:
             addresses = {plan.previous_address, plan.next_address,
                          *(r.producer_address for r in plan.incoming_residuals),

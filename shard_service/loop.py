@@ -282,6 +282,9 @@ class LinkedLoop:
     def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
         """Starts the work an item asks for. It runs in the reader's turn until it has to wait; work that is long
         waits for the compute thread, so the reader is never held up for long."""
+        if end.deployment_id != self._deployment_id:
+            raise errors.FailedPrecondition(f"this link was opened for deployment {end.deployment_id!r}; this shard "
+                                            f"holds {self._deployment_id!r} now")
         kind = message.WhichOneof("item")
         if kind == "forward" and message.forward.HasField("plan"):
             self._planned_item(message.forward.key, (message.forward, tensor), backward=False)

@@ -45,6 +45,7 @@ class ShardRuntime:
         self.settings = settings
         self.address = address
         self.deployment_id = ""
+        self.secret = ""                # what calls on the deployment must carry (auth.check_deployment)
         self._stage: Stage | None = None
         self.links = Links(settings)
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
@@ -119,8 +120,8 @@ class ShardRuntime:
         optimizer = (request.optimizer.name, request.optimizer.kwargs_json)
         stage = await self.run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
                                self.settings.max_in_flight)
-        await self.links.adopt(plan, request.encodings)
-        self._stage, self.deployment_id = stage, request.deployment_id
+        await self.links.adopt(plan, request.encodings, request.deployment_secret)
+        self._stage, self.deployment_id, self.secret = stage, request.deployment_id, request.deployment_secret
         self._gradients.discard_where(lambda key: True)
         self._residual_grads.clear()
         self._losses.clear()  # built for the previous deployment's last stage

@@ -42,6 +42,12 @@ class ShardServicer:
         """How errors name this shard."""
         return self.runtime.location
 
+    def _owned(self, context, deployment_id: str) -> Stage:
+        """The stage, for a call on its deployment that carries the deployment's secret."""
+        stage = self.runtime.stage_for(deployment_id)
+        auth.check_deployment(context, self.runtime.secret, f"deployment {deployment_id}")
+        return stage
+
     def _forget(self, up_to_step: int) -> None:
         stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
         self._outbox.discard_where(stale)
@@ -58,20 +64,20 @@ class ShardServicer:
     @boundary
     async def LoadState(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
-        stage = self.runtime.stage_for((await reader.header()).deployment_id)
+        stage = self._owned(context, (await reader.header()).deployment_id)
         loaded = await self.runtime.run(stage.load_state, await reader.tensors())
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
     @boundary
     async def ReadState(self, request, context):
-        stage = self.runtime.stage_for(request.deployment_id)
+        stage = self._owned(context, request.deployment_id)
         for name, tensor in (await self.runtime.run(stage.state)).items():
             for frame in wire.tensor_frames(tensor, name, wire.SendOptions(self.settings.chunk_bytes)):
                 yield frame  # weights always travel exact
 
     @boundary
     async def ReadOptimizerState(self, request, context):
-        stage = self.runtime.stage_for(request.deployment_id)
+        stage = self._owned(context, request.deployment_id)
         state = await self.runtime.run(stage.optimizer_state)
         header = shard_pb2.OptimizerStateHeader(deployment_id=request.deployment_id, layout=state.layout())
         for frame in wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors,
@@ -82,7 +88,7 @@ class ShardServicer:
     async def LoadOptimizerState(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
-        stage = self.runtime.stage_for(header.deployment_id)
+        stage = self._owned(context, header.deployment_id)
         state = optim.KeyedState.parse(header.layout, await reader.tensors())
         await self.runtime.run(stage.load_optimizer_state, state, header.check_only)
         return shard_pb2.LoadOptimizerStateResponse()
@@ -91,7 +97,7 @@ class ShardServicer:
     async def Forward(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
-        stage = self.runtime.stage_for(header.key.deployment_id)
+        stage = self._owned(context, header.key.deployment_id)
         if header.HasField("plan"):
             raise InvalidArgument("a planned step's forwards travel on Links, not on Forward calls")
         key = (header.key.step, header.key.microbatch)
@@ -145,7 +151,7 @@ class ShardServicer:
 
     @boundary
     async def FetchTensor(self, request, context):
-        self.runtime.stage_for(request.key.deployment_id)
+        self._owned(context, request.key.deployment_id)
         key = (request.key.step, request.key.microbatch, request.name)
         what = f"tensor {request.name!r} of step {request.key.step} micro-batch {request.key.microbatch}"
         entry = await self._outbox.get(key, self.settings.timeouts.peer_wait, what)
@@ -162,7 +168,7 @@ class ShardServicer:
     async def Backward(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.backward_link)  # opened at forward time
         header = await reader.header()
-        stage = self.runtime.stage_for(header.key.deployment_id)
+        stage = self._owned(context, header.key.deployment_id)
         failure = "cancelled"
         try:
             await self._backward(stage, header, reader)
@@ -200,13 +206,14 @@ class ShardServicer:
     async def AccumulateGradient(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
+        self._owned(context, header.key.deployment_id)
         grad = (await reader.tensors()).get(header.name) if header.has_gradient else None
         await self.runtime.accumulate(header.key, header.name, grad)
         return shard_pb2.AccumulateGradientResponse()
 
     @boundary
     async def Step(self, request, context):
-        await self.apply_step(self.runtime.stage_for(request.deployment_id), request)
+        await self.apply_step(self._owned(context, request.deployment_id), request)
         return shard_pb2.StepResponse()
 
     async def apply_step(self, stage: Stage, request) -> None:
@@ -233,6 +240,7 @@ class ShardServicer:
             if needed not in roles:
                 raise PermissionDenied(f"a {shard_pb2.LinkRole.Name(opening.role)} link takes the {needed} role's "
                                        f"token; this caller has the {' or '.join(sorted(roles))} role")
+            self._owned(context, opening.deployment_id)
             self.loop.opened(opening, end)
         await link.serve(request_iterator, context, f"link to {self.runtime.location}", opened,
                          self.loop.on_item, self.loop.closed, self.local_links)

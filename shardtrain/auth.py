@@ -9,9 +9,11 @@ away from the client token, so that a client cannot pose as a shard, and a reade
 from __future__ import annotations
 
 import hmac
+import secrets
 
 import grpc
 
+from shardtrain.errors import PermissionDenied
 from shardtrain.settings import Security
 
 CLIENT, SHARD, READER = "client", "shard", "reader"
@@ -41,6 +43,29 @@ ALLOWED: dict[str, frozenset[str]] = {
 
 # Open to callers without a token: a health probe learns only whether the server serves.
 OPEN = frozenset({"Health/Check", "Health/Watch"})
+
+
+DEPLOYMENT_METADATA = "shardtrain-deployment"  # the metadata key of a deployment's secret
+
+
+def new_deployment_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def check_deployment(context: grpc.aio.ServicerContext, secret: str, what: str) -> None:
+    """PermissionDenied unless the call carries the deployment's secret (a deployment without one takes any)."""
+    if not secret:
+        return
+    presented = dict(context.invocation_metadata() or ()).get(DEPLOYMENT_METADATA, "")
+    if not hmac.compare_digest(presented.encode(), secret.encode()):
+        raise PermissionDenied(f"{what} belongs to the client that deployed it: the call must carry its secret as "
+                               f"the {DEPLOYMENT_METADATA!r} metadata (DeployResponse.deployment_secret)")
+
+
+def with_deployment(metadata: tuple[tuple[str, str], ...], secret: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata that also carries a deployment's secret."""
+    kept = tuple(entry for entry in metadata if entry[0] != DEPLOYMENT_METADATA)
+    return kept + ((DEPLOYMENT_METADATA, secret),) if secret else kept
 
 
 def roles_of(presented: str, security: Security) -> frozenset[str]:

@@ -83,12 +83,14 @@ class StageAssignment(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., shard_id: _Optional[str] = ..., shard_address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
 
 class DeployResponse(_message.Message):
-    __slots__ = ("deployment_id", "stages")
+    __slots__ = ("deployment_id", "stages", "deployment_secret")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
-    def __init__(self, deployment_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
+    deployment_secret: str
+    def __init__(self, deployment_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., deployment_secret: _Optional[str] = ...) -> None: ...
 
 class PlanScheduleRequest(_message.Message):
     __slots__ = ("num_stages", "microbatches", "schedule")

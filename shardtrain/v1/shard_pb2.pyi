@@ -114,18 +114,20 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings")
+    __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings", "deployment_secret")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     plan: StagePlan
     layers: _containers.RepeatedCompositeFieldContainer[CapturedLayer]
     optimizer: OptimizerSpec
     encodings: _tensor_pb2.WireEncodings
-    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ...) -> None: ...
+    deployment_secret: str
+    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., deployment_secret: _Optional[str] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("parameter_count", "rendezvous")

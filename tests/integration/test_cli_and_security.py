@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from client_sdk import Cluster
-from shardtrain import errors, link, rpc
+from shardtrain import errors, link, rpc, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
-from tests.integration.training import regression_batches, train_remotely
+from tests.integration.training import largest_difference, regression_batches, train_remotely
 
 
 def test_demo_trains_and_matches_one_process():
@@ -194,11 +194,13 @@ def test_role_tokens_keep_clients_shards_and_readers_to_their_own_calls():
         assert isinstance(broken, errors.PermissionDenied) and "takes the shard role's token" in str(broken)
 
 
-async def open_stage_link(address: str, deployment_id: str, security: Security) -> Exception:
-    """What a client that poses as stage 0 hears when it opens a link into stage 1."""
-    peer = rpc.Peer("stage 1", address, rpc.SHARD_SERVICE, security, timeout=10)
+async def open_stage_link(address: str, deployment_id: str, security: Security,
+                          role: int = shard_pb2.LINK_ROLE_NEXT) -> Exception:
+    """What a client hears when it opens a link into a stage: posing as stage 0 (a NEXT link), or as the SDK."""
+    peer = rpc.Peer("stage", address, rpc.SHARD_SERVICE, security, timeout=10)
     ended = asyncio.get_running_loop().create_future()
-    opening = shard_pb2.LinkOpen(deployment_id=deployment_id, role=shard_pb2.LINK_ROLE_NEXT, from_stage=0)
+    opening = shard_pb2.LinkOpen(deployment_id=deployment_id, role=role,
+                                 from_stage=0 if role == shard_pb2.LINK_ROLE_NEXT else -1)
     client = link.ClientLink(peer, opening, lambda *item: None,
                              lambda _, error: ended.done() or ended.set_result(error))
     try:
@@ -206,3 +208,37 @@ async def open_stage_link(address: str, deployment_id: str, security: Security) 
     finally:
         await client.close()
         await peer.close()
+
+
+def test_a_deployment_is_its_owners_even_for_holders_of_the_same_token(cluster4):
+    """Another client with the cluster's token, but not the deployment's secret, can neither read nor change the
+    weights nor open a link into it; the owner trains on unharmed."""
+    torch.manual_seed(0)
+    model = cluster4.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), num_stages=2)
+    before = model.state_dict()
+
+    async def intrude(address: str) -> list:
+        peer = rpc.Peer("stage 0", address, rpc.SHARD_SERVICE, cluster4.security, timeout=10)
+        read = shard_pb2.ReadStateRequest(deployment_id=model.deployment_id)
+        header = shard_pb2.LoadStateHeader(deployment_id=model.deployment_id)
+        zeros = {key: torch.zeros_like(value) for key, value in before.items() if key.startswith("0.")}
+        outcomes = []
+        for attempt in (lambda: wire.collect(peer.stream("ReadState", read)),
+                        lambda: peer.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, header, zeros))):
+            try:
+                await attempt()
+                outcomes.append(None)
+            except errors.ShardtrainError as error:
+                outcomes.append(error)
+        await peer.close()
+        return outcomes
+
+    outcomes = model._io.run(intrude(model.placements[0].shard_address))
+    assert all(isinstance(error, errors.PermissionDenied) and "shardtrain-deployment" in str(error)
+               for error in outcomes), outcomes
+    opened = model._io.run(open_stage_link(model.placements[0].shard_address, model.deployment_id, cluster4.security,
+                                           shard_pb2.LINK_ROLE_INPUT))
+    assert isinstance(opened, errors.PermissionDenied), opened
+    assert largest_difference(model.state_dict(), before) == 0
+    assert len(train_remotely(model, regression_batches(steps=2, batch=4, features=2))) == 2
+

@@ -13,7 +13,7 @@ from google.protobuf import descriptor as protobuf_descriptor
 from google.protobuf import message_factory
 from torch import nn
 
-from shardtrain import rpc
+from shardtrain import auth, rpc
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 from tests.integration.training import trains_like_one_process
 
@@ -124,8 +124,10 @@ def misreported_by_the_client(method, requests: list[bytes], code: grpc.StatusCo
             and code == grpc.StatusCode.INTERNAL and details == "Internal error from Core")
 
 
-async def fuzz(targets, security, requests: Requests) -> dict[tuple[str, str], set]:
-    """Every method of every (address, service), REQUESTS_PER_METHOD times; the codes each answered."""
+async def fuzz(targets, security, requests: Requests, secret: str = "") -> dict[tuple[str, str], set]:
+    """Every method of every (address, service), REQUESTS_PER_METHOD times, with the token and a deployment's
+    secret; the codes each answered."""
+    metadata = auth.with_deployment(security.metadata, secret)
     seen: dict[tuple[str, str], set] = {}
     for address, service in targets:
         channel = rpc.open_channel(address, security)
@@ -134,7 +136,7 @@ async def fuzz(targets, security, requests: Requests) -> dict[tuple[str, str], s
                 for _ in range(REQUESTS_PER_METHOD):
                     sent = [requests.request(method)
                             for _ in range(requests.rng.randint(1, 3) if method.client_streaming else 1)]
-                    code, details = await call_raw(channel, service, method, sent, security.metadata)
+                    code, details = await call_raw(channel, service, method, sent, metadata)
                     if not misreported_by_the_client(method, sent, code, details):
                         seen.setdefault((service.name, method.name), set()).add(code)
         finally:
@@ -158,7 +160,8 @@ def test_every_rpc_survives_random_and_malformed_requests(own_cluster):
     live = cluster.deploy(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)), num_stages=2)
     shard = live.placements[1].shard_address
     targets = [(cluster.address, rpc.COORDINATOR_SERVICE), (shard, rpc.SHARD_SERVICE)]
-    seen = cluster._io.run(fuzz(targets, cluster.security, Requests(seed=1, names=[live.deployment_id])))
+    seen = cluster._io.run(fuzz(targets, cluster.security, Requests(seed=1, names=[live.deployment_id]),
+                                live._clients.secret))
 
     wrong = {method: sorted(c.name for c in codes - ALLOWED) for method, codes in seen.items() if codes - ALLOWED}
     assert not wrong, f"codes outside the contract: {wrong}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardtrain import rpc, wire
+from shardtrain import auth, rpc, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import OUTPUT
 from shardtrain.v1 import shard_pb2
@@ -159,6 +159,8 @@ def test_a_forward_call_in_eval_mode_from_another_language(cluster4):
         addresses = [placement.shard_address for placement in model.placements]
         first = rpc.Peer("stage 0", addresses[0], rpc.SHARD_SERVICE, cluster4.security, timeout=30)
         last = rpc.Peer("last stage", addresses[-1], rpc.SHARD_SERVICE, cluster4.security, timeout=30)
+        for peer in (first, last):
+            peer.metadata = auth.with_deployment(peer.metadata, model._clients.secret)
         try:
             key = shard_pb2.StepKey(deployment_id=model.deployment_id, step=10_000)
             header = shard_pb2.ForwardHeader(key=key, eval_mode=True)

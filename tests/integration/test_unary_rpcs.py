@@ -8,7 +8,7 @@ import asyncio
 import torch
 
 from client_sdk import LayerList
-from shardtrain import rpc, wire
+from shardtrain import auth, rpc, wire
 from shardtrain.residuals import OUTPUT
 from shardtrain.settings import Security
 from shardtrain.v1 import shard_pb2
@@ -17,10 +17,12 @@ from tests.integration.training import SKIP_A_STAGE, largest_difference, regress
 SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 
-async def train_by_calls(addresses: list[str], deployment_id: str, batches, security: Security) -> None:
+async def train_by_calls(addresses: list[str], deployment_id: str, batches, security: Security, secret: str) -> None:
     """The loop as plain calls: what an SDK without Links would send for each step."""
     stages = [rpc.Peer(f"stage {i}", address, rpc.SHARD_SERVICE, security, timeout=30)
               for i, address in enumerate(addresses)]
+    for stage in stages:
+        stage.metadata = auth.with_deployment(stage.metadata, secret)
     try:
         for optimizer_step, (x, y) in enumerate(batches, start=1):
             key = shard_pb2.StepKey(deployment_id=deployment_id, step=optimizer_step)
@@ -45,5 +47,5 @@ def test_forward_fetch_backward_step_calls_match_one_process(cluster4):
     batches = regression_batches(steps=10, batch=8, features=3)
     model = cluster4.deploy(reference, optimizer=SGD, split_points=[2, 4])
     addresses = [placement.shard_address for placement in model.placements]
-    model._io.run(train_by_calls(addresses, model.deployment_id, batches, cluster4.security))
+    model._io.run(train_by_calls(addresses, model.deployment_id, batches, cluster4.security, model._clients.secret))
     assert largest_difference(model.state_dict(), train_locally(reference, batches, SGD)) <= 1e-5
