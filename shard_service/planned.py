@@ -11,7 +11,6 @@ the optimizer step item that follows (loop.py) is applied once it is over, on ev
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -111,8 +110,9 @@ class PlannedRun:
 
     async def _timed(self, function, *args, simulated: bool = True):
         start = time.perf_counter()
-        delay = self.ports.simulate_compute if simulated else 0.0
-        result = await self.ports.run(_then_wait(function, delay) if delay else function, *args)
+        result = await self.ports.run(function, *args)
+        if simulated and self.ports.simulate_compute:  # stands for device work (benchmarks)
+            await asyncio.sleep(self.ports.simulate_compute)
         return result, time.perf_counter() - start
 
     async def _forward(self, k: int) -> None:
@@ -195,17 +195,6 @@ def check_plan(plan: shard_pb2.StepPlan) -> None:
 def _actions(plan: shard_pb2.StepPlan, stage: int, num_stages: int) -> list[schedule.Action]:
     check_plan(plan)
     return schedule.stage_actions(plan.schedule, stage, num_stages, plan.microbatches)
-
-
-def _then_wait(function, seconds: float):
-    """`function`, then `seconds` of waiting on the stage's compute thread: simulated device work (benchmarks), which
-    keeps the stage busy as waiting for a device does, while its event loop goes on reading and sending."""
-    @functools.wraps(function)
-    def wrapped(*args):
-        result = function(*args)
-        time.sleep(seconds)
-        return result
-    return wrapped
 
 
 def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:
