@@ -351,15 +351,15 @@ class LinkedLoop:
         return run
 
     def _check_room(self, tensor: torch.Tensor | None) -> None:
-        """ResourceExhausted if one more tensor would pass the bound of what a stage holds waiting."""
+        """ResourceExhausted if one more tensor of a planned step would pass the bound on the bytes a stage holds
+        waiting. (Their count is bounded already: each micro-batch's item comes once, for at most MAX_RUNS steps.)"""
         size = 0 if tensor is None else tensor.numel() * tensor.element_size()
-        count, held = self._held
-        for run in self._runs.values():
-            count, held = count + run.held_items(), held + run.held_bytes()
-        if count >= MAX_HELD_ITEMS or held + size > MAX_HELD_BYTES:
+        held = self._held[1] + sum(run.held_bytes() for run in self._runs.values()) + sum(
+            target.numel() * target.element_size() for _, target in self._targets.delivered())
+        if held + size > MAX_HELD_BYTES:
             raise errors.ResourceExhausted(
-                f"{count} forwards and backwards ({held >> 20} MiB) already wait to run here, at most "
-                f"{MAX_HELD_ITEMS} and {MAX_HELD_BYTES >> 20} MiB")
+                f"{held >> 20} MiB of forwards, backwards and targets already wait to run here, at most "
+                f"{MAX_HELD_BYTES >> 20} MiB: send fewer or smaller micro-batches at once")
 
     def _target_item(self, end: link.LinkEnd, target: shard_pb2.LossTarget, tensor: torch.Tensor | None) -> None:
         key = target.key

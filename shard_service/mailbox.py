@@ -53,6 +53,10 @@ class Mailbox:
         except _Refused as refused:
             raise FailedPrecondition(f"{what} {refused}") from None
 
+    def delivered(self) -> list:
+        """The values put and not yet discarded."""
+        return [slot.result() for slot in self._slots.values() if slot.done() and slot.exception() is None]
+
     def discard(self, key: Hashable) -> None:
         """Forgets one entry; a reader still waiting for it gets FailedPrecondition."""
         slot = self._slots.pop(key, None)

@@ -85,10 +85,6 @@ class PlannedRun:
         return [slot.result() for slot in self._inbox.values() if slot.done() and not slot.cancelled()
                 and slot.exception() is None]
 
-    def held_items(self) -> int:
-        """Items that wait in the inbox for their turn."""
-        return len(self._waiting())
-
     def held_bytes(self) -> int:
         """Bytes of the items that wait in the inbox."""
         return sum(_bytes(item[1]) for item in self._waiting())

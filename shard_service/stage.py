@@ -184,8 +184,10 @@ class Stage:
             raise FailedPrecondition(f"step {key[0]} micro-batch {key[1]} is already in flight on stage {self.index}")
 
     def _remember(self, key: StepKey, state: InFlight) -> None:
+        """Keeps a step's autograd state; beyond max_in_flight the oldest step's goes, never the micro-batches of the
+        step at hand (a planned step's schedule bounds them: GPipe keeps all of them)."""
         self._in_flight[key] = state
-        while len(self._in_flight) > self._max_in_flight:
+        while len(self._in_flight) > self._max_in_flight and next(iter(self._in_flight))[0] != key[0]:
             dropped, _ = self._in_flight.popitem(last=False)
             log.warning("stage %d dropped step %s: more than %d steps in flight without backward",
                         self.index, dropped, self._max_in_flight)

@@ -210,3 +210,14 @@ def test_train_step_and_the_loop_take_turns_as_in_one_process(cluster4):
     losses.append(model.train_step(*batches[2], "MSELoss", microbatches=2, schedule="gpipe"))
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert largest_difference(model.state_dict(), expected) <= PIPELINE_TOLERANCE
+
+
+def test_a_step_of_many_micro_batches_is_not_refused_as_items_piling_up(cluster4):
+    """GPipe sends every micro-batch at once: 200 forward items wait on stage 0, more than the loop may pile up."""
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    batches = regression_batches(steps=1, batch=200, features=4)
+    expected, expected_losses = train_full_batch(module, batches, SGD)
+    model = cluster4.deploy(module, optimizer=SGD, num_stages=2)
+    assert train_pipelined(model, batches, microbatches=200, schedule="gpipe") == pytest.approx(expected_losses,
+                                                                                             rel=1e-5)
+    assert largest_difference(model.state_dict(), expected) <= 1e-5

@@ -163,7 +163,7 @@ def test_items_outside_the_plan_are_refused(programs):
         run.deliver(0, "forward", (None, torch.zeros(1)))
         with pytest.raises(errors.InvalidArgument, match="a second forward item"):
             run.deliver(0, "forward", (None, torch.zeros(1)))
-        assert run.held_items() == 1 and run.held_bytes() == 4
+        assert run.held_bytes() == 4
     asyncio.run(scenario())
     with pytest.raises(errors.InvalidArgument, match="unknown schedule"):
         PlannedRun(pipeline.runs[0].ports, 0, shard_pb2.StepPlan(microbatches=2, schedule="zigzag"))
