@@ -25,8 +25,7 @@ shared by four of them).
 the figure is the time of the real training, not of messages alone.
 
 It is a floor where each step's fixed costs dominate (small batches). With big batches the work
-dominates, and there the shards can beat it: each picks one or all intra-op threads per kind of
-work (shard_service/threads.py), where the floor's stages all run on one count (--threads).
+dominates, and the floor's stages all run on one thread count (--threads).
 """
 
 from __future__ import annotations

@@ -52,8 +52,7 @@ class SdkLinks:
         if client is None or client.broken is not None:
             peer = self._first if role == _ROLES.LINK_ROLE_INPUT else self._last
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role, from_stage=-1,
-                                         shared_memory=peer.same_host, local_carrier=peer.same_host,
-                                         packed_to_opener=peer.same_host)
+                                         shared_memory=peer.same_host, local_carrier=peer.same_host)
             client = link.ClientLink(peer, opening, self._on_item, self._broke)
             self._links[role] = client
         return client

@@ -95,6 +95,8 @@ class LocalServices:
         self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="shardtrain-"))
         self.services: list[Service] = []
         self._env = dict(env or {})
+        # Local shards share this host's cores: each computes on its share of them, not on all of them at once.
+        self._env.setdefault("SHARDTRAIN_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_shards))))
         try:
             coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", "127.0.0.1:0"])
             self.coordinator_address = f"127.0.0.1:{coordinator.wait_ready(startup_timeout)['port']}"

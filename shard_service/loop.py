@@ -36,7 +36,7 @@ from shard_service.mailbox import Mailbox
 from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import eager, errors, link
+from shardtrain import errors, link
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
@@ -159,7 +159,7 @@ class LinkedLoop:
             local = peer.same_host and self._runtime.settings.local_links
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
                                          from_stage=self._runtime.plan.stage, shared_memory=peer.same_host,
-                                         local_carrier=local, packed_to_opener=local)
+                                         local_carrier=local)
             # A link to the next stage starts with the last verdicts passed down: one may have been lost with the
             # link before (the next stage takes each verdict once).
             first = self._verdicts.passed if address == self._runtime.plan.next_address else ()
@@ -242,12 +242,10 @@ class LinkedLoop:
         self._spawn(tell())
 
     def _spawn(self, coroutine) -> None:
-        """Starts link work at once (an item's forward runs and sends inside the read that brought it), and
-        goes on with it as a task only if it has to wait (for a residual, an optimizer step, the compute thread)."""
-        task = eager.start(self._logged(coroutine))
-        if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        """Runs link work as a task (tasks start in the order their items came), ended by a new deployment."""
+        task = asyncio.ensure_future(self._logged(coroutine))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _spawn_held(self, coroutine, key: shard_pb2.StepKey, tensor: torch.Tensor | None, backward: bool) -> None:
         """_spawn for a forward or backward, counted while it holds its tensor; refused beyond MAX_HELD_*."""
@@ -280,8 +278,7 @@ class LinkedLoop:
 
     # --- items -----------------------------------------------------------------------------------------
     def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
-        """Starts the work an item asks for. It runs in the reader's turn until it has to wait; work that is long
-        waits for the compute thread, so the reader is never held up for long."""
+        """Starts the work an item asks for, as a task: the reader goes on reading meanwhile."""
         if end.deployment_id != self._deployment_id:
             raise errors.FailedPrecondition(f"this link was opened for deployment {end.deployment_id!r}; this shard "
                                             f"holds {self._deployment_id!r} now")

@@ -18,7 +18,6 @@ from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
-from shard_service.threads import ThreadChoice, work_kind
 from shardtrain import losses
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
@@ -28,6 +27,12 @@ from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard")
 INLINE_SECONDS = 5e-3
+
+
+def work_kind(name: str, arguments) -> str:
+    """The kind of a piece of work: its name, and the size of its tensor arguments to a power of two."""
+    size = sum(argument.numel() for argument in arguments if isinstance(argument, torch.Tensor))
+    return f"{name} of under 2^{size.bit_length()} elements" if size else name
 
 
 def _with_threads(threads: int, function, *args):
@@ -56,7 +61,7 @@ class ShardRuntime:
         self.forgetters: list[Callable[[int], None]] = []  # what else drops a step's leftovers (loop, servicer)
         self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
-        self._threads = ThreadChoice(settings.threads or torch.get_num_threads())
+        self._threads = settings.threads or torch.get_num_threads()
         # One stage, one thread, in order. OpenMP thread counts are per thread, so _with_threads sets
         # the count where the work runs: set only in the main thread, the compute thread would start
         # a team per core and spin against the other shards on the same host.
@@ -88,14 +93,12 @@ class ShardRuntime:
         """
         async with self._stage_lock:
             name = work_kind(function.__name__, args)
-            threads = self._threads.threads(name)
             if self._durations.get(name, INLINE_SECONDS) < INLINE_SECONDS:
-                result, elapsed = _with_threads(threads, function, *args)
+                result, elapsed = _with_threads(self._threads, function, *args)
             else:
                 result, elapsed = await asyncio.get_running_loop().run_in_executor(
-                    self._compute, _with_threads, threads, function, *args)
+                    self._compute, _with_threads, self._threads, function, *args)
             self._durations[name] = elapsed
-            self._threads.record(name, threads, elapsed)
             return result
 
     def stage_for(self, deployment_id: str) -> Stage:

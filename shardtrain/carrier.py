@@ -16,9 +16,7 @@ lives in a directory only this user can enter. The opener first writes the token
 is its length (4 bytes, little-endian), the length of its message (4 bytes), the LinkMessage's
 protobuf bytes, and the data of the message's TensorChunk, if any, which the message leaves out
 (its `data` field stays empty). The receiver parses the message alone and takes the data as a view
-of what it read: no field walk to find it. The items every step sends may go packed instead
-(shardtrain/packed.py), when the reader said in the open items that it reads them: then the
-message's length is PACKED_MARK, and a fixed binary header follows.
+of what it read: no field walk to find it.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
-from shardtrain import errors, packed, shm
+from shardtrain import errors, shm
 from shardtrain.codec import Frame
 from shardtrain.v1 import shard_pb2
 
@@ -57,13 +55,11 @@ def encode(frame: Frame) -> tuple[bytes, object]:
     return _PREFIX.pack(_PREFIX.size + len(head) + len(data)) + _PREFIX.pack(len(head)) + head, data
 
 
-def decode(body: memoryview) -> Frame | packed.PackedFrame:
-    """The Frame (or packed item) whose bytes (after the frame's length) are `body`; its data stays a view of `body`."""
+def decode(body: memoryview) -> Frame:
+    """The Frame whose bytes (after the frame's length) are `body`; its data stays a view of `body`."""
     if len(body) < _PREFIX.size:
         raise errors.DataLoss(f"local link: a frame of {len(body)} bytes is too short to hold its message's length")
     head_size = _PREFIX.unpack_from(body)[0]
-    if head_size == packed.PACKED_MARK:
-        return packed.PackedFrame(body[_PREFIX.size:])
     if head_size > len(body) - _PREFIX.size:
         raise errors.DataLoss(f"local link: a frame of {len(body)} bytes says its message has {head_size}")
     try:
@@ -244,10 +240,6 @@ class Carrier(asyncio.Protocol):
     async def write(self, frame: Frame) -> None:
         """Sends one frame; ConnectionError once the other end is gone."""
         await self._send(*encode(frame))
-
-    async def write_packed(self, head: bytes, data) -> None:
-        """Sends one packed item (the parts shardtrain.packed.pack returns); ConnectionError once the peer is gone."""
-        await self._send(_PREFIX.pack(len(head) + len(data)) + head, data)
 
     async def _send(self, head: bytes, data) -> None:
         """Writes a frame's length and head, then its data."""

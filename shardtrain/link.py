@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import torch
 
-from shardtrain import carrier, errors, packed, wire
+from shardtrain import carrier, errors, wire
 from shardtrain.codec import Frame
 from shardtrain.rpc import status_message, translate
 from shardtrain.v1 import shard_pb2
@@ -54,11 +54,6 @@ class ItemReader:
     def __init__(self) -> None:
         self._pending: shard_pb2.LinkMessage | None = None
         self._tensors = wire.TensorStreamReader()
-
-    @property
-    def between_items(self) -> bool:
-        """Whether no item's tensor is half received: a packed item (one frame) may come."""
-        return self._pending is None
 
     def feed(self, frame: Frame) -> Item | None:
         """Takes one frame; returns an item once its tensor (if it has one) is complete."""
@@ -112,19 +107,16 @@ class LinkEnd:
         self.same_host = opening.shared_memory      # the opener can open the answering end's shared segments
         self.toward_first = True     # the other end sits before this one in the pipeline (or is the SDK's input side)
         self._carrier: carrier.Carrier | None = None
-        self._packs = False          # items go packed (shardtrain/packed.py): the other end reads them
 
     @property
     def local(self) -> bool:
         """Whether items go on a same-host socket rather than the gRPC stream."""
         return self._carrier is not None
 
-    def carry(self, local: carrier.Carrier, packs: bool) -> None:
-        """Sends the items that follow on a same-host socket instead of the gRPC stream; the frequent ones
-        packed if the other end reads them so."""
+    def carry(self, local: carrier.Carrier) -> None:
+        """Sends the items that follow on a same-host socket instead of the gRPC stream."""
         self._carrier = local
         self._write = local.write
-        self._packs = packs
 
     def close_carrier(self) -> None:
         """Closes the same-host socket, if items went on one."""
@@ -134,15 +126,12 @@ class LinkEnd:
     async def send(self, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
                    options: wire.SendOptions = wire.EXACT) -> None:
         """Sends one item; Unavailable if the link is broken."""
-        await self._ready()  # first: whether the item can go packed is known once the opener took the socket
-        item = packed.pack(message, tensor, options, self.deployment_id) if self._packs else None
-        items = list(frames(message, tensor, options)) if item is None else ()
+        await self._ready()  # first: whether items go on a socket is known once the opener took it or declined
+        items = list(frames(message, tensor, options))
         async with self._lock:
             if self.broken is not None:
                 raise self.broken
             try:
-                if item is not None:
-                    await self._carrier.write_packed(*item)
                 for frame in items:
                     await self._write(frame)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, ConnectionError) as error:
@@ -227,7 +216,7 @@ class ClientLink(LinkEnd):
             log.info("%s: no local link (%r); items stay on the gRPC stream", self.name, error)
             await self._call.write(Frame(shard_pb2.LinkMessage(open=shard_pb2.LinkOpen(local_carrier=False))))
             return
-        self.carry(local, answer.packed_to_answerer)
+        self.carry(local)
         self._carried = asyncio.ensure_future(self._guarded(self._read_carrier(local)))
 
     async def _read_carrier(self, local: carrier.Carrier) -> None:
@@ -286,7 +275,6 @@ class _AnsweringEnd(LinkEnd):
     def __init__(self, name: str, write: Callable[[Frame], Awaitable[Any]], opening: shard_pb2.LinkOpen):
         super().__init__(name, write, opening)
         self.decided: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.reads_packed = opening.packed_to_opener
 
     async def _ready(self) -> None:
         await asyncio.shield(self.decided)
@@ -338,11 +326,10 @@ async def _answer(opening: shard_pb2.LinkOpen, end: _AnsweringEnd,
         if answer.local_carrier and listener is not None:
             answer.local_address, token, offer = await listener.offer()
             answer.local_token = token
-            answer.packed_to_answerer = True
             return answer, offer
     except OSError:
         pass  # the listener logged why, once
-    answer.local_carrier = answer.packed_to_answerer = False
+    answer.local_carrier = False
     end.decided.set_result(None)
     return answer, None
 
@@ -380,7 +367,7 @@ async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> s
         raise errors.Unavailable(f"{end.name}: the opener neither took the offered local link nor declined it "
                                  f"within {carrier.CONNECT_SECONDS:g} s")
     local = offer.result()
-    end.carry(local, end.reads_packed)
+    end.carry(local)
     end.decided.set_result(None)
     await _deliver_carried(local, end, on_item)
     return "ended"
@@ -399,12 +386,7 @@ async def _deliver_carried(local: carrier.Carrier, end: LinkEnd, on_item) -> Non
     """Like _deliver, for a same-host socket: each item goes to `on_item` from the socket's read callback."""
     items = ItemReader()
 
-    def on_frame(frame: Frame | packed.PackedFrame) -> None:
-        if type(frame) is packed.PackedFrame:
-            if not items.between_items:
-                raise errors.DataLoss("local link: a packed item arrived inside another item's tensor")
-            on_item(end, *packed.unpack(frame.body, end.deployment_id))
-            return
+    def on_frame(frame: Frame) -> None:
         item = items.feed(frame)
         if item is not None:
             on_item(end, *item)

@@ -77,8 +77,7 @@ class _Segment:
     """
 
     def __init__(self, capacity: int):
-        self.pid, self.number = os.getpid(), secrets.randbits(64)  # a packed item's handle (shardtrain/packed.py)
-        self.path = _path(self.pid, self.number)
+        self.path = _path(os.getpid(), secrets.randbits(64))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.posix_fallocate(fd, 0, DATA_OFFSET + capacity)
@@ -125,11 +124,6 @@ class SegmentPool:
         """(path, offset, generation) of a segment now holding `flat`'s bytes, or None when all are busy."""
         placed = self._place(flat)
         return None if placed is None else (placed[0].path, DATA_OFFSET, placed[1])
-
-    def put_numbered(self, flat: torch.Tensor) -> tuple[int, int, int] | None:
-        """As put, the segment named by (this process's pid, its number, generation): see open_numbered."""
-        placed = self._place(flat)
-        return None if placed is None else (placed[0].pid, placed[0].number, placed[1])
 
     def _place(self, flat: torch.Tensor) -> tuple[_Segment, int] | None:
         with self._lock:
@@ -188,11 +182,6 @@ def open_segment(path: str, offset: int, generation: int, nbytes: int) -> torch.
     """
     _check_path(path)
     return _RECEIVED.view(path, offset, generation, nbytes)
-
-
-def open_numbered(pid: int, number: int, generation: int, nbytes: int) -> torch.Tensor:
-    """As open_segment, for the data of segment `number` of process `pid` (a path always of the right form)."""
-    return _RECEIVED.view(_path(pid, number), DATA_OFFSET, generation, nbytes)
 
 
 # Idle mappings a receiver keeps (none of its tensors uses them), in bytes and in time.

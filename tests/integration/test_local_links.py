@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from client_sdk import Cluster
-from shardtrain import carrier, errors, link, packed, rpc
+from shardtrain import carrier, errors, link, rpc
 from shardtrain.codec import Frame
 from shardtrain.settings import Security
 from shardtrain.v1 import shard_pb2
@@ -86,24 +86,6 @@ def test_items_go_both_ways_on_the_offered_socket():
     activation, items, local = asyncio.run(echoed(True, carrier.Listener()))
     check_echo(activation, items)
     assert local == (True, True)
-
-
-@pytest.mark.parametrize("opener_reads", [True, False])
-def test_frequent_items_go_packed_to_each_end_that_reads_them(monkeypatch, opener_reads):
-    unpacked = []
-    unpack = packed.unpack
-
-    def counted(body, deployment_id):
-        item = unpack(body, deployment_id)
-        unpacked.append(item[0].WhichOneof("item"))
-        return item
-    monkeypatch.setattr(packed, "unpack", counted)
-    opening = shard_pb2.LinkOpen(deployment_id="d", local_carrier=True, packed_to_opener=opener_reads)
-    activation, items, local = asyncio.run(echoed(True, carrier.Listener(), opening=opening))
-    check_echo(activation, items)
-    assert local == (True, True)
-    # The answering end reads packed items; the opener only if it said so. The flush is never packed.
-    assert sorted(unpacked) == sorted(["forward", "backward"] * (2 if opener_reads else 1))
 
 
 @pytest.mark.parametrize("ask", [True, False], ids=["no listener", "not asked"])
