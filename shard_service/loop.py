@@ -284,7 +284,10 @@ class LinkedLoop:
                                             f"holds {self._deployment_id!r} now")
         kind = message.WhichOneof("item")
         if kind == "forward" and message.forward.HasField("plan"):
-            self._planned_item(message.forward.key, (message.forward, tensor), backward=False)
+            # As the loop's forwards: none runs before the steps whose verdicts came before it.
+            header = message.forward
+            header.after_optimizer_step = max(header.after_optimizer_step, self._verdicts.last)
+            self._planned_item(header.key, (header, tensor), backward=False)
         elif kind == "backward" and message.backward.key.step in self._runs:
             self._planned_item(message.backward.key, (message.backward, tensor), backward=True)
         elif kind == "target":
