@@ -155,7 +155,7 @@ class LinkedLoop:
         """The Link this stage opened to `address`, opened again if it broke."""
         client = self._opened.get(address)
         if client is None or client.broken is not None:
-            peer = self._runtime.links.peer(address)
+            peer = self._runtime.peers.peer(address)
             local = peer.same_host and self._runtime.settings.local_links
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
                                          from_stage=self._runtime.plan.stage, shared_memory=peer.same_host,
@@ -213,7 +213,7 @@ class LinkedLoop:
                     kind: str = "activations") -> None:
         if end is None:
             raise errors.Unavailable(f"{self._runtime.location}: no link to send a {message.WhichOneof('item')} on")
-        await end.send(message, tensor, self._runtime.links.options(end.same_host, kind))
+        await end.send(message, tensor, self._runtime.peers.options(end.same_host, kind))
 
     async def _report(self, key: shard_pb2.StepKey, error: BaseException, backward: bool) -> None:
         """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
@@ -481,7 +481,7 @@ class LinkedLoop:
         shard = self._runtime
         incoming = {}
         for name in stage.residuals.incoming:
-            producer = shard.links.producer(name).producer_stage
+            producer = shard.peers.producer(name).producer_stage
             what = f"residual {name!r} of step {key.step} micro-batch {key.microbatch} from stage {producer}"
             tensor = await self._residuals.get((key.step, key.microbatch, name), shard.settings.timeouts.peer_wait,
                                                what)
@@ -512,7 +512,7 @@ class LinkedLoop:
     async def _send_residual_gradients(self, key: shard_pb2.StepKey, grads: dict[str, torch.Tensor]) -> None:
         """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
         for name, grad in grads.items():
-            producer = self._runtime.links.producer(name).producer_stage
+            producer = self._runtime.peers.producer(name).producer_stage
             item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
             await self._send(self._from_stage.get(producer), item, grad, "residuals")
 

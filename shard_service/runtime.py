@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shard_service.links import Links
+from shard_service.peers import Peers
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
@@ -52,7 +52,7 @@ class ShardRuntime:
         self.deployment_id = ""
         self.secret = ""                # what calls on the deployment must carry (auth.check_deployment)
         self._stage: Stage | None = None
-        self.links = Links(settings)
+        self.peers = Peers(settings)
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
         self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
@@ -76,7 +76,7 @@ class ShardRuntime:
     @property
     def plan(self) -> shard_pb2.StagePlan:
         """Where this shard's stage sits: neighbours and residual traffic."""
-        return self.links.plan
+        return self.peers.plan
 
     @property
     def stage(self) -> Stage | None:
@@ -123,7 +123,7 @@ class ShardRuntime:
         optimizer = (request.optimizer.name, request.optimizer.kwargs_json)
         stage = await self.run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
                                self.settings.max_in_flight)
-        await self.links.adopt(plan, request.encodings, request.deployment_secret)
+        await self.peers.adopt(plan, request.encodings, request.deployment_secret)
         self._stage, self.deployment_id, self.secret = stage, request.deployment_id, request.deployment_secret
         self._gradients.discard_where(lambda key: True)
         self._residual_grads.clear()
@@ -196,7 +196,7 @@ class ShardRuntime:
 
     async def close(self) -> None:
         """Closes peer channels, the compute thread and the replicas' averager."""
-        await self.links.close()
+        await self.peers.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
         if self._averager is not None:
             self._averager.close()

@@ -103,7 +103,7 @@ class ShardServicer:
         key = (header.key.step, header.key.microbatch)
         # The header goes on at once, so later stages fetch their residuals and apply a deferred optimizer
         # step while this one computes.
-        downstream = self.runtime.links.open_forward(header) if self.runtime.plan.next_address else None
+        downstream = self.runtime.peers.open_forward(header) if self.runtime.plan.next_address else None
         stepping = asyncio.ensure_future(self.apply_step(stage, header.step_first)) \
             if header.HasField("step_first") else None
         try:
@@ -117,12 +117,12 @@ class ShardServicer:
                                                header.input_requires_grad, not header.eval_mode)
             self.offer_residuals(stage, key, outgoing)
             if header.requires_grad and self.runtime.plan.previous_address:
-                self._backward_links.add(key, self.runtime.links.open_backward(header.key))
+                self._backward_links.add(key, self.runtime.peers.open_backward(header.key))
             if downstream is None:
                 self._outbox.put((*key, OUTPUT), [result, 1])
             else:
-                same_host = self.runtime.links.peer(self.runtime.plan.next_address).same_host
-                await downstream.send({"activation": result}, self.runtime.links.options(same_host, "activations"))
+                same_host = self.runtime.peers.peer(self.runtime.plan.next_address).same_host
+                await downstream.send({"activation": result}, self.runtime.peers.options(same_host, "activations"))
         finally:
             if downstream is not None:
                 downstream.abandon()  # a no-op once sent; otherwise later stages stop waiting
@@ -144,8 +144,8 @@ class ShardServicer:
             fetches.cancel()
 
     async def _fetch_residual(self, stage: Stage, key, name: str):
-        tensor = await self.runtime.links.fetch_residual(key, name)
-        producer = self.runtime.links.producer(name).producer_stage
+        tensor = await self.runtime.peers.fetch_residual(key, name)
+        producer = self.runtime.peers.producer(name).producer_stage
         stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {producer}")
         return tensor
 
@@ -156,7 +156,7 @@ class ShardServicer:
         what = f"tensor {request.name!r} of step {request.key.step} micro-batch {request.key.microbatch}"
         entry = await self._outbox.get(key, self.settings.timeouts.peer_wait, what)
         kind = _FETCHED_KINDS.get(request.name, "residuals")
-        options = self.runtime.links.options(request.shared_memory, kind)
+        options = self.runtime.peers.options(request.shared_memory, kind)
         for frame in wire.tensor_frames(entry[0], request.name, options, start=request.offset):
             yield frame
         # Kept until a fetch got all of it, so a broken stream can resume; _forget drops the rest.
@@ -188,7 +188,7 @@ class ShardServicer:
             await self.runtime.run(stage.zero_grad)
         residual_grads = await self.runtime.residual_gradients(stage, key)
         grad_input, incoming_grads = await self.runtime.run(stage.backward, key, grad_output, residual_grads)
-        calls = [self.runtime.links.send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
+        calls = [self.runtime.peers.send_residual_grad(header.key, name, grad) for name, grad in incoming_grads.items()]
         if not self.runtime.plan.previous_address and grad_input is not None:
             self._outbox.put((*key, INPUT_GRADIENT), [grad_input, 1])
         if self.runtime.plan.previous_address:
@@ -196,10 +196,10 @@ class ShardServicer:
             if link is not None and header.zero_grad:
                 link.abandon()  # its header went out at forward time: the previous stage must clear its gradients too
                 link = None
-            link = link or self.runtime.links.open_backward(header.key, header.zero_grad)
-            same_host = self.runtime.links.peer(self.runtime.plan.previous_address).same_host
+            link = link or self.runtime.peers.open_backward(header.key, header.zero_grad)
+            same_host = self.runtime.peers.peer(self.runtime.plan.previous_address).same_host
             calls.append(link.send({"gradient": grad_input} if grad_input is not None else {},
-                                   self.runtime.links.options(same_host, "gradients")))
+                                   self.runtime.peers.options(same_host, "gradients")))
         await asyncio.gather(*calls)
 
     @boundary

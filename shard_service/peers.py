@@ -1,6 +1,6 @@
 """A shard's connections to other shards: who its peers are, how tensors reach each, and the sends themselves.
 
-The servicer answers calls; Links makes them: residual fetches, residual-gradient pushes and the
+The servicer answers calls; Peers makes them: residual fetches, residual-gradient pushes and the
 Backward calls opened at forward time (the calls behind the Forward and Backward RPCs). It
 decides per peer whether tensors go through shared memory (a peer that proved it shares this host)
 and in which wire encoding (the deployment's choice per tensor kind).
@@ -16,7 +16,7 @@ from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 
-class Links:
+class Peers:
     """Peers by address for one shard, with the current stage's plan and wire encodings."""
 
     def __init__(self, settings: ShardSettings):
