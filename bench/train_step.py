@@ -15,7 +15,7 @@ shared and noisy, and which runs after which matters there); each figure is the 
 timed step of its rounds. Prints the medians and the ratios shardtrain/one-process and
 shardtrain/torch.rpc, then the floor against one process and the loop against the floor. With
 --grpc-links, a second cluster whose shards keep every Link item on the gRPC stream (--local-links
-off) takes its turn too, and the loop's time there is printed against the loop's with local links.
+off --tcp-links off) takes its turn too, and the loop's time there is printed against the loop's with local links.
 Every way steps with torch.optim.Adam(lr=3e-3), plus --adam's keyword arguments. With the defaults,
 Adam is most of one process's step on CPU: its sqrt goes through MKL's vector math, which takes a
 slow path for every exact zero (the second moments of units that never get a gradient), so the
@@ -103,12 +103,12 @@ def deploy(cluster: Cluster, adam: dict):
 
 
 def grpc_links_cluster() -> Cluster:
-    """A local cluster whose shards carry every Link item on the gRPC stream (no local links)."""
-    os.environ["SHARDTRAIN_LOCAL_LINKS"] = "off"  # the services read it when they start
+    """A local cluster whose shards carry every Link item on the gRPC stream (no local or TCP links)."""
+    os.environ["SHARDTRAIN_LOCAL_LINKS"] = os.environ["SHARDTRAIN_TCP_LINKS"] = "off"  # read as services start
     try:
         return Cluster.local(num_shards=3)
     finally:
-        del os.environ["SHARDTRAIN_LOCAL_LINKS"]
+        del os.environ["SHARDTRAIN_LOCAL_LINKS"], os.environ["SHARDTRAIN_TCP_LINKS"]
 
 
 def floor_steps(floor: Floor, batch: int, steps: int, warmup: int, threads: int) -> list[float]:

@@ -29,11 +29,12 @@ class SdkLinks:
     """Sends the loop's items and matches what comes back to the step (or optimizer step) that waits for it."""
 
     def __init__(self, deployment_id: str, first: Peer, last: Peer,
-                 options: Callable[[Peer, str], wire.SendOptions], timeout: float):
+                 options: Callable[[Peer, str], wire.SendOptions], timeout: float, tcp: bool = False):
         self._deployment_id = deployment_id
         self._first, self._last = first, last
         self._options = options
         self._timeout = timeout
+        self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (not under TLS)
         self._links: dict[int, link.ClientLink] = {}
         self._outputs: dict[int, asyncio.Future] = {}    # step -> the model's output
         self._backwards: dict[int, asyncio.Future] = {}  # step -> the input's gradient (or None) once done
@@ -52,7 +53,8 @@ class SdkLinks:
         if client is None or client.broken is not None:
             peer = self._first if role == _ROLES.LINK_ROLE_INPUT else self._last
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role, from_stage=-1,
-                                         shared_memory=peer.same_host, local_carrier=peer.same_host)
+                                         shared_memory=peer.same_host, local_carrier=peer.same_host,
+                                         tcp_carrier=not peer.same_host and self._tcp)
             client = link.ClientLink(peer, opening, self._on_item, self._broke)
             self._links[role] = client
         return client

@@ -23,6 +23,18 @@ _FETCHED_KINDS = {OUTPUT: "activations", INPUT_GRADIENT: "gradients"}  # any oth
 _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL)  # opened by stages; the rest by the SDK
 
 
+def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
+    """A Unix socket for openers on this host, a TCP one for openers on others (not under TLS: the socket would
+    carry tensors in clear)."""
+    tls = bool(settings.security.tls_cert or settings.security.tls_ca)
+    tcp = settings.tcp_links and not tls
+    if not (settings.local_links or tcp):
+        return None
+    bind_host = settings.bind.rpartition(":")[0].strip("[]")
+    return carrier.Listener(unix=settings.local_links, tcp_bind=bind_host if tcp else "",
+                            tcp_advertise=address.rpartition(":")[0].strip("[]"))
+
+
 class ShardServicer:
     """The gRPC face of one shard."""
 
@@ -31,7 +43,7 @@ class ShardServicer:
         self.address = address
         self.runtime = ShardRuntime(settings, address)
         self.loop = LinkedLoop(self.runtime)  # the Link items: the PyTorch-shaped loop and planned steps
-        self.local_links = carrier.Listener() if settings.local_links else None  # for same-host openers
+        self.local_links = _listener(settings, address)  # sockets that carry Link items instead of gRPC streams
         self._outbox = Mailbox()        # residuals and the output of Forward calls, waiting to be fetched
         self._backward_links = OpenedCalls(settings.max_in_flight)  # Backward calls opened at forward time
         self.runtime.forgetters.append(self._forget)

@@ -45,6 +45,7 @@ TOKEN_BYTES = 16
 MAX_FRAME_BYTES = 1 << 30  # a frame holds one chunk (64 MiB at most) or a small item
 _JOIN_BYTES = 1 << 16     # frames up to this size go in one send (a copy); larger ones in two
 CONNECT_SECONDS = 10.0     # an opener that offered to connect has this long to do it
+TCP_SCHEME = "tcp://"      # an offered address of this form is a TCP socket (openers on other hosts)
 _DIRECTORY = re.compile(r"shardtrain-link-(\d+)-\w+")
 
 
@@ -261,9 +262,15 @@ class Carrier(asyncio.Protocol):
 
 
 async def connect(address: str, token: bytes) -> Carrier:
-    """The opener's carrier: connects to `address` and names the link by `token`."""
+    """The opener's carrier: connects to `address` (a Unix socket's path, or tcp://host:port) and names the link
+    by `token`."""
     loop = asyncio.get_running_loop()
-    _, local = await asyncio.wait_for(loop.create_unix_connection(Carrier, address), CONNECT_SECONDS)
+    if address.startswith(TCP_SCHEME):
+        host, _, port = address[len(TCP_SCHEME):].rpartition(":")
+        connecting = loop.create_connection(Carrier, host.strip("[]"), int(port))
+    else:
+        connecting = loop.create_unix_connection(Carrier, address)
+    _, local = await asyncio.wait_for(connecting, CONNECT_SECONDS)
     local._transport.write(token)
     return local
 
@@ -275,30 +282,52 @@ async def over(sock) -> Carrier:
 
 
 class Listener:
-    """The answering ends' socket: hands each connection to the Link whose token it presents."""
+    """The answering ends' sockets: hands each connection to the Link whose token it presents.
 
-    def __init__(self) -> None:
+    A Unix socket for openers on this host (`unix`), and a TCP one for openers on other hosts when given
+    `tcp_bind` (the host to listen on) and `tcp_advertise` (the host they reach it by)."""
+
+    def __init__(self, unix: bool = True, tcp_bind: str = "", tcp_advertise: str = "") -> None:
+        self._unix = unix
         self._server: asyncio.AbstractServer | None = None
         self._directory = ""
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._cannot: OSError | None = None  # why this host gives no socket (a path too long, ...): asked once
+        self._tcp_bind, self._tcp_advertise = tcp_bind, tcp_advertise
+        self._tcp: asyncio.AbstractServer | None = None
+        self._tcp_address = ""
 
     @property
     def address(self) -> str:
         """The socket's path."""
         return os.path.join(self._directory, "link.sock")
 
-    async def offer(self) -> tuple[str, bytes, asyncio.Future]:
-        """(address, token, future of the Carrier that presents the token) for one Link; OSError if this
-        host cannot listen on a Unix socket (then items stay on the gRPC stream)."""
-        if self._cannot is not None:
-            raise self._cannot
-        if self._server is None:
-            await self._start()
+    async def offer(self, same_host: bool = True) -> tuple[str, bytes, asyncio.Future]:
+        """(address, token, future of the Carrier that presents the token) for one Link: the Unix socket for an
+        opener on this host, the TCP one for another; OSError if there is none for it (then items stay on the
+        gRPC stream)."""
+        if same_host:
+            if not self._unix:
+                raise OSError("no local links: --local-links off")
+            if self._cannot is not None:
+                raise self._cannot
+            if self._server is None:
+                await self._start()
+            address = self.address
+        else:
+            if not self._tcp_bind:
+                raise OSError("no TCP links to this shard")
+            if self._tcp is None:
+                self._tcp = await asyncio.get_running_loop().create_server(
+                    lambda: Carrier(on_token=self._presented), self._tcp_bind, 0)
+                port = self._tcp.sockets[0].getsockname()[1]
+                host = f"[{self._tcp_advertise}]" if ":" in self._tcp_advertise else self._tcp_advertise
+                self._tcp_address = f"{TCP_SCHEME}{host}:{port}"
+            address = self._tcp_address
         token = secrets.token_bytes(TOKEN_BYTES)
         future = asyncio.get_running_loop().create_future()
         self._waiting[token] = future
-        return self.address, token, future
+        return address, token, future
 
     async def _start(self) -> None:
         try:
@@ -335,6 +364,9 @@ class Listener:
             self._server.close()
             shutil.rmtree(self._directory, ignore_errors=True)
             self._server = None
+        if self._tcp is not None:
+            self._tcp.close()
+            self._tcp = None
 
 
 def sweep() -> list[str]:

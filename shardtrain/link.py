@@ -323,9 +323,9 @@ async def _answer(opening: shard_pb2.LinkOpen, end: _AnsweringEnd,
     answer = shard_pb2.LinkOpen()
     answer.CopyFrom(opening)
     try:
-        if answer.local_carrier and listener is not None:
-            answer.local_address, token, offer = await listener.offer()
-            answer.local_token = token
+        if (opening.local_carrier or opening.tcp_carrier) and listener is not None:
+            answer.local_address, token, offer = await listener.offer(same_host=opening.local_carrier)
+            answer.local_token, answer.local_carrier = token, True
             return answer, offer
     except OSError:
         pass  # the listener logged why, once

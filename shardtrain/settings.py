@@ -70,6 +70,7 @@ class ShardSettings:
     threads: int = 0          # torch intra-op threads; 0 keeps torch's default (one per core)
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
+    tcp_links: bool = True      # peers on other hosts carry them on a TCP socket, unless the services use TLS
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
     security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
@@ -177,6 +178,9 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--local-links", choices=("on", "off"), default=_env(env, "LOCAL_LINKS", "on"),
                         help="Links with same-host peers carry their items on a Unix socket instead of "
                              "the gRPC stream (default on)")
+    parser.add_argument("--tcp-links", choices=("on", "off"), default=_env(env, "TCP_LINKS", "on"),
+                        help="Links with peers on other hosts carry their items on a TCP socket instead of the "
+                             "gRPC stream (default on; never with TLS, whose items stay on gRPC)")
     parser.add_argument("--flush-denormal", choices=("on", "off"), default=_env(env, "FLUSH_DENORMAL", "off"),
                         help="CPU arithmetic treats denormal floats as zero, as torch.set_flush_denormal(True) "
                              "does in one process: long CPU runs whose optimizer state decays toward zero "
@@ -191,7 +195,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
-                         local_links=args.local_links == "on", flush_denormal=args.flush_denormal == "on",
+                         local_links=args.local_links == "on", tcp_links=args.tcp_links == "on",
+                         flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3,
                          security=security_from(args, role="shard"))
 

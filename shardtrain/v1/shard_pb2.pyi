@@ -378,7 +378,7 @@ class StageStats(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., allreduce_wait_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peak_in_flight: _Optional[int] = ...) -> None: ...
 
 class LinkOpen(_message.Message):
-    __slots__ = ("deployment_id", "role", "from_stage", "shared_memory", "local_carrier", "local_address", "local_token")
+    __slots__ = ("deployment_id", "role", "from_stage", "shared_memory", "local_carrier", "local_address", "local_token", "tcp_carrier")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +386,7 @@ class LinkOpen(_message.Message):
     LOCAL_CARRIER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TCP_CARRIER_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     role: LinkRole
     from_stage: int
@@ -393,7 +394,8 @@ class LinkOpen(_message.Message):
     local_carrier: bool
     local_address: str
     local_token: bytes
-    def __init__(self, deployment_id: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., from_stage: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., local_carrier: _Optional[bool] = ..., local_address: _Optional[str] = ..., local_token: _Optional[bytes] = ...) -> None: ...
+    tcp_carrier: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., from_stage: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., local_carrier: _Optional[bool] = ..., local_address: _Optional[str] = ..., local_token: _Optional[bytes] = ..., tcp_carrier: _Optional[bool] = ...) -> None: ...
 
 class LinkError(_message.Message):
     __slots__ = ("key", "code", "message", "backward", "optimizer_step", "through_step")

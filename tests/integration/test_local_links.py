@@ -195,3 +195,38 @@ def test_with_local_links_off_items_take_the_grpc_streams_and_training_matches(m
         train_remotely(model, batches)
         assert largest_difference(model.state_dict(), train_locally(small_net(), batches, ADAM)) < 1e-5
         assert not [path for pid in cluster._services.pids for path in sockets_of(pid)]
+
+
+def tcp_listeners(pid: int) -> int:
+    """TCP sockets process `pid` listens on, from /proc/net/tcp{,6} and its file descriptors."""
+    inodes = set()
+    for fd in glob.glob(f"/proc/{pid}/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            count += sum(1 for row in (line.split() for line in rows.readlines()[1:])
+                         if row[3] == "0A" and row[9] in inodes)
+    return count
+
+
+@pytest.mark.parametrize("tcp", ["on", "off"])
+def test_between_hosts_items_take_a_tcp_socket_unless_told_not_to_and_training_matches(monkeypatch, tcp):
+    """Without shared memory no shard can prove it shares a host with another, as on separate machines: the links
+    between stages ask for a TCP socket, which the next stage opens once asked (a second listening socket beside
+    its gRPC port), or stay on the gRPC stream with --tcp-links off."""
+    monkeypatch.setenv("SHARDTRAIN_SHARED_MEMORY", "off")
+    monkeypatch.setenv("SHARDTRAIN_TCP_LINKS", tcp)
+    batches = regression_batches(steps=5, batch=16, features=8)
+    with Cluster.local(num_shards=2) as cluster:
+        model = cluster.deploy(small_net(), optimizer=ADAM, num_stages=2)
+        train_remotely(model, batches)
+        assert largest_difference(model.state_dict(), train_locally(small_net(), batches, ADAM)) < 1e-5
+        by_address = {service.address: service.process.pid for service in cluster._services.services[1:]}
+        second = by_address[model.placements[1].shard_address]
+        assert tcp_listeners(second) == (2 if tcp == "on" else 1)

@@ -175,6 +175,12 @@ def test_local_links_can_be_turned_off_by_flag_or_variable():
     assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_LOCAL_LINKS": "off"}).local_links
 
 
+def test_tcp_links_can_be_turned_off_by_flag_or_variable():
+    assert shard_settings(["--coordinator", "c:1"], env={}).tcp_links
+    assert not shard_settings(["--coordinator", "c:1", "--tcp-links", "off"], env={}).tcp_links
+    assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_TCP_LINKS": "off"}).tcp_links
+
+
 def test_unauthenticated_serving_beyond_loopback_is_off_unless_a_flag_or_variable_allows_it():
     assert not coordinator_settings([], {}).security.allow_unauthenticated
     assert coordinator_settings(["--allow-unauthenticated"], {}).security.allow_unauthenticated
