@@ -13,6 +13,8 @@ transfer to the acknowledgement (median of the repeats). Ways measured in the sa
 - shardtrain gRPC, plain protobuf: the same, with the chunk data set as an ordinary protobuf field
   (what the codec removes), for the before/after of the copies;
 - shardtrain same-host: the shared-memory segment path (shm.py);
+- shardtrain TCP link: a Link's own TCP socket (carrier.py), the path between hosts, as a forward
+  item's frames, acknowledged by a small item back;
 - torch.rpc echo (TensorPipe) and gloo send/recv + ack: bench/transport_baselines.py.
 
 Receiver peak RSS: the receiver resets its peak (/proc/self/clear_refs) before a size's timed
@@ -39,11 +41,11 @@ import torch  # noqa: E402
 
 from bench.transport_baselines import (TransferResult, default_repeats, peak_rss, reset_peak_rss,  # noqa: E402
                                        run_gloo, run_torch_rpc)
-from shardtrain import rpc, shm, wire  # noqa: E402
+from shardtrain import carrier, link, rpc, shm, wire  # noqa: E402
 from shardtrain.lifecycle import keep_freed_memory  # noqa: E402
 from shardtrain.codec import Codec, Frame  # noqa: E402
 from shardtrain.settings import Security  # noqa: E402
-from shardtrain.v1 import tensor_pb2  # noqa: E402
+from shardtrain.v1 import shard_pb2, tensor_pb2  # noqa: E402
 
 SERVICE = "shardtrain.bench.Transfer"
 CHUNK_CODEC = Codec(tensor_pb2.TensorChunk)
@@ -70,8 +72,21 @@ def _plain_deserialize(raw: bytes) -> Frame:
 
 # --- receiver -------------------------------------------------------------------------------
 
+async def _echo_link(offered: asyncio.Future) -> None:
+    """The receiver's end of a TCP link: acknowledges each complete item with a flush naming when it arrived."""
+    local = await offered
+    items = link.ItemReader()
+    while (frame := await local.read()) is not None:
+        item = items.feed(frame)
+        if item is not None:
+            arrived = time.monotonic_ns()
+            del item
+            await local.write(Frame(shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=arrived))))
+
+
 async def _serve(device: str) -> None:
     rss_before = 0
+    listener = carrier.Listener(unix=False, tcp_bind="127.0.0.1", tcp_advertise="127.0.0.1")
 
     async def put(frames, context):
         received = await wire.collect(frames, count=1)  # as a shard's Forward reads its activation
@@ -88,6 +103,10 @@ async def _serve(device: str) -> None:
         if command["op"] == "reset":
             rss_before = reset_peak_rss()
             return b"{}"
+        if command["op"] == "offer":
+            address, token, offered = await listener.offer(same_host=False)
+            asyncio.ensure_future(_echo_link(offered))
+            return json.dumps({"address": address, "token": token.hex()}).encode()
         return json.dumps({"extra": peak_rss() - rss_before}).encode()
 
     server = rpc.new_server(Security())
@@ -134,10 +153,13 @@ class Sender:
         self.channels = [self.channel]
         self.segments = shm.SegmentPool()
         self._control = self.channel.unary_unary(f"/{SERVICE}/Control")
+        self._link: carrier.Carrier | None = None  # the TCP link, once a way uses it
 
     async def transfer(self, way: Way, tensor: torch.Tensor) -> tuple[float, float]:
         """Seconds from starting to send `tensor` until it was complete at the receiver, and until acknowledged."""
         options = wire.SendOptions(way.chunk_bytes, way.encoding, self.segments if way.shared else None)
+        if way.method == "link":
+            return await self._over_link(tensor, options)
         later = asyncio.get_running_loop().create_future()
         parts = torch.tensor_split(tensor, way.channels)
         pending = [self._channel(index).stream_unary(f"/{SERVICE}/{way.method}", request_serializer=way.serialize)(
@@ -147,6 +169,16 @@ class Sender:
         start = time.monotonic_ns()
         later.set_result(None)
         arrived = max(struct.unpack("<q", answer)[0] for answer in await asyncio.gather(*pending))
+        return (arrived - start) / 1e9, (time.monotonic_ns() - start) / 1e9
+
+    async def _over_link(self, tensor: torch.Tensor, options: wire.SendOptions) -> tuple[float, float]:
+        if self._link is None:
+            offer = json.loads(await self._control(json.dumps({"op": "offer"}).encode()))
+            self._link = await carrier.connect(offer["address"], bytes.fromhex(offer["token"]))
+        start = time.monotonic_ns()
+        for frame in link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader()), tensor, options):
+            await self._link.write(frame)
+        arrived = (await self._link.read()).message.flush.optimizer_step
         return (arrived - start) / 1e9, (time.monotonic_ns() - start) / 1e9
 
     def _channel(self, index: int) -> grpc.aio.Channel:
@@ -169,6 +201,8 @@ class Sender:
                               statistics.median(hop for hop, _ in times))
 
     async def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
         for channel in self.channels:
             await channel.close()
         self.segments.close()
@@ -190,7 +224,8 @@ def shardtrain_ways(compression: bool, chunk_sweep: list[int]) -> list[Way]:
     ways = [Way("shardtrain gRPC", "Put", CHUNK_CODEC.serialize),
             Way("shardtrain gRPC, new call", "Put", CHUNK_CODEC.serialize, preopened=False),
             Way("shardtrain gRPC, plain protobuf", "PutPlain", _plain_serialize),
-            Way("shardtrain same-host", "Put", CHUNK_CODEC.serialize, shared=True)]
+            Way("shardtrain same-host", "Put", CHUNK_CODEC.serialize, shared=True),
+            Way("shardtrain TCP link", "link", None)]
     ways += [Way("shardtrain gRPC, 2 channels", "Put", CHUNK_CODEC.serialize, channels=2)]
     if compression:
         ways += [Way(f"shardtrain gRPC, {name}", "Put", CHUNK_CODEC.serialize, encoding=wire.encoding_code(name))
