@@ -44,6 +44,7 @@ _PREFIX = struct.Struct("<I")  # a frame's length, and inside the frame the leng
 TOKEN_BYTES = 16
 MAX_FRAME_BYTES = 1 << 30  # a frame holds one chunk (64 MiB at most) or a small item
 _JOIN_BYTES = 1 << 16     # frames up to this size go in one send (a copy); larger ones in two
+_SCRATCH_BYTES = 1 << 18  # what one read takes in at most, unless it goes into a frame's own buffer
 CONNECT_SECONDS = 10.0     # an opener that offered to connect has this long to do it
 TCP_SCHEME = "tcp://"      # an offered address of this form is a TCP socket (openers on other hosts)
 _DIRECTORY = re.compile(r"shardtrain-link-(\d+)-\w+")
@@ -81,12 +82,13 @@ def decode(body: memoryview) -> Frame:
     return frame
 
 
-class Carrier(asyncio.Protocol):
+class Carrier(asyncio.BufferedProtocol):
     """One end of a connected socket: writes and reads Link frames, in order.
 
     Frames are cut from what each read of the socket brings, in the event loop's read callback, and
     handed to a consumer there and then (deliver), or queued for read(): no stream reader, no task
-    woken per frame.
+    woken per frame. Reads land in a scratch buffer, except the rest of a frame bigger than what one
+    read brought: that goes straight from the socket into the frame's own buffer, copied once.
     """
 
     def __init__(self, on_token: Callable[[bytes, Carrier], None] | None = None):
@@ -102,6 +104,8 @@ class Carrier(asyncio.Protocol):
         self._length = bytearray()         # a frame's length prefix, while it arrives in pieces
         self._body: bytearray | None = None  # a frame's bytes, while they arrive in pieces
         self._filled = 0
+        self._scratch = bytearray(_SCRATCH_BYTES)
+        self._into_body = False            # the last buffer handed to the transport was the frame's own
 
     # --- protocol callbacks ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -109,10 +113,21 @@ class Carrier(asyncio.Protocol):
         if self._on_token is not None:  # an opener that does not name its link in time is shown the door
             self._token_timer = asyncio.get_running_loop().call_later(CONNECT_SECONDS, transport.close)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview | bytearray:
+        self._into_body = self._body is not None and self._on_token is None
+        return memoryview(self._body)[self._filled:] if self._into_body else self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self._ended.done():
             return
         try:
+            if self._into_body:
+                self._filled += nbytes
+                if self._filled == len(self._body):
+                    body, self._body = self._body, None
+                    self._arrived(memoryview(body))
+                return
+            data = memoryview(self._scratch)[:nbytes]
             if self._on_token is not None:
                 data = self._take_token(data)
             self._cut(data)
@@ -144,19 +159,20 @@ class Carrier(asyncio.Protocol):
         self._paused = None
 
     # --- reading ------------------------------------------------------------------------------------
-    def _take_token(self, data: bytes) -> bytes:
+    def _take_token(self, data: memoryview) -> memoryview:
         needed = TOKEN_BYTES - len(self._token)
         self._token += data[:needed]
         if len(self._token) < TOKEN_BYTES:
-            return b""
+            return data[:0]
         on_token, self._on_token = self._on_token, None
         self._token_timer.cancel()
         on_token(bytes(self._token), self)
-        return data[needed:] if not self._transport.is_closing() else b""
+        return data[needed:] if not self._transport.is_closing() else data[:0]
 
-    def _cut(self, data: bytes) -> None:
-        """Cuts complete frames out of `data` (their bytes stay views of it) and keeps an incomplete tail."""
-        view, position, end = memoryview(data), 0, len(data)
+    def _cut(self, data: memoryview) -> None:
+        """Cuts complete frames out of `data` (a view of the scratch buffer, so each is copied out) and keeps an
+        incomplete tail."""
+        view, position, end = data, 0, len(data)
         while position < end and not self._ended.done():
             if self._body is not None:  # the rest of a frame that began in an earlier read
                 taken = min(end - position, len(self._body) - self._filled)
@@ -179,7 +195,7 @@ class Carrier(asyncio.Protocol):
                 size = self._size(view[position:position + _PREFIX.size])
                 position += _PREFIX.size
             if end - position >= size:
-                self._arrived(view[position:position + size])
+                self._arrived(memoryview(bytearray(view[position:position + size])))
                 position += size
             else:
                 self._body, self._filled = bytearray(size), 0
