@@ -41,7 +41,7 @@ class InFlight:
     output: torch.Tensor
     outgoing: dict[str, torch.Tensor] = field(default_factory=dict)
     saved_bytes: int = 0  # what autograd saved for backward: the step's activation memory
-    is_loss: bool = False  # output is a scalar loss (a TrainStep's last stage): backward starts from ones
+    is_loss: bool = False  # output is a scalar loss (a planned step's last stage): backward starts from ones
 
 
 class Stage:

@@ -1,4 +1,4 @@
-"""Losses a last stage computes in a TrainStep: torch.nn losses from an allow-list, by name and JSON kwargs."""
+"""Losses a last stage computes in a planned step (train_step): torch.nn losses from an allow-list, by name and JSON kwargs."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def build(name: str, kwargs_json: str) -> tuple[Callable[[torch.Tensor, torch.Te
     if not isinstance(kwargs, dict) or set(kwargs) - set(ALLOWED[name]):
         raise InvalidArgument(f"{name} takes keyword arguments {list(ALLOWED[name])}, got {kwargs_json!r}")
     if kwargs.get("reduction", "mean") not in ("mean", "sum"):
-        raise InvalidArgument(f"{name}: reduction must be 'mean' or 'sum' for a TrainStep, "
+        raise InvalidArgument(f"{name}: reduction must be 'mean' or 'sum' for train_step, "
                               f"got {kwargs['reduction']!r}")
     try:
         module = getattr(torch.nn, name)(**kwargs)
