@@ -33,7 +33,7 @@ import time
 import torch
 
 from shard_service.mailbox import Mailbox
-from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts
+from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts, tensor_bytes
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
 from shardtrain import errors, link
@@ -82,6 +82,7 @@ class LinkedLoop:
         self._held = [0, 0]  # forwards and backwards received and not yet run: how many, and their tensors' bytes
         self._runs: dict[int, PlannedRun] = {}  # planned steps, by step
         self._targets = Mailbox()     # last stage: a planned step's loss targets, by (step, microbatch)
+        self._target_bytes = 0        # their tensors' bytes
         self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
 
     # --- links ---------------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ class LinkedLoop:
         self._residuals.discard_where(lambda key: True)
         self._runs.clear()
         self._targets.discard_where(lambda key: True)
+        self._target_bytes = 0
         self._stats.clear()
 
     def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
@@ -250,7 +252,7 @@ class LinkedLoop:
 
     def _spawn_held(self, coroutine, key: shard_pb2.StepKey, tensor: torch.Tensor | None, backward: bool) -> None:
         """_spawn for a forward or backward, counted while it holds its tensor; refused beyond MAX_HELD_*."""
-        size = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        size = tensor_bytes(tensor)
         count, held = self._held
         if count >= MAX_HELD_ITEMS or held + size > MAX_HELD_BYTES:
             coroutine.close()
@@ -354,9 +356,8 @@ class LinkedLoop:
     def _check_room(self, tensor: torch.Tensor | None) -> None:
         """ResourceExhausted if one more tensor of a planned step would pass the bound on the bytes a stage holds
         waiting. (Their count is bounded already: each micro-batch's item comes once, for at most MAX_RUNS steps.)"""
-        size = 0 if tensor is None else tensor.numel() * tensor.element_size()
-        held = self._held[1] + sum(run.held_bytes() for run in self._runs.values()) + sum(
-            target.numel() * target.element_size() for _, target in self._targets.delivered())
+        size = tensor_bytes(tensor)
+        held = self._held[1] + self._target_bytes + sum(run.held_bytes() for run in self._runs.values())
         if held + size > MAX_HELD_BYTES:
             raise errors.ResourceExhausted(
                 f"{held >> 20} MiB of forwards, backwards and targets already wait to run here, at most "
@@ -371,6 +372,7 @@ class LinkedLoop:
                 raise errors.InvalidArgument("a target item carries the target tensor")
             self._check_room(tensor)
             self._targets.put((key.step, key.microbatch), (target, tensor))
+            self._target_bytes += tensor_bytes(tensor)
         except errors.ShardtrainError as error:
             self._spawn(self._report(key, error, backward=False))
 
@@ -420,6 +422,7 @@ class LinkedLoop:
         what = f"the target of step {key.step} micro-batch {key.microbatch}"
         entry = await self._targets.get((key.step, key.microbatch), self._runtime.settings.timeouts.peer_wait, what)
         self._targets.discard((key.step, key.microbatch))
+        self._target_bytes -= tensor_bytes(entry[1])
         return entry
 
     async def _send_loss(self, key: shard_pb2.StepKey, loss: float) -> None:
@@ -587,7 +590,8 @@ class LinkedLoop:
         """Passes a Flush on (the last stage: back to the SDK) once its optimizer step settled here, with this
         stage's figures if it asks for them."""
         try:
-            await self._runtime.order.after_optimizer_step(flush.optimizer_step, self._runtime.settings.timeouts.peer_wait)
+            await self._runtime.order.after_optimizer_step(flush.optimizer_step,
+                                                           self._runtime.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
             await self._tell(link.error_item(None, error, self._runtime.location, optimizer_step=flush.optimizer_step),
                              up=False)
@@ -615,6 +619,8 @@ class LinkedLoop:
         """Drops the residuals of steps up to `up_to_step` that no forward took."""
         self._residuals.discard_where(lambda key: key[0] <= up_to_step)
         self._targets.discard_where(lambda key: key[0] <= up_to_step)
+        # Recounted: a target sent twice replaced the first in the mailbox, and was counted twice.
+        self._target_bytes = sum(tensor_bytes(target) for _, target in self._targets.delivered())
         for step in [step for step in self._runs if step <= up_to_step]:
             run = self._runs.pop(step)
             run.abort()

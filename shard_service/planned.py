@@ -19,7 +19,6 @@ import torch
 from shardtrain import errors, schedule
 from shardtrain.v1 import shard_pb2
 
-FORWARD, BACKWARD = "forward", "backward"
 MAX_RUNS = 4  # planned steps a stage holds at once: the SDK runs one at a time; a few more while one settles
 
 
@@ -50,6 +49,7 @@ class PlannedRun:
         self.final_backward = self.actions[-1].microbatch if self.actions else -1
         self.figures = Figures()
         self._inbox: dict[tuple[int, str], asyncio.Future] = {}
+        self._held = 0  # bytes of the items that wait in the inbox
         self.task: asyncio.Task | None = None  # what runs execute(), once started
         self.done = False     # every action ran
         self.aborted = False  # the step failed, here or on another stage
@@ -64,6 +64,7 @@ class PlannedRun:
         if slot.done():
             raise errors.InvalidArgument(f"a second {kind} item for step {self.step} micro-batch {microbatch}")
         slot.set_result(value)
+        self._held += tensor_bytes(value[1])
 
     def _slot(self, microbatch: int, kind: str) -> asyncio.Future:
         key = (microbatch, kind)
@@ -74,20 +75,18 @@ class PlannedRun:
     async def _take(self, microbatch: int, kind: str):
         slot = self._slot(microbatch, kind)
         try:
-            return await asyncio.wait_for(asyncio.shield(slot), self.ports.timeout)
+            value = await asyncio.wait_for(asyncio.shield(slot), self.ports.timeout)
+            self._held -= tensor_bytes(value[1])
+            return value
         except TimeoutError:
             raise errors.DeadlineExceeded(f"the {kind} of step {self.step} micro-batch {microbatch} did not arrive "
                                           f"within {self.ports.timeout:g} s") from None
         finally:
             self._inbox.pop((microbatch, kind), None)
 
-    def _waiting(self) -> list:
-        return [slot.result() for slot in self._inbox.values() if slot.done() and not slot.cancelled()
-                and slot.exception() is None]
-
     def held_bytes(self) -> int:
         """Bytes of the items that wait in the inbox."""
-        return sum(_bytes(item[1]) for item in self._waiting())
+        return self._held
 
     # --- running -----------------------------------------------------------------------------------
     async def execute(self) -> None:
@@ -113,7 +112,7 @@ class PlannedRun:
 
     async def _forward(self, k: int) -> None:
         ports = self.ports
-        header, x = await self._take(k, FORWARD)
+        header, x = await self._take(k, schedule.FORWARD)
         incoming = await ports.incoming_residuals(header.key)
         await ports.after_optimizer_step(header.after_optimizer_step)
         if header.zero_grad:
@@ -137,7 +136,7 @@ class PlannedRun:
         ports = self.ports
         key = shard_pb2.StepKey(deployment_id=ports.deployment_id, step=self.step, microbatch=k)
         # The last stage starts from its loss (Stage.backward seeds it with ones); the others from the next stage.
-        grad = None if ports.is_last else (await self._take(k, BACKWARD))[1]
+        grad = None if ports.is_last else (await self._take(k, schedule.BACKWARD))[1]
         residual_grads = await ports.residual_gradients((self.step, k))
         ports.averager_arm(k == self.final_backward)
         (grad_input, incoming_grads), seconds = await self._timed(ports.stage.backward, (self.step, k), grad,
@@ -157,6 +156,7 @@ class PlannedRun:
                 slot.set_exception(errors.Cancelled(f"step {self.step} failed on another stage"))
                 slot.exception()
         self._inbox.clear()
+        self._held = 0
 
 
 class StagePorts:
@@ -202,5 +202,6 @@ def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:
     return 1.0 if sums else target.rows / target.batch_rows
 
 
-def _bytes(tensor: torch.Tensor | None) -> int:
+def tensor_bytes(tensor: torch.Tensor | None) -> int:
+    """A tensor's bytes (0 for none)."""
     return 0 if tensor is None else tensor.numel() * tensor.element_size()

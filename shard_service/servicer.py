@@ -229,7 +229,8 @@ class ShardServicer:
     async def apply_step(self, stage: Stage, request) -> None:
         """Steps the optimizer once this stage's share of the listed backwards has succeeded."""
         try:
-            failures = await self.runtime.order.backward_failures(request.backward_steps, self.settings.timeouts.peer_wait)
+            failures = await self.runtime.order.backward_failures(request.backward_steps,
+                                                                  self.settings.timeouts.peer_wait)
             if failures:
                 step, reason = next(iter(failures.items()))
                 raise FailedPrecondition(f"optimizer step {request.optimizer_step} not applied: the backward of "

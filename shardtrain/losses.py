@@ -1,4 +1,5 @@
-"""Losses a last stage computes in a planned step (train_step): torch.nn losses from an allow-list, by name and JSON kwargs."""
+"""Losses a last stage computes in a planned step (train_step): torch.nn losses from an allow-list, by name and
+JSON kwargs."""
 
 from __future__ import annotations
 
