@@ -29,12 +29,12 @@ class SdkLinks:
     """Sends the loop's items and matches what comes back to the step (or optimizer step) that waits for it."""
 
     def __init__(self, deployment_id: str, first: Peer, last: Peer,
-                 options: Callable[[Peer, str], wire.SendOptions], timeout: float, tcp: bool = True):
+                 options: Callable[[Peer, str], wire.SendOptions], timeout: float, tcp: bool = False):
         self._deployment_id = deployment_id
         self._first, self._last = first, last
         self._options = options
         self._timeout = timeout
-        self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items
+        self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (not under TLS)
         self._links: dict[int, link.ClientLink] = {}
         self._outputs: dict[int, asyncio.Future] = {}    # step -> the model's output
         self._backwards: dict[int, asyncio.Future] = {}  # step -> the input's gradient (or None) once done

@@ -29,7 +29,8 @@ class StageClients:
             peer.metadata = auth.with_deployment(peer.metadata, secret)
         self._encodings = encodings or tensor_pb2.WireEncodings()
         self._segments: shm.SegmentPool | None = None
-        self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc)
+        self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc,
+                               tcp=not security.tls_ca)
 
     async def probe(self) -> None:
         """Finds which stages share this host: tensors to and from them go through shared memory."""

@@ -14,7 +14,7 @@ from shard_service.stage import Stage
 from shardtrain import auth, carrier, link, optim, shm, wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
-from shardtrain.rpc import OpenedCalls, boundary, server_tls
+from shardtrain.rpc import OpenedCalls, boundary
 from shardtrain.settings import ShardSettings
 from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2
@@ -24,13 +24,15 @@ _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL)  # opene
 
 
 def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
-    """A Unix socket for openers on this host, a TCP one for openers on others (over TLS when this shard serves
-    TLS: the same certificate as its gRPC port)."""
-    if not (settings.local_links or settings.tcp_links):
+    """A Unix socket for openers on this host, a TCP one for openers on others (not under TLS: the socket would
+    carry tensors in clear)."""
+    tls = bool(settings.security.tls_cert or settings.security.tls_ca)
+    tcp = settings.tcp_links and not tls
+    if not (settings.local_links or tcp):
         return None
     bind_host = settings.bind.rpartition(":")[0].strip("[]")
-    return carrier.Listener(unix=settings.local_links, tcp_bind=bind_host if settings.tcp_links else "",
-                            tcp_advertise=address.rpartition(":")[0].strip("[]"), tls=server_tls(settings.security))
+    return carrier.Listener(unix=settings.local_links, tcp_bind=bind_host if tcp else "",
+                            tcp_advertise=address.rpartition(":")[0].strip("[]"))
 
 
 class ShardServicer:

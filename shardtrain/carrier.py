@@ -28,7 +28,6 @@ import os
 import re
 import secrets
 import shutil
-import ssl
 import struct
 import tempfile
 from collections.abc import Callable
@@ -278,15 +277,13 @@ class Carrier(asyncio.BufferedProtocol):
             self._transport.close()
 
 
-async def connect(address: str, token: bytes, tls: tuple[ssl.SSLContext, str | None] | None = None) -> Carrier:
-    """The opener's carrier: connects to `address` (a Unix socket's path, or tcp://host:port, over TLS with `tls`:
-    a context and the name to check instead of the host's) and names the link by `token`."""
+async def connect(address: str, token: bytes) -> Carrier:
+    """The opener's carrier: connects to `address` (a Unix socket's path, or tcp://host:port) and names the link
+    by `token`."""
     loop = asyncio.get_running_loop()
     if address.startswith(TCP_SCHEME):
         host, _, port = address[len(TCP_SCHEME):].rpartition(":")
-        host = host.strip("[]")
-        secure = {} if tls is None else {"ssl": tls[0], "server_hostname": tls[1] or host}
-        connecting = loop.create_connection(Carrier, host, int(port), **secure)
+        connecting = loop.create_connection(Carrier, host.strip("[]"), int(port))
     else:
         connecting = loop.create_unix_connection(Carrier, address)
     _, local = await asyncio.wait_for(connecting, CONNECT_SECONDS)
@@ -304,16 +301,15 @@ class Listener:
     """The answering ends' sockets: hands each connection to the Link whose token it presents.
 
     A Unix socket for openers on this host (`unix`), and a TCP one for openers on other hosts when given
-    `tcp_bind` (the host to listen on) and `tcp_advertise` (the host they reach it by), over TLS with `tls`."""
+    `tcp_bind` (the host to listen on) and `tcp_advertise` (the host they reach it by)."""
 
-    def __init__(self, unix: bool = True, tcp_bind: str = "", tcp_advertise: str = "",
-                 tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, unix: bool = True, tcp_bind: str = "", tcp_advertise: str = "") -> None:
         self._unix = unix
         self._server: asyncio.AbstractServer | None = None
         self._directory = ""
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._cannot: OSError | None = None  # why this host gives no socket (a path too long, ...): asked once
-        self._tcp_bind, self._tcp_advertise, self._tls = tcp_bind, tcp_advertise, tls
+        self._tcp_bind, self._tcp_advertise = tcp_bind, tcp_advertise
         self._tcp: asyncio.AbstractServer | None = None
         self._tcp_address = ""
 
@@ -339,7 +335,7 @@ class Listener:
                 raise OSError("no TCP links to this shard")
             if self._tcp is None:
                 self._tcp = await asyncio.get_running_loop().create_server(
-                    lambda: Carrier(on_token=self._presented), self._tcp_bind, 0, ssl=self._tls)
+                    lambda: Carrier(on_token=self._presented), self._tcp_bind, 0)
                 port = self._tcp.sockets[0].getsockname()[1]
                 host = f"[{self._tcp_advertise}]" if ":" in self._tcp_advertise else self._tcp_advertise
                 self._tcp_address = f"{TCP_SCHEME}{host}:{port}"

@@ -9,7 +9,6 @@ import inspect
 import logging
 import os
 import pathlib
-import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -50,23 +49,6 @@ def open_channel(address: str, security: Security) -> grpc.aio.Channel:
         options.append(("grpc.ssl_target_name_override", security.tls_server_name))
     credentials = grpc.ssl_channel_credentials(root_certificates=_read(security.tls_ca))
     return grpc.aio.secure_channel(address, credentials, options=options)
-
-
-def client_tls(security: Security) -> tuple[ssl.SSLContext, str | None] | None:
-    """The TLS a client speaks on a raw socket to a service, as on its gRPC channel: (context, the name to check
-    instead of the host's, if any), or None without a CA."""
-    if not security.tls_ca:
-        return None
-    return ssl.create_default_context(cafile=security.tls_ca), security.tls_server_name or None
-
-
-def server_tls(security: Security) -> ssl.SSLContext | None:
-    """The TLS a service speaks on a raw socket, as on its gRPC port, or None without a certificate."""
-    if not security.tls_cert:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(security.tls_cert, security.tls_key)
-    return context
 
 
 def new_server(security: Security) -> grpc.aio.Server:
@@ -264,7 +246,6 @@ class Peer:
         self.metadata = security.metadata
         self._timeout = timeout
         self.same_host = False  # proved by probe(): this process and the peer can open each other's segments
-        self.tls = client_tls(security)  # for a Link's TCP socket to this peer: TLS as on the channel, or None
 
     async def probe(self) -> bool:
         """Finds out (once) whether the peer shares this host's /dev/shm and user; False when in doubt."""

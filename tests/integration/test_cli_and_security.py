@@ -18,8 +18,7 @@ from client_sdk import Cluster
 from shardtrain import errors, link, rpc, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
-from tests.integration.test_local_links import carried_over_tcp
-from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+from tests.integration.training import largest_difference, regression_batches, train_remotely
 
 
 def test_demo_trains_and_matches_one_process():
@@ -133,29 +132,6 @@ def test_tls_end_to_end(tmp_path):
         assert len(losses) == 3
         with pytest.raises(errors.Unavailable):
             Cluster.connect(cluster.address, security=Security(token="t"))  # plaintext to a TLS port
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-def test_links_between_hosts_speak_tls_on_their_tcp_socket(tmp_path, monkeypatch):
-    """Without shared memory the stages cannot prove they share a host, as on separate machines: their link takes
-    a TCP socket, over TLS with the shard's certificate, and training matches one process."""
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=shardtrain-test", "-addext",
-                    "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
-    monkeypatch.setenv("SHARDTRAIN_SHARED_MEMORY", "off")
-    security = Security(token="t", tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
-    batches = regression_batches(steps=4, batch=8, features=2)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1))
-    with Cluster.local(num_shards=2, security=security) as cluster:
-        model = cluster.deploy(net, optimizer=(torch.optim.Adam, {"lr": 0.01}), num_stages=2)
-        train_remotely(model, batches)
-        expected = train_locally(net, batches, (torch.optim.Adam, {"lr": 0.01}))
-        assert largest_difference(model.state_dict(), expected) < 1e-5
-        by_address = {service.address: service.process.pid for service in cluster._services.services[1:]}
-        second = model.placements[1].shard_address
-        assert carried_over_tcp(by_address[second], int(second.rpartition(":")[2])) == 1  # stage 0's link
 
 
 def test_entry_point_lists_its_commands():
