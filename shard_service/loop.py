@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from shard_service.calls import CallOutbox
 from shard_service.mailbox import Mailbox
 from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts, tensor_bytes
 from shard_service.runtime import ShardRuntime
@@ -84,6 +85,8 @@ class LinkedLoop:
         self._targets = Mailbox()     # last stage: a planned step's loss targets, by (step, microbatch)
         self._target_bytes = 0        # their tensors' bytes
         self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
+        self.calls = CallOutbox()     # the SDK's part for steps a Forward call started (keep_output), ...
+        self._by_call: set[int] = set()  # ... which are these
 
     # --- links ---------------------------------------------------------------------------------------
     async def reset(self, deployment_id: str) -> None:
@@ -104,6 +107,8 @@ class LinkedLoop:
             await client.close()
         self._residuals.discard_where(lambda key: True)
         self._runs.clear()
+        self.calls.forget(float("inf"))
+        self._by_call.clear()
         self._targets.discard_where(lambda key: True)
         self._target_bytes = 0
         self._stats.clear()
@@ -205,13 +210,19 @@ class LinkedLoop:
         self._reopening[self._client(address, _ROLES.LINK_ROLE_NEXT)] = attempt
 
     # --- sending ---------------------------------------------------------------------------------------
-    def _down(self) -> link.LinkEnd | None:
+    def _down(self, step: int | None = None) -> link.LinkEnd | CallOutbox | None:
+        """The way toward the last stage and on to the SDK (or, for a step a call started, to the call outbox)."""
         plan = self._runtime.plan
-        return self._client(plan.next_address, _ROLES.LINK_ROLE_NEXT) if plan.next_address else self._output
+        if plan.next_address:
+            return self._client(plan.next_address, _ROLES.LINK_ROLE_NEXT)
+        return self.calls if step in self._by_call else self._output
 
-    def _up(self) -> link.LinkEnd | None:
+    def _up(self, step: int | None = None) -> link.LinkEnd | CallOutbox | None:
+        """The way toward the first stage and on to the SDK (or the call outbox)."""
         plan = self._runtime.plan
-        return self._from_stage.get(plan.stage - 1) if plan.stage > 0 else self._input
+        if plan.stage > 0:
+            return self._from_stage.get(plan.stage - 1)
+        return self.calls if step in self._by_call else self._input
 
     async def _send(self, end: link.LinkEnd | None, message, tensor: torch.Tensor | None = None,
                     kind: str = "activations") -> None:
@@ -227,9 +238,10 @@ class LinkedLoop:
         """Sends an error item up or down the stages; one that starts here goes the other way if that way is gone
         (one being passed on does not: it would come back)."""
         ways = [self._up, self._down] if up else [self._down, self._up]
+        step = item.error.key.step if item.error.HasField("key") else None
         for way in ways if either_way else ways[:1]:
             try:
-                await self._send(way(), item)
+                await self._send(way(step), item)
                 return
             except errors.ShardtrainError:
                 continue
@@ -322,6 +334,42 @@ class LinkedLoop:
             self._spawn(self._pass_error(end, message))
         else:
             raise errors.InvalidArgument(f"a shard takes no {kind} item on a Link")
+
+    # --- the per-call RPCs: adapters onto the same work, for clients without Links ---------------------------
+    async def forward_call(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
+        """A Forward call to the first stage: runs as the SDK's forward item would; the last stage keeps the output
+        for FetchTensor. Raises this stage's failure; a later stage's is kept in the output's place."""
+        self._check_end("Forward", first=True)
+        header.keep_output = True
+        error = await self._forward(header, x, self._verdicts.last)
+        if error is not None:
+            raise error
+
+    async def backward_call(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> None:
+        """A Backward call to the last stage: runs as the SDK's backward item would; the first stage keeps the
+        input's gradient (or an earlier stage's failure) for FetchTensor. Raises this stage's failure."""
+        self._check_end("Backward", first=False)
+        error = await self._backward(header, grad)
+        if error is not None:
+            raise error
+
+    async def step_call(self, request: shard_pb2.StepRequest) -> None:
+        """A Step call to the first stage: the optimizer step goes down the stages as the SDK's step item does.
+        FailedPrecondition if it was refused (a listed backward failed here or on a later stage)."""
+        self._check_end("Step", first=True)
+        if not self._verdicts.take(request.optimizer_step):
+            raise errors.FailedPrecondition(f"optimizer step {request.optimizer_step} was settled already")
+        failure = await self._step(shard_pb2.LinkStep(request=request))
+        if failure:
+            raise errors.FailedPrecondition(f"optimizer step {request.optimizer_step} not applied: {failure}")
+
+    def _check_end(self, call: str, first: bool) -> None:
+        plan = self._runtime.plan
+        wanted = 0 if first else plan.num_stages - 1
+        if plan.stage != wanted:
+            raise errors.FailedPrecondition(
+                f"{call} goes to the {'first' if first else 'last'} stage (stage {wanted}); this shard holds stage "
+                f"{plan.stage}, and the stages pass the work on themselves")
 
     # --- planned steps -------------------------------------------------------------------------------
     def _planned_item(self, key: shard_pb2.StepKey, item: tuple, backward: bool) -> None:
@@ -435,11 +483,17 @@ class LinkedLoop:
         await self._send(self._up(), shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key)), grad,
                          "gradients")
 
-    async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None, after_verdict: int = 0) -> None:
+    async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None,
+                       after_verdict: int = 0) -> BaseException | None:
         """Runs the stage's forward once the optimizer step the SDK names has settled here, and every step whose
         verdict came before this forward (the SDK stops naming one after a failure, when a verdict sent again
-        over a new link may still come first), then sends the activation and residuals on."""
+        over a new link may still come first), then sends the activation and residuals on. Returns the failure
+        it reported, if any."""
         shard = self._runtime
+        if header.keep_output:
+            self._by_call.add(header.key.step)
+        else:
+            self._by_call.discard(header.key.step)  # the SDK's own step of that number
         try:
             stage = shard.stage_for(header.key.deployment_id)
             _check_forward(header, x)
@@ -456,15 +510,18 @@ class LinkedLoop:
             await self._send_residuals(header.key, outgoing)
         except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
             await self._report(header.key, error, backward=False)
+            return error
+        return None
 
     async def _send_activation(self, header: shard_pb2.ForwardHeader, result: torch.Tensor) -> None:
         """To the next stage, or (from the last stage) to the SDK as the output."""
         if self._runtime.plan.next_address:
             await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)
             return
-        if self._output is None:
+        if self._down(header.key.step) is None:
             await self._sdk_output()
-        await self._send(self._down(), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)), result)
+        await self._send(self._down(header.key.step), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)),
+                         result)
 
     async def _send_residuals(self, key: shard_pb2.StepKey, outgoing: dict[str, torch.Tensor]) -> None:
         """Each residual this stage produced, straight to every stage that consumes it."""
@@ -495,7 +552,9 @@ class LinkedLoop:
             incoming[name] = tensor
         return incoming
 
-    async def _backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> None:
+    async def _backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> BaseException | None:
+        """Runs the stage's backward once the gradients of the residuals it produced are in, then sends the input
+        gradient and the residuals' gradients back. Returns the failure it reported, if any."""
         shard = self._runtime
         key = (header.key.step, header.key.microbatch)
         try:
@@ -511,8 +570,9 @@ class LinkedLoop:
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self._report(header.key, error, backward=True)
             await shard.order.backward_finished(key[0], status_message(error, shard.location)[1])
-            return
+            return error
         await shard.order.backward_finished(key[0], "")
+        return None
 
     async def _send_residual_gradients(self, key: shard_pb2.StepKey, grads: dict[str, torch.Tensor]) -> None:
         """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
@@ -532,11 +592,11 @@ class LinkedLoop:
             return  # the optimizer step that lists it tells the SDK
         else:
             item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=key))
-        await self._send(self._up(), item, grad_input, "gradients")
+        await self._send(self._up(key.step), item, grad_input, "gradients")
 
-    async def _step(self, item: shard_pb2.LinkStep) -> None:
+    async def _step(self, item: shard_pb2.LinkStep) -> str:
         """Passes an optimizer step on once this stage's share of its backwards is over, then applies it
-        unless one of them failed here or on a stage before."""
+        unless one of them failed here or on a stage before; returns why it was refused ("" if it was not)."""
         request = item.request
         stage, failure = await self._step_verdict(request, item.failure)
         if self._runtime.plan.next_address:
@@ -544,6 +604,7 @@ class LinkedLoop:
             self._verdicts.passed_down(verdict)
             await self._pass_down(verdict)
         await self._apply_step(stage, request, failure)
+        return failure
 
     async def _step_verdict(self, request: shard_pb2.StepRequest, failure: str) -> tuple[Stage | None, str]:
         """Once this stage's backwards of the step are over: the stage, and why the step is refused ("" if it is
@@ -612,6 +673,11 @@ class LinkedLoop:
         error = message.error
         from_below = not end.toward_first
         aborted = error.HasField("key") and self._abort_run(error.key.step, error.message)
+        last_stage = not self._runtime.plan.next_address
+        if error.HasField("key") and not from_below and last_stage and self._output is None:
+            # A forward that failed before it reached the last stage, with no SDK here to hear of it: a client of
+            # the per-call RPCs started it, and fetches its output from here.
+            self._by_call.add(error.key.step)
         if error.backward and error.HasField("key") and from_below and not aborted:
             await self._runtime.order.backward_finished(error.key.step, error.message)
         await self._tell(message, up=from_below, either_way=False)
@@ -628,6 +694,8 @@ class LinkedLoop:
             if run.task is not None:
                 run.task.cancel()
         self._ended_by_step = {step for step in self._ended_by_step if step > up_to_step}
+        self._by_call = {step for step in self._by_call if step > up_to_step}
+        self.calls.forget(up_to_step)
 
     async def close(self) -> None:
         """Ends the links this stage opened and the work in progress."""

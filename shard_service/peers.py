@@ -1,8 +1,6 @@
-"""A shard's connections to other shards: who its peers are, how tensors reach each, and the sends themselves.
+"""A shard's connections to other shards: who its peers are and how tensors reach each.
 
-The servicer answers calls; Peers makes them: residual fetches, residual-gradient pushes and the
-Backward calls opened at forward time (the calls behind the Forward and Backward RPCs). It
-decides per peer whether tensors go through shared memory (a peer that proved it shares this host)
+It decides per peer whether tensors go through shared memory (a peer that proved it shares this host)
 and in which wire encoding (the deployment's choice per tensor kind).
 """
 
@@ -11,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from shardtrain import auth, shm, wire
-from shardtrain.rpc import SHARD_SERVICE, OpenedCall, Peer, fetch_tensor
+from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
@@ -57,30 +55,6 @@ class Peers:
     def producer(self, name: str) -> shard_pb2.ResidualSource:
         """Where residual `name` comes from."""
         return next(r for r in self.plan.incoming_residuals if r.name == name)
-
-    async def fetch_residual(self, key: shard_pb2.StepKey, name: str):
-        """A residual of one micro-batch, from the stage that produced it."""
-        return await fetch_tensor(self.peer(self.producer(name).producer_address), key, name)
-
-    async def send_residual_grad(self, key: shard_pb2.StepKey, name: str, grad) -> None:
-        """Pushes a consumed residual's gradient (or the news that it has none) to its producer."""
-        header = shard_pb2.AccumulateGradientHeader(key=key, name=name, consumer_stage=self.plan.stage,
-                                                    has_gradient=grad is not None)
-        peer = self.peer(self.producer(name).producer_address)
-        tensors = {name: grad} if grad is not None else {}
-        stream = wire.framed(shard_pb2.AccumulateGradientRequest, header, tensors,
-                             self.options(peer.same_host, "residuals"))
-        await peer.call("AccumulateGradient", stream)
-
-    def open_backward(self, key: shard_pb2.StepKey, zero_grad: bool = False) -> OpenedCall:
-        """Opens the Backward call to the previous stage (at forward time: the gradient follows later)."""
-        return OpenedCall(self.peer(self.plan.previous_address), "Backward", shard_pb2.BackwardRequest,
-                          shard_pb2.BackwardHeader(key=key, zero_grad=zero_grad), self.settings.timeouts.backward_link)
-
-    def open_forward(self, header: shard_pb2.ForwardHeader) -> OpenedCall:
-        """Opens the Forward call to the next stage, its header going on at once."""
-        return OpenedCall(self.peer(self.plan.next_address), "Forward", shard_pb2.ForwardRequest, header,
-                          self.settings.timeouts.rpc)
 
     async def close(self) -> None:
         """Closes every channel and unlinks this shard's shared segments."""

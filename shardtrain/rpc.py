@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hmac
 import inspect
@@ -310,52 +309,3 @@ async def fetch_tensor(peer: Peer, key, name: str) -> Any:
     if name not in tensors:
         raise errors.InvalidArgument(f"{peer.name} sent {sorted(tensors)} instead of {name!r}")
     return tensors[name]
-
-
-class OpenedCall:
-    """A client-streaming call opened before its tensors exist: the header goes now, the tensors on send().
-
-    Opening early takes the call's setup off a critical path: a new call costs more than a message on an
-    open stream.
-    """
-
-    def __init__(self, peer: Peer, method: str, message_type, header, timeout: float):
-        self._tensors: asyncio.Future = asyncio.get_running_loop().create_future()
-        requests = wire.framed_later(message_type, header, self._tensors)
-        self._call = asyncio.ensure_future(peer.call(method, requests, timeout=timeout))
-
-    async def send(self, tensors: dict, options: wire.SendOptions = wire.EXACT) -> Any:
-        """Sends the tensors and waits for the answer."""
-        self._tensors.set_result((tensors, options))
-        return await self._call
-
-    def abandon(self) -> None:
-        """Cancels the call: its tensors will never come."""
-        self._tensors.cancel()
-        self._call.cancel()
-        if self._call.done() and not self._call.cancelled():
-            self._call.exception()  # it failed on its own before anyone sent; nobody will ask
-
-
-class OpenedCalls:
-    """OpenedCalls by step, oldest first, at most `limit` of them: forwards whose backward never comes
-    (inference under autograd, an abandoned loop) must not hold calls open without bound."""
-
-    def __init__(self, limit: int = 64):
-        self._calls: dict[Any, OpenedCall] = {}
-        self._limit = limit
-
-    def add(self, key: Any, call: OpenedCall) -> None:
-        """Keeps `call` under `key`, abandoning the oldest beyond the limit."""
-        self._calls[key] = call
-        while len(self._calls) > self._limit:
-            self._calls.pop(next(iter(self._calls))).abandon()
-
-    def pop(self, key: Any) -> OpenedCall | None:
-        """The call opened under `key`, if any, no longer kept here."""
-        return self._calls.pop(key, None)
-
-    def abandon_where(self, predicate: Callable[[Any], bool]) -> None:
-        """Abandons every call whose key satisfies `predicate`."""
-        for key in [k for k in self._calls if predicate(k)]:
-            self._calls.pop(key).abandon()

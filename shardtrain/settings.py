@@ -50,7 +50,6 @@ class Timeouts:
     control: float = 30.0     # one control-plane call (register, deploy, describe)
     peer_wait: float = 120.0  # waiting for a residual or a residual gradient to arrive
     connect: float = 60.0     # a shard retrying registration until the coordinator answers
-    backward_link: float = 3600.0  # a Backward call opened at forward time, waiting for its gradient
     heartbeat: float = 10.0   # a shard registers again this often, to say it is alive
     expiry: float = 35.0      # the coordinator forgets a shard it has not heard from for this long
     probe: float = 5.0        # a deploy's check that each shard it is about to use answers

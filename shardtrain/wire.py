@@ -9,7 +9,6 @@ the receiver maps as the tensor's storage (shm.py).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -330,20 +329,6 @@ def framed(message_type, header, tensors: dict[str, torch.Tensor], options: Send
         yield from tensor_frames(tensor, name, options, wrap)
     if not tensors:
         yield Frame(message_type(header=header))
-
-
-async def framed_later(message_type, header, later: "asyncio.Future[tuple[dict[str, torch.Tensor], SendOptions]]"):
-    """Like framed(), but the header goes at once and the tensors when the future resolves to (tensors, options)."""
-    yield Frame(message_type(header=header))
-    tensors, options = await later
-    for name, tensor in tensors.items():
-        for frame in tensor_messages(message_type, tensor, name, options):
-            yield frame
-
-
-def tensor_messages(message_type, tensor: torch.Tensor, name: str, options: SendOptions) -> Iterator[Frame]:
-    """One tensor's frames as `message_type(tensor=chunk)` messages of a stream whose header went before."""
-    return tensor_frames(tensor, name, options, lambda chunk: message_type(tensor=chunk))
 
 
 async def each_tensor(frames, reader: TensorStreamReader | None = None):

@@ -196,7 +196,7 @@ class StepKey(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "eval_mode", "plan")
+    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "eval_mode", "plan", "keep_output")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class ForwardHeader(_message.Message):
     INPUT_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     EVAL_MODE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     requires_grad: bool
     zero_grad: bool
@@ -213,7 +214,8 @@ class ForwardHeader(_message.Message):
     input_requires_grad: bool
     eval_mode: bool
     plan: StepPlan
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., eval_mode: _Optional[bool] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
+    keep_output: bool
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., eval_mode: _Optional[bool] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., keep_output: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("microbatches", "schedule")

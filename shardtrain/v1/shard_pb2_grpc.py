@@ -142,14 +142,16 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request_iterator, context):
-        """Runs the stage on an activation and pushes the result to the next stage.
+        """To the first stage: runs the stage on the model's input and sends the activation down the stages'
+        Links; the last stage keeps the output for FetchTensor("@output").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Backward(self, request_iterator, context):
-        """Runs the stage's backward given the gradient of its output, then the previous stage's.
+        """To the last stage: runs its backward given the gradient of the output and sends the input gradient
+        up the stages' Links; the first stage keeps the input's gradient for FetchTensor("@input_grad").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,14 +165,15 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchTensor(self, request, context):
-        """Streams a saved tensor of a step: a residual, "@output" of the last stage, "@input_grad" of the first.
+        """Streams what a Forward or Backward call left: "@output" of the last stage, "@input_grad" of the first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Applies the stage's optimizer.
+        """To the first stage: an optimizer step, passed down the stages; each applies it once the listed
+        backwards are over there, unless one failed on it or a stage before.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

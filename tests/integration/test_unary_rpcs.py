@@ -1,44 +1,66 @@
 """The one-call-per-operation RPCs train like one process too: a client in another language that drives
-the loop with Forward, FetchTensor("@output"), Backward and Step, with a residual that skips a stage."""
+the loop with Forward, FetchTensor("@output"), Backward and Step, with a residual that skips a stage.
+They start the same work as the SDK's Link items, so their failures follow the same rules."""
 
 from __future__ import annotations
 
-import asyncio
+import copy
 
+import pytest
 import torch
 
 from client_sdk import LayerList
-from shardtrain import auth, rpc, wire
-from shardtrain.residuals import OUTPUT
-from shardtrain.settings import Security
+from shardtrain import auth, errors, rpc, wire
+from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
 from shardtrain.v1 import shard_pb2
-from tests.integration.training import SKIP_A_STAGE, largest_difference, regression_batches, train_locally
+from tests.integration.training import (SKIP_A_STAGE, largest_difference, regression_batches, train_locally,
+                                        train_remotely)
 
 SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 
-async def train_by_calls(addresses: list[str], deployment_id: str, batches, security: Security, secret: str) -> None:
-    """The loop as plain calls: what an SDK without Links would send for each step."""
-    stages = [rpc.Peer(f"stage {i}", address, rpc.SHARD_SERVICE, security, timeout=30)
-              for i, address in enumerate(addresses)]
-    for stage in stages:
-        stage.metadata = auth.with_deployment(stage.metadata, secret)
-    try:
-        for optimizer_step, (x, y) in enumerate(batches, start=1):
-            key = shard_pb2.StepKey(deployment_id=deployment_id, step=optimizer_step)
-            header = shard_pb2.ForwardHeader(key=key, requires_grad=True, zero_grad=True,
-                                             after_optimizer_step=optimizer_step - 1)
-            await stages[0].call("Forward", wire.framed(shard_pb2.ForwardRequest, header, {"activation": x}))
-            pred = (await rpc.fetch_tensor(stages[-1], key, OUTPUT)).requires_grad_(True)
-            torch.nn.functional.mse_loss(pred, y).backward()
-            await stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest, shard_pb2.BackwardHeader(key=key),
-                                                          {"gradient": pred.grad}))
-            step = shard_pb2.StepRequest(deployment_id=deployment_id, step=optimizer_step,
-                                         optimizer_step=optimizer_step, backward_steps=[optimizer_step])
-            await asyncio.gather(*(stage.call("Step", step) for stage in stages))
-    finally:
-        for stage in stages:
+class Calls:
+    """A client of the per-call RPCs, as another language would write it: one Peer per stage."""
+
+    def __init__(self, model, security):
+        self.deployment_id = model.deployment_id
+        self.stages = [rpc.Peer(f"stage {i}", placement.shard_address, rpc.SHARD_SERVICE, security, timeout=30)
+                       for i, placement in enumerate(model.placements)]
+        for stage in self.stages:
+            stage.metadata = auth.with_deployment(stage.metadata, model._clients.secret)
+
+    def key(self, step: int) -> shard_pb2.StepKey:
+        return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step)
+
+    async def forward(self, step: int, x: torch.Tensor, stage: int = 0, **header) -> torch.Tensor:
+        forward = shard_pb2.ForwardHeader(key=self.key(step), requires_grad=True, zero_grad=True,
+                                          after_optimizer_step=step - 1, **header)
+        await self.stages[stage].call("Forward", wire.framed(shard_pb2.ForwardRequest, forward, {"activation": x}))
+        return (await rpc.fetch_tensor(self.stages[-1], self.key(step), OUTPUT)).requires_grad_(True)
+
+    async def backward(self, step: int, gradient: torch.Tensor) -> None:
+        await self.stages[-1].call("Backward", wire.framed(shard_pb2.BackwardRequest,
+                                                           shard_pb2.BackwardHeader(key=self.key(step)),
+                                                           {"gradient": gradient}))
+
+    async def step(self, step: int, stage: int = 0) -> None:
+        request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, optimizer_step=step,
+                                        backward_steps=[step])
+        await self.stages[stage].call("Step", request)
+
+    async def close(self) -> None:
+        for stage in self.stages:
             await stage.close()
+
+
+def run(model, security, script):
+    async def with_calls():
+        calls = Calls(model, security)
+        try:
+            return await script(calls)
+        finally:
+            await calls.close()
+    return model._io.run(with_calls())
 
 
 def test_forward_fetch_backward_step_calls_match_one_process(cluster4):
@@ -46,6 +68,90 @@ def test_forward_fetch_backward_step_calls_match_one_process(cluster4):
     reference = LayerList(SKIP_A_STAGE)
     batches = regression_batches(steps=10, batch=8, features=3)
     model = cluster4.deploy(reference, optimizer=SGD, split_points=[2, 4])
-    addresses = [placement.shard_address for placement in model.placements]
-    model._io.run(train_by_calls(addresses, model.deployment_id, batches, cluster4.security, model._clients.secret))
+
+    async def train(calls: Calls) -> None:
+        for step, (x, y) in enumerate(batches, start=1):
+            pred = await calls.forward(step, x)
+            torch.nn.functional.mse_loss(pred, y).backward()
+            await calls.backward(step, pred.grad)
+            await calls.step(step)
+    run(model, cluster4.security, train)
     assert largest_difference(model.state_dict(), train_locally(reference, batches, SGD)) <= 1e-5
+
+
+def test_the_first_stage_keeps_the_input_gradient_when_the_forward_asks(cluster4):
+    torch.manual_seed(2)
+    reference = LayerList(SKIP_A_STAGE)
+    (x, y), = regression_batches(steps=1, batch=8, features=3)
+    model = cluster4.deploy(reference, optimizer=SGD, split_points=[2, 4])
+
+    async def one_step(calls: Calls) -> torch.Tensor:
+        pred = await calls.forward(1, x, input_requires_grad=True)
+        torch.nn.functional.mse_loss(pred, y).backward()
+        await calls.backward(1, pred.grad)
+        return await rpc.fetch_tensor(calls.stages[0], calls.key(1), INPUT_GRADIENT)
+    input_grad = run(model, cluster4.security, one_step)
+    x_local = x.clone().requires_grad_(True)
+    torch.nn.functional.mse_loss(copy.deepcopy(reference)(x_local), y).backward()
+    assert torch.allclose(input_grad, x_local.grad, atol=1e-6)
+
+
+def test_calls_to_the_wrong_stage_are_refused_at_once_and_training_goes_on(cluster4):
+    torch.manual_seed(3)
+    reference = LayerList(SKIP_A_STAGE)
+    batches = regression_batches(steps=2, batch=8, features=3)
+    model = cluster4.deploy(reference, optimizer=SGD, split_points=[2, 4])
+    (x, y), second = batches
+
+    async def script(calls: Calls) -> None:
+        with pytest.raises(errors.FailedPrecondition, match=r"Forward goes to the first stage \(stage 0\)"):
+            await calls.forward(1, x, stage=1)
+        pred = await calls.forward(1, x)
+        torch.nn.functional.mse_loss(pred, y).backward()
+        await calls.backward(1, pred.grad)
+        with pytest.raises(errors.FailedPrecondition, match=r"Step goes to the first stage"):
+            await calls.step(1, stage=2)
+        with pytest.raises(errors.InvalidArgument, match=r"FetchTensor serves '@output' or '@input_grad'"):
+            await rpc.fetch_tensor(calls.stages[-1], calls.key(1), "res_1")
+        await calls.step(1)
+        with pytest.raises(errors.FailedPrecondition, match="optimizer step 1 was settled already"):
+            await calls.step(1)
+    run(model, cluster4.security, script)
+    assert largest_difference(model.state_dict(), train_locally(reference, batches[:1], SGD)) <= 1e-5
+
+
+def test_a_failed_backward_refuses_the_step_on_every_stage(cluster4):
+    torch.manual_seed(4)
+    reference = LayerList(SKIP_A_STAGE)
+    batches = regression_batches(steps=2, batch=8, features=3)
+    model = cluster4.deploy(reference, optimizer=SGD, split_points=[2, 4])
+    before = model.state_dict()
+    (x, y), (x2, y2) = batches
+
+    async def script(calls: Calls) -> None:
+        pred = await calls.forward(1, x)
+        with pytest.raises(errors.InvalidArgument, match="gradient"):
+            await calls.backward(1, torch.ones(3, 3))  # the output is (8, 1)
+        with pytest.raises(errors.FailedPrecondition, match="optimizer step 1 not applied: the backward of step 1"):
+            await calls.step(1)
+        pred = await calls.forward(2, x2)  # the next step trains from the weights before
+        torch.nn.functional.mse_loss(pred, y2).backward()
+        await calls.backward(2, pred.grad)
+        request = shard_pb2.StepRequest(deployment_id=calls.deployment_id, step=2, optimizer_step=2,
+                                        backward_steps=[2])
+        await calls.stages[0].call("Step", request)
+    run(model, cluster4.security, script)
+    local = copy.deepcopy(reference)
+    local.load_state_dict(before)
+    assert largest_difference(model.state_dict(), train_locally(local, [(x2, y2)], SGD)) <= 1e-5
+
+
+def test_a_forward_refused_by_the_stage_fails_its_call_and_the_sdk_trains_on(cluster4):
+    torch.manual_seed(5)
+    model = cluster4.deploy(LayerList(SKIP_A_STAGE), optimizer=SGD, split_points=[2, 4])
+
+    async def script(calls: Calls) -> None:
+        with pytest.raises(errors.InvalidArgument, match=r"expected float32 of shape \[batch, 3\], got .*\[8, 5\]"):
+            await calls.forward(1, torch.ones(8, 5))  # the model takes 3 features
+    run(model, cluster4.security, script)
+    assert len(train_remotely(model, regression_batches(steps=2, batch=8, features=3))) == 2

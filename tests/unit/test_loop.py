@@ -13,7 +13,7 @@ from torch import nn
 from client_sdk.layers import capture_model, layers_of
 from shard_service.loop import LinkedLoop
 from shard_service.runtime import ShardRuntime
-from shardtrain import link
+from shardtrain import errors, link
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2
 
@@ -156,6 +156,35 @@ def test_a_backward_that_fails_is_reported_up_and_no_stage_applies_the_step(mode
     assert "output gradient" in error.message
     assert stage.out.kinds() == ["output", "flush"]  # the step settled (refused): the flush passes
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_step_a_call_started_keeps_its_output_for_fetching_and_a_backward_call_sends_the_gradient_up(model):
+    """keep_output (set by the Forward RPC): the output waits in the call outbox, not on the SDK's link; a Backward
+    call runs as a backward item; a later forward of the same step number without it goes to the SDK again."""
+    reference = copy.deepcopy(model[2])
+    h, grad = torch.randn(5, 4), torch.randn(5, 2)
+
+    async def sequence():
+        stage = LastStage(model)
+        await stage.start()
+        await stage.feed(stage.up, forward(0, keep_output=True), h)
+        kept = await stage.loop.calls.fetch(key(0), "@output", timeout=1)
+        await stage.loop.backward_call(shard_pb2.BackwardHeader(key=key(0)), grad)
+        with pytest.raises(errors.FailedPrecondition, match=r"Forward goes to the first stage \(stage 0\)"):
+            await stage.loop.forward_call(shard_pb2.ForwardHeader(key=key(1)), h)
+        await stage.feed(stage.up, forward(1), h)
+        await stage.close()
+        return stage, kept
+    stage, kept = asyncio.run(sequence())
+
+    leaf = h.clone().requires_grad_(True)
+    out = reference(leaf)
+    out.backward(grad)
+    assert torch.allclose(kept, out.detach(), atol=1e-6)
+    assert stage.out.kinds() == ["output"]  # step 1's, the SDK's
+    assert stage.out.items[0][0].output.key.step == 1
+    assert stage.up.kinds() == ["backward"]
+    assert torch.allclose(stage.up.items[0][1], leaf.grad, atol=1e-6)
 
 
 def test_a_link_from_the_previous_stage_that_ends_mid_step_is_reported_to_the_sdk(model):

@@ -11,7 +11,7 @@ import pytest
 from shardtrain import auth, errors, rpc
 from shardtrain.errors import ERRORS
 from shardtrain.auth import RoleInterceptor
-from shardtrain.rpc import OpenedCalls, boundary, translate
+from shardtrain.rpc import boundary, translate
 from shardtrain.settings import Security
 
 
@@ -254,24 +254,6 @@ def test_a_process_presents_its_roles_token_or_the_client_token():
     assert Security(token="t", shard_token="s", role="shard").metadata == (("authorization", "Bearer s"),)
     assert Security(token="t", role="shard").metadata == (("authorization", "Bearer t"),)
     assert Security(token="t", shard_token="s").metadata == (("authorization", "Bearer t"),)
-
-
-def test_opened_calls_keep_at_most_their_limit_abandoning_the_oldest():
-    class Call:
-        def __init__(self):
-            self.abandoned = False
-
-        def abandon(self):
-            self.abandoned = True
-
-    calls = OpenedCalls(limit=2)
-    first, second, third = Call(), Call(), Call()
-    for key, call in enumerate((first, second, third)):
-        calls.add(key, call)
-    assert first.abandoned and not second.abandoned and not third.abandoned
-    assert calls.pop(0) is None and calls.pop(1) is second
-    calls.abandon_where(lambda key: key >= 2)
-    assert third.abandoned and calls.pop(2) is None
 
 
 def bind_without_listening(address: str, security: Security) -> None:

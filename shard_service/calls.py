@@ -1,0 +1,66 @@
+"""Where the per-call RPCs' results wait: the stand-in for the SDK's end of a Link when a client drives the loop
+with Forward, Backward and Step calls instead of Links.
+
+The Link loop sends what it would send the SDK (the last stage's output, the first stage's input gradient, the
+failure of either) to a CallOutbox for the steps a call started; FetchTensor hands them out from here."""
+
+from __future__ import annotations
+
+import torch
+
+from shard_service.mailbox import Mailbox
+from shardtrain import errors, link, wire
+from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
+from shardtrain.v1 import shard_pb2
+
+FETCHABLE = (OUTPUT, INPUT_GRADIENT)
+
+
+class CallOutbox:
+    """Receives a stage's items for the SDK as a LinkEnd would, and keeps each tensor (or failure) until fetched."""
+
+    name = "the client of the per-call RPCs"
+    same_host = False       # tensors are encoded when fetched, with the fetcher's options
+    toward_first = True
+
+    def __init__(self) -> None:
+        self._kept = Mailbox()
+
+    async def send(self, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
+                   options: wire.SendOptions = wire.EXACT) -> None:
+        """Keeps an output, an input gradient (None: the forward asked for none) or the failure in their place."""
+        kind = message.WhichOneof("item")
+        if kind == "output":
+            self._kept.put(self._slot(message.output.key, OUTPUT), tensor)
+        elif kind == "backward_done":
+            self._kept.put(self._slot(message.backward_done.key, INPUT_GRADIENT), tensor)
+        elif kind == "error" and message.error.HasField("key"):
+            name = INPUT_GRADIENT if message.error.backward else OUTPUT
+            self._kept.put(self._slot(message.error.key, name), link.raised(message.error))
+        # Anything else (a flush, a failure of no one step) answers a Link's own items: no call waits for it.
+
+    @staticmethod
+    def _slot(key: shard_pb2.StepKey, name: str) -> tuple:
+        return key.step, key.microbatch, name
+
+    async def fetch(self, key: shard_pb2.StepKey, name: str, timeout: float) -> torch.Tensor:
+        """The tensor `name` of a step, once its call's work got that far; the step's failure instead, raised."""
+        if name not in FETCHABLE:
+            raise errors.InvalidArgument(f"FetchTensor serves {' or '.join(map(repr, FETCHABLE))}, not {name!r}: "
+                                         "residuals go from stage to stage on their own")
+        what = f"{name!r} of step {key.step} micro-batch {key.microbatch}"
+        kept = await self._kept.get(self._slot(key, name), timeout, what)
+        if isinstance(kept, errors.ShardtrainError):
+            raise kept
+        if kept is None:
+            raise errors.FailedPrecondition(f"step {key.step} kept no input gradient: its Forward call did not set "
+                                            "input_requires_grad")
+        return kept
+
+    def fetched(self, key: shard_pb2.StepKey, name: str) -> None:
+        """Drops a tensor once a fetch got all of it (until then a broken stream may resume)."""
+        self._kept.discard(self._slot(key, name))
+
+    def forget(self, up_to_step: int) -> None:
+        """Drops what was never fetched of steps up to `up_to_step`."""
+        self._kept.discard_where(lambda slot: slot[0] <= up_to_step)
