@@ -12,12 +12,13 @@ import torch
 
 from client_sdk import layers as layer_tools
 from client_sdk import modes
+from client_sdk import optimizer as optimizer_tools
 from client_sdk.io_loop import shared_loop
 from client_sdk.model import DistributedModel, Placement
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
 from client_sdk.transport import StageClients
-from shardtrain import optim, wire
+from shardtrain import wire
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env
@@ -95,7 +96,10 @@ class Cluster:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: an nn.Sequential, a LayerList or a seed layer list [(layer_class, kwargs, input_shape), ...].
-        optimizer: (torch.optim class or name, kwargs); each shard steps its own copy over its own weights.
+        optimizer: (torch.optim class or name, kwargs), (class, param groups, kwargs) with each group's "params" a
+        list of state-dict keys or parameters or a filter f(key, parameter), or an optimizer instance built over
+        the model's parameters (its state, if it stepped, comes along). Each shard steps the same class over the
+        weights it holds; model.optimizer stands for it here (bind lr schedulers to it).
         Partitioning: balanced by parameter count over `num_stages` (default: every shard), unless
         split_points (layer indexes where a stage starts) or layers_per_stage say otherwise.
         compression: the wire encoding of the tensors that move between shards and this client:
@@ -118,24 +122,29 @@ class Cluster:
             warnings.warn(f"layers {mixed[:5]} are not in the model's {'training' if module.training else 'eval'} "
                           "mode: the deployment switches the whole model, as model.train() and model.eval() do",
                           stacklevel=2)
-        name, kwargs_json = optim.encode(*optimizer)
+        spec = optimizer_tools.spec_for(optimizer, dict(module.named_parameters()))
         encodings = wire.wire_encodings(compression)
         request = coordinator_pb2.DeployRequest(
             encodings=encodings,
             layers=layer_tools.capture_model(module, layers, example_input),
-            optimizer=shard_pb2.OptimizerSpec(name=name, kwargs_json=kwargs_json),
+            optimizer=spec,
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
                                                     layers_per_stage=layers_per_stage),
             replicas=replicas)
         response = self._io.run(self._coordinator.call("Deploy", request))
-        parameter_keys = [name for name, _ in module.named_parameters()]  # torch.optim's order over net.parameters()
-        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys))
+        # torch.optim numbers its state by this order: the groups', or net.parameters()'
+        parameter_keys = [key for group in spec.groups for key in group.parameters] or \
+            [name for name, _ in module.named_parameters()]
+        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec))
         distributed.load_state_dict(module.state_dict())
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
+            distributed.load_optimizer_state_dict(optimizer.state_dict())
         distributed.train(module.training)
         self._models.append(distributed)
         return distributed
 
-    async def _handle(self, response, captured, encodings, parameter_keys: list[str]) -> DistributedModel:
+    async def _handle(self, response, captured, encodings, parameter_keys: list[str],
+                      optimizer: shard_pb2.OptimizerSpec) -> DistributedModel:
         owners, placements = {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
@@ -150,7 +159,7 @@ class Cluster:
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas)
         key_order = [entry.model_key for layer in captured for entry in layer.state]
-        return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys)
+        return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer)
 
     def _close_models(self) -> None:
         models, self._models = self._models, []

@@ -14,10 +14,12 @@ from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
 from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
+from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import split_state
 from shardtrain import optim
 from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
 
@@ -49,7 +51,8 @@ class DistributedModel:
     """
 
     def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
-                 owners: dict[str, int], key_order: Sequence[str], parameter_keys: Sequence[str] = ()):
+                 owners: dict[str, int], key_order: Sequence[str], parameter_keys: Sequence[str] = (),
+                 optimizer: shard_pb2.OptimizerSpec | None = None):
         self._io = io
         self._trainer = trainer
         self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
@@ -57,7 +60,12 @@ class DistributedModel:
         self.placements = list(placements)
         self._owners = owners
         self._key_order = list(key_order)
-        self._parameter_keys = [key for key in parameter_keys if key in owners]  # net.parameters()'s order
+        self._parameter_keys = [key for key in parameter_keys if key in owners]  # the order torch.optim numbers
+        # The shards' optimizer as seen from here: its param groups hold the hyperparameters in force.
+        self.optimizer = client_optimizer(optimizer or shard_pb2.OptimizerSpec(name="SGD", kwargs_json='{"lr": 0.01}'),
+                                          self.step, self.zero_grad)
+        self._hyperparameters = Hyperparameters(self.optimizer)
+        self._gradient_scale = 0.0  # set by clip_grad_norm_ for the next step
         self._anchor = torch.zeros((), requires_grad=True)
         self._steps = itertools.count()
         self._last_step = -1
@@ -114,6 +122,13 @@ class DistributedModel:
         rather than on its own, so it takes effect before any backward called after it."""
         self._zero_grad_pending = True
         self._has_gradients = False
+        self._gradient_scale = 0.0
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over every stage's gradients: returns their total norm, and the next step()
+        scales every gradient by max_norm / (total + 1e-6) when that is under 1. Waits for the backwards sent."""
+        self._check_open()
+        return self._io.run(self._clip_grad_norm(float(max_norm), float(norm_type), error_if_nonfinite))
 
     def synchronize(self) -> None:
         """Waits until every shard has finished everything sent so far; raises the first error."""
@@ -143,6 +158,7 @@ class DistributedModel:
         self._check_open()
         per_stage = optim.split(optim.from_torch(state, self._parameter_keys), self._owners, len(self.placements))
         self._io.run(self._load_optimizer_state(per_stage))
+        self._hyperparameters.loaded(state["param_groups"])
 
     def describe(self) -> list:
         """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals."""
@@ -224,7 +240,9 @@ class DistributedModel:
         self._settle_before_forward = self._optimizer_steps
         try:
             loss, settled = await self._trainer.run(step, x, y, spec, microbatches, schedule, after,
-                                                    self._optimizer_steps, eval_mode=not self.training)
+                                                    self._optimizer_steps, eval_mode=not self.training,
+                                                    hyperparameters=self._hyperparameters.changes())
+            self.optimizer._opt_called = True  # what torch's lr schedulers check: an optimizer step ran
         except BaseException:
             self._abandon_deferred_work()
             raise
@@ -290,11 +308,21 @@ class DistributedModel:
         self._optimizer_steps += 1
         backward_steps, self._backward_steps = self._backward_steps, []
         request = self._clients.step_request(self._last_step, zero_grad, self._optimizer_steps, backward_steps)
+        request.hyperparameters_json = self._hyperparameters.changes()
+        request.gradient_scale, self._gradient_scale = self._gradient_scale, 0.0
         self._settle_before_forward = request.optimizer_step
         self._inflight.add(self._clients.step(request))
         self._inflight.next_iteration()
         if wait:
             await self._synchronize()
+
+    async def _clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        self._inflight.raise_failures()
+        if not self._has_gradients:
+            return torch.tensor(0.0)
+        norms = await self._clients.gradient_norms(self._backward_steps, norm_type)
+        total, self._gradient_scale = clip_coefficient(norms, max_norm, norm_type, error_if_nonfinite)
+        return total
 
     def _await_backward(self, step: int) -> None:
         """Records a forward under autograd; beyond MAX_AWAITING, the oldest one's graph is given up, as the
@@ -343,7 +371,9 @@ class DistributedModel:
 
     async def _read_optimizer_state(self) -> dict:
         await self._synchronize()
-        return optim.indexed(optim.merged(await self._clients.read_optimizer_state()), self._parameter_keys)
+        state = optim.indexed(optim.merged(await self._clients.read_optimizer_state()), self._parameter_keys)
+        self._hyperparameters.overlay(state["param_groups"])
+        return state
 
     async def _load_optimizer_state(self, per_stage) -> None:
         """Every stage checks its share before any loads it: a state that one stage refuses changes none."""

@@ -37,7 +37,7 @@ class PipelineTrainer:
 
     async def run(self, step: int, x: torch.Tensor, y: torch.Tensor, loss: shard_pb2.LossSpec, microbatches: int,
                   schedule: str, after_optimizer_step: int, optimizer_step: int,
-                  eval_mode: bool = False) -> tuple[float, asyncio.Future]:
+                  eval_mode: bool = False, hyperparameters: str = "") -> tuple[float, asyncio.Future]:
         """One training step (on the layers' eval-mode graphs with `eval_mode`) as optimizer step `optimizer_step`.
         Returns the batch's loss (the mean loss for averaging losses) as soon as every replica's last stage sent
         it, and a future that ends once every stage of every replica settled the step (then `stats` holds its
@@ -47,7 +47,8 @@ class PipelineTrainer:
         plan = shard_pb2.StepPlan(microbatches=microbatches, schedule=schedule)
         shares = split_batch(x.detach(), y.detach(), len(self.replicas), microbatches)
         results = await _all_or_nothing([
-            clients.planned_step(step, share, x.shape[0], loss, plan, after_optimizer_step, optimizer_step, eval_mode)
+            clients.planned_step(step, share, x.shape[0], loss, plan, after_optimizer_step, optimizer_step, eval_mode,
+                                 hyperparameters)
             for clients, share in zip(self.replicas, shares)])
         return sum(value for value, _ in results), asyncio.ensure_future(self._settled([o for _, o in results]))
 

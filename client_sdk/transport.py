@@ -50,7 +50,7 @@ class StageClients:
 
     async def planned_step(self, step: int, share: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_rows: int,
                            loss: shard_pb2.LossSpec, plan: shard_pb2.StepPlan, after_optimizer_step: int,
-                           optimizer_step: int, eval_mode: bool) -> tuple[float, asyncio.Future]:
+                           optimizer_step: int, eval_mode: bool, hyperparameters: str = "") -> tuple[float, asyncio.Future]:
         """One planned step over this pipeline's Links: each (input, target) micro-batch of `share` forward and
         backward on every stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's
         loss once the last stage computed it, and a future of every stage's StageStats once the step settled."""
@@ -61,7 +61,7 @@ class StageClients:
         targets = [(shard_pb2.LossTarget(key=self.key(step, k), loss=loss, rows=len(y), batch_rows=batch_rows),
                     y.detach()) for k, (_, y) in enumerate(share)]
         request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, optimizer_step=optimizer_step,
-                                        backward_steps=[step])
+                                        backward_steps=[step], hyperparameters_json=hyperparameters)
         return await self._links.planned(forwards, targets, request)
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
@@ -129,6 +129,13 @@ class StageClients:
                                                     check_only=check_only)
             await stage.call("LoadOptimizerState", wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors))
         await asyncio.gather(*(load(stage, state) for stage, state in zip(self.stages, per_stage)))
+
+    async def gradient_norms(self, backward_steps: Sequence[int], norm_type: float) -> list[float]:
+        """Each stage's gradient norm once the listed backwards are over there."""
+        request = shard_pb2.GradientNormRequest(deployment_id=self.deployment_id, backward_steps=backward_steps,
+                                                norm_type=norm_type)
+        answers = await asyncio.gather(*(stage.call("GradientNorm", request) for stage in self.stages))
+        return [answer.norm for answer in answers]
 
     async def describe(self) -> list[shard_pb2.DescribeResponse]:
         """What each stage's shard reports about itself."""

@@ -624,11 +624,13 @@ class LinkedLoop:
         """Applies the step unless it was refused; either way it counts as settled here, and the step's state goes."""
         shard = self._runtime
         try:
+            if stage is not None and request.hyperparameters_json:  # in force from this step on, applied or not
+                await shard.run(stage.set_hyperparameters, request.hyperparameters_json)
             if stage is not None and not failure:
                 if request.zero_grad:
                     await shard.run(stage.zero_grad)
                 started = time.perf_counter()
-                await shard.run(stage.step)
+                await shard.run(stage.step, request.gradient_scale)
                 self._record_stats(request, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),

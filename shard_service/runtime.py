@@ -120,7 +120,8 @@ class ShardRuntime:
         plan = request.plan
         residuals = StageResiduals({r.name: r.producer_stage for r in plan.incoming_residuals},
                                    {r.name: list(r.consumer_stages) for r in plan.outgoing_residuals})
-        optimizer = (request.optimizer.name, request.optimizer.kwargs_json)
+        groups = [(tuple(group.parameters), group.options_json) for group in request.optimizer.groups]
+        optimizer = (request.optimizer.name, request.optimizer.kwargs_json, groups)
         stage = await self.run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
                                self.settings.max_in_flight)
         await self.peers.adopt(plan, request.encodings, request.deployment_secret)
@@ -171,6 +172,15 @@ class ShardRuntime:
         for forget in self.forgetters:
             forget(up_to_step)
         self.order.forget(up_to_step)
+
+    async def gradient_norm(self, request: shard_pb2.GradientNormRequest) -> float:
+        """The stage's gradient norm once the listed backwards are over here; FailedPrecondition if one failed."""
+        stage = self.stage_for(request.deployment_id)
+        failures = await self.order.backward_failures(request.backward_steps, self.settings.timeouts.peer_wait)
+        if failures:
+            step, reason = next(iter(failures.items()))
+            raise FailedPrecondition(f"no gradient norm: the backward of step {step} failed: {reason}")
+        return await self.run(stage.gradient_norm, request.norm_type or 2.0)
 
     def loss(self, spec: shard_pb2.LossSpec) -> tuple:
         """The loss function of a LossSpec and whether it sums, built once per distinct spec."""

@@ -122,6 +122,11 @@ class ShardServicer:
         return shard_pb2.StepResponse()
 
     @boundary
+    async def GradientNorm(self, request, context):
+        self._owned(context, request.deployment_id)
+        return shard_pb2.GradientNormResponse(norm=await self.runtime.gradient_norm(request))
+
+    @boundary
     async def FetchTensor(self, request, context):
         self._owned(context, request.key.deployment_id)
         tensor = await self.loop.calls.fetch(request.key, request.name, self.settings.timeouts.peer_wait)

@@ -48,7 +48,7 @@ class Stage:
     """Runs forward and backward of a contiguous slice of layers, keeping per-step state until backward."""
 
     def __init__(self, index: int, sources: Sequence[LayerSource], residuals: StageResiduals,
-                 optimizer: tuple[str, str], device: str, max_in_flight: int = 64):
+                 optimizer: tuple, device: str, max_in_flight: int = 64):
         self.index = index
         self.device = torch.device(device)
         self.residuals = residuals
@@ -59,8 +59,12 @@ class Stage:
         self._unloaded = set(self._state)
         # Weights are updated in place (load_state, the optimizer), so their storages never change.
         self._weight_storages = {t.untyped_storage().data_ptr() for t in self._state.values()}
-        parameters = self.parameters
-        self._optimizer = optim.build(*optimizer, parameters) if parameters else None
+        named = {key: self._state[key] for key in self._parameter_keys()}
+        # optimizer: (name, defaults as JSON[, param groups]), as optim.build takes them
+        self._optimizer = optim.build(optimizer[0], optimizer[1], named, *optimizer[2:]) if named else None
+        key_of = {id(tensor): key for key, tensor in named.items()}
+        self._optimizer_keys = [key_of[id(p)] for group in self._optimizer.param_groups for p in group["params"]] \
+            if self._optimizer is not None else []  # torch numbers its state by these positions
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
         self._saved_bytes: dict[tuple, int] = {}  # per input signature: what autograd saves (see _run_counted)
         self._max_in_flight = max_in_flight
@@ -85,7 +89,7 @@ class Stage:
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
-        """The stage's trainable tensors, in layer order: the optimizer's, in its order."""
+        """The stage's trainable tensors, in layer order."""
         return [self._state[key] for key in self._parameter_keys()]
 
     @property
@@ -225,10 +229,27 @@ class Stage:
         for tensor in self._state.values():
             tensor.grad = None
 
-    def step(self) -> None:
-        """Applies the optimizer to the accumulated gradients."""
+    def set_hyperparameters(self, hyperparameters_json: str) -> None:
+        """Sets the hyperparameters (lr, betas, ...) of each param group, as a client's schedule left them: JSON,
+        one object per group."""
         if self._optimizer is not None:
-            self._optimizer.step()
+            optim.set_hyperparameters(self._optimizer, hyperparameters_json)
+
+    def step(self, gradient_scale: float = 0.0) -> None:
+        """Applies the optimizer to the accumulated gradients, first scaled by `gradient_scale` when it is above 0
+        (global norm clipping)."""
+        if self._optimizer is None:
+            return
+        if gradient_scale > 0:
+            for parameter in self.parameters:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(gradient_scale)
+        self._optimizer.step()
+
+    def gradient_norm(self, norm_type: float) -> float:
+        """The p-norm of every gradient the stage holds, taken as one vector (as clip_grad_norm_ takes them)."""
+        norms = [torch.linalg.vector_norm(p.grad.detach(), norm_type) for p in self.parameters if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type).item() if norms else 0.0
 
     def forget(self, up_to_step: int) -> None:
         """Drops the state of steps up to `up_to_step` whose backward never came."""
@@ -255,7 +276,7 @@ class Stage:
         """The optimizer's state and hyperparameters, keyed by the parameters' state-dict keys."""
         if self._optimizer is None:
             return optim.KeyedState([], {}, {})
-        return optim.keyed(self._optimizer.state_dict(), self._parameter_keys())
+        return optim.keyed(self._optimizer.state_dict(), self._optimizer_keys)
 
     def load_optimizer_state(self, state: optim.KeyedState, check_only: bool = False) -> None:
         """Replaces the optimizer's state and hyperparameters (with `check_only`, only checks that it could);
@@ -265,7 +286,7 @@ class Stage:
             if state.groups or state.tensors or state.values:
                 raise InvalidArgument(f"stage {self.index} has no parameters, so no optimizer state to load")
             return
-        keys = self._parameter_keys()
+        keys = self._optimizer_keys
         loaded = optim.indexed(state, keys)
         optim.check_state(self._optimizer, loaded, keys)
         if check_only:
@@ -277,7 +298,7 @@ class Stage:
                                   f"{error}") from None
 
     def _parameter_keys(self) -> list[str]:
-        """The state-dict keys of the optimizer's parameters, in its order."""
+        """The state-dict keys of the stage's parameters, in layer order."""
         return [key for key, tensor in self._state.items() if isinstance(tensor, torch.nn.Parameter)]
 
 

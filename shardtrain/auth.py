@@ -35,6 +35,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/AccumulateGradient": _TRAINING,
     "ShardService/FetchTensor": _READING,
     "ShardService/Step": _TRAINING,
+    "ShardService/GradientNorm": _TRAINING,
     "ShardService/Describe": _READING,
     "ShardService/ProbeSharedMemory": _READING,
     "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)

@@ -25,21 +25,61 @@ def encode(optimizer: type | str, kwargs: dict | None = None) -> tuple[str, str]
         raise InvalidArgument(f"optimizer arguments must be JSON numbers, strings, lists: {error}") from None
 
 
-def build(name: str, kwargs_json: str, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """Constructs the named optimizer over `parameters`; InvalidArgument for bad names or arguments."""
+Groups = Sequence[tuple[Sequence[str], str]]  # param groups: (parameter keys, options as a JSON object), in order
+
+
+def build(name: str, kwargs_json: str, parameters: Iterable[torch.nn.Parameter] | dict[str, torch.nn.Parameter],
+          groups: Groups = ()) -> torch.optim.Optimizer:
+    """Constructs the named optimizer over `parameters` (by state-dict key when there are `groups`: each group takes
+    the ones it names that are here, so group i is the same group on every stage); InvalidArgument for bad names or
+    arguments."""
     if name not in ALLOWED:
         raise InvalidArgument(f"optimizer {name!r} is not allowed; choose one of {ALLOWED}")
+    kwargs = json_options(kwargs_json, "optimizer arguments")
+    if groups:
+        named = dict(parameters)
+        chosen = [{**json_options(options, f"param group {index}'s options"),
+                   "params": [named[key] for key in keys if key in named]}
+                  for index, (keys, options) in enumerate(groups)]
+    else:
+        chosen = list(parameters.values() if isinstance(parameters, dict) else parameters)
     try:
-        kwargs = json.loads(kwargs_json or "{}")
-    except ValueError as error:
-        raise InvalidArgument(f"optimizer arguments are not valid JSON: {error}") from None
-    if not isinstance(kwargs, dict):
-        raise InvalidArgument(f"optimizer arguments must be a JSON object, got {kwargs_json!r}")
-    kwargs = {key: tuple(value) if isinstance(value, list) else value for key, value in kwargs.items()}
-    try:
-        return getattr(torch.optim, name)(list(parameters), **kwargs)
+        return getattr(torch.optim, name)(chosen, **kwargs)
     except Exception as error:  # optimizers check their arguments with many exception types
         raise InvalidArgument(f"cannot build {name} with {kwargs}: {type(error).__name__}: {error}") from None
+
+
+def json_options(text: str, what: str) -> dict:
+    """A JSON object of hyperparameters (`what` names them in errors), lists turned into the tuples torch.optim takes (betas)."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError as error:
+        raise InvalidArgument(f"{what} are not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{what} must be a JSON object, got {text!r}")
+    return {key: tuple(item) if isinstance(item, list) else item for key, item in value.items()}
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, hyperparameters_json: str) -> None:
+    """Sets each param group's hyperparameters (lr, betas, ...) to the values a client's schedule left in its own
+    groups: a JSON list with one object per group. InvalidArgument, changing nothing, if it does not fit."""
+    try:
+        values = json.loads(hyperparameters_json)
+    except ValueError as error:
+        raise InvalidArgument(f"hyperparameters are not valid JSON: {error}") from None
+    groups = optimizer.param_groups
+    if not isinstance(values, list) or len(values) != len(groups) or not all(isinstance(v, dict) for v in values):
+        raise InvalidArgument(f"hyperparameters must be a JSON list of {len(groups)} objects, one per param group")
+    for index, (update, group) in enumerate(zip(values, groups)):
+        for name, value in update.items():
+            if name == "params" or not _json_plain(value):
+                raise InvalidArgument(f"param group {index}: hyperparameter {name!r} = {value!r} cannot be set; "
+                                      "numbers, strings, booleans, null and lists of them can")
+            if name in group and not _same_kind(value, group[name]):
+                raise InvalidArgument(f"param group {index}: hyperparameter {name!r} is {value!r}, where "
+                                      f"{type(optimizer).__name__} has {group[name]!r}")
+    for update, group in zip(values, groups):
+        group.update({name: tuple(value) if isinstance(value, list) else value for name, value in update.items()})
 
 
 # --- optimizer state by parameter name ------------------------------------------------------------------
@@ -213,17 +253,14 @@ def _one_step_state(optimizer: torch.optim.Optimizer) -> list[dict] | None:
 
 
 def merged(states: Sequence[KeyedState]) -> KeyedState:
-    """One state from the stages' states: groups with the same hyperparameters become one group."""
+    """One state from the stages' states, in stage order: group i of every stage (with parameters) becomes group i."""
     groups: list[dict] = []
     tensors, values = {}, {}
     for state in states:
-        for group in state.groups:
-            settings = _settings(group)
-            same = next((g for g in groups if _settings(g) == settings), None)
-            if same is None:
-                groups.append({**settings, "params": list(group["params"])})
-            else:
-                same["params"] += group["params"]
+        for index, group in enumerate(state.groups):
+            if index == len(groups):
+                groups.append({**_settings(group), "params": []})
+            groups[index]["params"] += group["params"]
         tensors.update(state.tensors)
         values.update(state.values)
     return KeyedState(groups, tensors, values)
@@ -232,12 +269,12 @@ def merged(states: Sequence[KeyedState]) -> KeyedState:
 def split(state: KeyedState, owners: dict[str, int], stages: int) -> list[KeyedState]:
     """Each stage's share of `state`, by the stage that owns each parameter key (`owners`)."""
     shares = [KeyedState([], {}, {}) for _ in range(stages)]
+    holding = {owners[key] for group in state.groups for key in group["params"] if key in owners}
     for group in state.groups:
         settings = _settings(group)
         for stage, share in enumerate(shares):
-            keys = [key for key in group["params"] if owners.get(key) == stage]
-            if keys:
-                share.groups.append({**settings, "params": keys})
+            if stage in holding:  # every group, empty ones too: group i is the same group on every stage
+                share.groups.append({**settings, "params": [key for key in group["params"] if owners.get(key) == stage]})
     for entries, field in ((state.tensors, "tensors"), (state.values, "values")):
         for where, value in entries.items():
             owner = owners.get(where.rpartition("/")[0])

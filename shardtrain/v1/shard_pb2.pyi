@@ -106,12 +106,22 @@ class StagePlan(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "kwargs_json")
+    __slots__ = ("name", "kwargs_json", "groups")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kwargs_json: str
-    def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[ParameterGroup]
+    def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ParameterGroup, _Mapping]]] = ...) -> None: ...
+
+class ParameterGroup(_message.Message):
+    __slots__ = ("parameters", "options_json")
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    parameters: _containers.RepeatedScalarFieldContainer[str]
+    options_json: str
+    def __init__(self, parameters: _Optional[_Iterable[str]] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
     __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings", "deployment_secret")
@@ -294,24 +304,44 @@ class FetchTensorRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps", "backwards_end_with_step")
+    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps", "backwards_end_with_step", "hyperparameters_json", "gradient_scale")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_STEPS_FIELD_NUMBER: _ClassVar[int]
     BACKWARDS_END_WITH_STEP_FIELD_NUMBER: _ClassVar[int]
+    HYPERPARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_SCALE_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     step: int
     zero_grad: bool
     optimizer_step: int
     backward_steps: _containers.RepeatedScalarFieldContainer[int]
     backwards_end_with_step: bool
-    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., backwards_end_with_step: _Optional[bool] = ...) -> None: ...
+    hyperparameters_json: str
+    gradient_scale: float
+    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., backwards_end_with_step: _Optional[bool] = ..., hyperparameters_json: _Optional[str] = ..., gradient_scale: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GradientNormRequest(_message.Message):
+    __slots__ = ("deployment_id", "backward_steps", "norm_type")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    backward_steps: _containers.RepeatedScalarFieldContainer[int]
+    norm_type: float
+    def __init__(self, deployment_id: _Optional[str] = ..., backward_steps: _Optional[_Iterable[int]] = ..., norm_type: _Optional[float] = ...) -> None: ...
+
+class GradientNormResponse(_message.Message):
+    __slots__ = ("norm",)
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    norm: float
+    def __init__(self, norm: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

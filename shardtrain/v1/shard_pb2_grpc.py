@@ -85,6 +85,11 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.StepRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.GradientNorm = channel.unary_unary(
+                '/shardtrain.v1.ShardService/GradientNorm',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.GradientNormRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.GradientNormResponse.FromString,
+                _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/shardtrain.v1.ShardService/Describe',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.DescribeRequest.SerializeToString,
@@ -179,6 +184,14 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GradientNorm(self, request, context):
+        """The norm of the stage's gradients once the listed backwards are over here: what global norm clipping
+        (model.clip_grad_norm_) combines over the stages before the step that scales them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Describe(self, request, context):
         """Says what the shard holds; doubles as a health check.
         """
@@ -255,6 +268,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.StepRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.StepResponse.SerializeToString,
+            ),
+            'GradientNorm': grpc.unary_unary_rpc_method_handler(
+                    servicer.GradientNorm,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.GradientNormRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.GradientNormResponse.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
@@ -542,6 +560,33 @@ class ShardService:
             '/shardtrain.v1.ShardService/Step',
             shardtrain_dot_v1_dot_shard__pb2.StepRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GradientNorm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/GradientNorm',
+            shardtrain_dot_v1_dot_shard__pb2.GradientNormRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.GradientNormResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ import torch
 
 from shardtrain.errors import InvalidArgument
 from shardtrain.optim import (ALLOWED, KeyedState, build, check_state, encode, from_torch, indexed, keyed, merged,
-                              split)
+                              set_hyperparameters, split)
 
 
 def parameters():
@@ -223,3 +223,46 @@ def test_from_torch_refuses_what_is_not_an_optimizers_state_dict():
         from_torch({"state": {}, "param_groups": [{"params": [7]}]}, keys)
     with pytest.raises(InvalidArgument, match="not the state_dict"):
         from_torch(optimizer, keys)
+
+
+def grouped(steps: int = 2):
+    """(a model, AdamW over it in two groups that has stepped, the keys in the optimizer's order)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    weights, biases = [model[0].weight, model[1].weight], [model[0].bias, model[1].bias]
+    optimizer = torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(5, 3)).sum().backward()
+        optimizer.step()
+    return model, optimizer, ["0.weight", "1.weight", "0.bias", "1.bias"]
+
+
+def test_groups_split_by_stage_keep_their_index_and_merge_back_into_the_same_groups():
+    _, optimizer, keys = grouped()
+    original = optimizer.state_dict()
+    owners = {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": 1}
+    shares = split(keyed(original, keys), owners, 2)
+    assert [[g["params"] for g in share.groups] for share in shares] == [[["0.weight"], ["0.bias"]],
+                                                                        [["1.weight"], ["1.bias"]]]
+    assert same_state(indexed(merged(shares), keys), original)
+
+
+def test_build_with_groups_takes_the_parameters_it_holds_and_keeps_empty_groups_in_place():
+    weight, bias = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    groups = [(["0.weight", "1.weight"], '{"lr": 0.5}'), (["9.bias"], "{}"), (["0.bias"], '{"momentum": 0.9}')]
+    optimizer = build("SGD", '{"lr": 0.1}', {"0.weight": weight, "0.bias": bias}, groups)
+    assert [g["params"] for g in optimizer.param_groups] == [[weight], [], [bias]]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.1, 0.1]
+    assert optimizer.param_groups[2]["momentum"] == 0.9
+
+
+def test_set_hyperparameters_sets_each_group_and_refuses_what_does_not_fit_changing_nothing():
+    _, optimizer, _ = grouped(steps=0)
+    set_hyperparameters(optimizer, json.dumps([{"lr": 0.5, "betas": [0.8, 0.9]}, {"lr": 0.25, "initial_lr": 0.01}]))
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.25]
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.9) and optimizer.param_groups[1]["initial_lr"] == 0.01
+    for bad, why in (([{"lr": 1}], "a JSON list of 2 objects"), ([{"lr": "fast"}, {}], "'lr' is 'fast'"),
+                     ([{"params": []}, {}], "'params'"), ([{"lr": {"a": 1}}, {}], "cannot be set")):
+        with pytest.raises(InvalidArgument, match=why):
+            set_hyperparameters(optimizer, json.dumps(bad))
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.25]
