@@ -131,6 +131,7 @@ class Cluster:
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
                                                     layers_per_stage=layers_per_stage),
             replicas=replicas)
+        layer_tools.mark_tied(request.layers, layer_tools.tied_keys(module))
         response = self._io.run(self._coordinator.call("Deploy", request))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
@@ -145,10 +146,12 @@ class Cluster:
 
     async def _handle(self, response, captured, encodings, parameter_keys: list[str],
                       optimizer: shard_pb2.OptimizerSpec) -> DistributedModel:
-        owners, placements = {}, []
+        owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
             owners.update({entry.model_key: stage.stage for layer in held for entry in layer.state})
+            for entry in (entry for layer in held for entry in layer.state):  # a tied weight: on every stage using it
+                holders.setdefault(entry.tied_to or entry.model_key, set()).add(stage.stage)
             placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
                                         tuple(layer.description for layer in held)))
         replicas = []
@@ -159,7 +162,8 @@ class Cluster:
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas)
         key_order = [entry.model_key for layer in captured for entry in layer.state]
-        return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer)
+        return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer,
+                                {key: sorted(stages) for key, stages in holders.items()})
 
     def _close_models(self) -> None:
         models, self._models = self._models, []

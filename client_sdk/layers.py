@@ -71,6 +71,25 @@ def capture_model(module: torch.nn.Module, layers: Sequence[Layer],
         return capture(layers, example if example is not None else example_input(module, layers))
 
 
+def tied_keys(module: torch.nn.Module) -> dict[str, str]:
+    """Every state-dict key of a tensor that more than one key holds (tied weights), mapped to the first of them in
+    the model's order (the one net.named_parameters() keeps)."""
+    first: dict[int, str] = {}
+    for key, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        first.setdefault(id(tensor), key)
+    homes = {key: first[id(tensor)] for key, tensor in
+             [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
+    shared = {home for key, home in homes.items() if key != home}
+    return {key: home for key, home in homes.items() if home in shared}
+
+
+def mark_tied(captured: Sequence[shard_pb2.CapturedLayer], tied: dict[str, str]) -> None:
+    """Names, on each captured weight that is tied to others, the first key of its tensor (StateEntry.tied_to)."""
+    for layer in captured:
+        for entry in layer.state:
+            entry.tied_to = tied.get(entry.model_key, "")
+
+
 def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.CapturedLayer]:
     """Captures each layer in training mode, and in eval mode too where its forward reads `training` (Dropout,
     BatchNorm, a custom layer's own branch), with the activations an example input produces on the way

@@ -52,13 +52,14 @@ class DistributedModel:
 
     def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
                  owners: dict[str, int], key_order: Sequence[str], parameter_keys: Sequence[str] = (),
-                 optimizer: shard_pb2.OptimizerSpec | None = None):
+                 optimizer: shard_pb2.OptimizerSpec | None = None, holders: dict[str, list[int]] | None = None):
         self._io = io
         self._trainer = trainer
         self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
         self._loss_specs = LossSpecs(self._predict)
         self.placements = list(placements)
         self._owners = owners
+        self._holders = holders or {key: [stage] for key, stage in owners.items()}  # a tied weight: several stages
         self._key_order = list(key_order)
         self._parameter_keys = [key for key in parameter_keys if key in owners]  # the order torch.optim numbers
         # The shards' optimizer as seen from here: its param groups hold the hyperparameters in force.
@@ -156,7 +157,7 @@ class DistributedModel:
         """Replaces the shards' optimizer state with one from optimizer_state_dict() (or from a local optimizer
         of the same class over net.parameters()); a state that does not fit is refused and changes nothing."""
         self._check_open()
-        per_stage = optim.split(optim.from_torch(state, self._parameter_keys), self._owners, len(self.placements))
+        per_stage = optim.split(optim.from_torch(state, self._parameter_keys), self._holders, len(self.placements))
         self._io.run(self._load_optimizer_state(per_stage))
         self._hyperparameters.loaded(state["param_groups"])
 
@@ -320,7 +321,7 @@ class DistributedModel:
         self._inflight.raise_failures()
         if not self._has_gradients:
             return torch.tensor(0.0)
-        norms = await self._clients.gradient_norms(self._backward_steps, norm_type)
+        norms = await self._clients.gradient_norms(self._backward_steps, norm_type, self._optimizer_steps + 1)
         total, self._gradient_scale = clip_coefficient(norms, max_norm, norm_type, error_if_nonfinite)
         return total
 

@@ -130,10 +130,10 @@ class StageClients:
             await stage.call("LoadOptimizerState", wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors))
         await asyncio.gather(*(load(stage, state) for stage, state in zip(self.stages, per_stage)))
 
-    async def gradient_norms(self, backward_steps: Sequence[int], norm_type: float) -> list[float]:
-        """Each stage's gradient norm once the listed backwards are over there."""
+    async def gradient_norms(self, backward_steps: Sequence[int], norm_type: float, optimizer_step: int) -> list[float]:
+        """Each stage's gradient norm once the listed backwards are over there, for the optimizer step named."""
         request = shard_pb2.GradientNormRequest(deployment_id=self.deployment_id, backward_steps=backward_steps,
-                                                norm_type=norm_type)
+                                                norm_type=norm_type, optimizer_step=optimizer_step)
         answers = await asyncio.gather(*(stage.call("GradientNorm", request) for stage in self.stages))
         return [answer.norm for answer in answers]
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import uuid
 
-from coordinator.placement import StagePlacement, place
+from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRegistry
 from shardtrain import auth, optim, partition, schedule
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ShardtrainError
@@ -56,7 +56,9 @@ class CoordinatorServicer:
                                 spec.split_points, spec.layers_per_stage)
         routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges)
         shards = self.registry.take(len(ranges) * replicas)
-        pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)]) for r in range(replicas)]
+        tied = tied_stages(ranges, [[entry.tied_to for entry in layer.state if entry.tied_to] for layer in layers])
+        pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)], tied)
+                     for r in range(replicas)]
         deployment_id, secret = uuid.uuid4().hex[:12], auth.new_deployment_secret()
         await self._ship_all((deployment_id, secret), pipelines, layers, request)
         log.info("deployed %s: %s", deployment_id,
@@ -117,7 +119,9 @@ class CoordinatorServicer:
                                 for n, (s, a) in placement.incoming.items()],
             outgoing_residuals=[shard_pb2.ResidualSink(name=n, consumer_stages=c,
                                                        consumer_addresses=placement.consumers.get(n, []))
-                                for n, c in placement.outgoing.items()])
+                                for n, c in placement.outgoing.items()],
+            tied=[shard_pb2.TiedWeight(key=key, stages=[s for s, _ in holders], addresses=[a for _, a in holders])
+                  for key, holders in placement.tied.items()])
         request = shard_pb2.LoadStageRequest(deployment_id=deployment[0], deployment_secret=deployment[1], plan=plan,
                                              optimizer=deploy.optimizer,
                                              layers=layers[placement.first_layer:placement.end_layer],

@@ -85,6 +85,8 @@ class LinkedLoop:
         self._targets = Mailbox()     # last stage: a planned step's loss targets, by (step, microbatch)
         self._target_bytes = 0        # their tensors' bytes
         self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
+        self._tied = Mailbox()        # other stages' gradients of tied weights, by (optimizer step, key, stage)
+        self._tied_summed: set[int] = set()  # optimizer steps whose tied gradients are summed here already
         self.calls = CallOutbox()     # the SDK's part for steps a Forward call started (keep_output), ...
         self._by_call: set[int] = set()  # ... which are these
 
@@ -107,6 +109,8 @@ class LinkedLoop:
             await client.close()
         self._residuals.discard_where(lambda key: True)
         self._runs.clear()
+        self._tied.discard_where(lambda key: True)
+        self._tied_summed.clear()
         self.calls.forget(float("inf"))
         self._by_call.clear()
         self._targets.discard_where(lambda key: True)
@@ -123,6 +127,9 @@ class LinkedLoop:
         elif opening.role == _ROLES.LINK_ROLE_OUTPUT and plan.stage == plan.num_stages - 1:
             self._output = end
             self._output_opened.set()
+        elif opening.role == _ROLES.LINK_ROLE_TIED and \
+                any(opening.from_stage in tie.stages and opening.from_stage > plan.stage for tie in plan.tied):
+            end.name = f"stage {opening.from_stage} (a tied weight's gradients)"
         elif opening.role in (_ROLES.LINK_ROLE_NEXT, _ROLES.LINK_ROLE_RESIDUAL) and \
                 0 <= opening.from_stage < plan.stage:
             self._from_stage[opening.from_stage] = end
@@ -330,6 +337,9 @@ class LinkedLoop:
         elif kind == "residual_gradient":
             self._spawn(self._runtime.accumulate(message.residual_gradient.key, message.residual_gradient.name,
                                                tensor))
+        elif kind == "tied_gradient":
+            item = message.tied_gradient
+            self._tied.put((item.optimizer_step, item.key, item.from_stage), tensor)
         elif kind == "error":
             self._spawn(self._pass_error(end, message))
         else:
@@ -362,6 +372,17 @@ class LinkedLoop:
         failure = await self._step(shard_pb2.LinkStep(request=request))
         if failure:
             raise errors.FailedPrecondition(f"optimizer step {request.optimizer_step} not applied: {failure}")
+
+    async def gradient_norm_call(self, request: shard_pb2.GradientNormRequest) -> float:
+        """A GradientNorm call: the norm of this stage's gradients once the listed backwards are over here, after
+        tied weights' gradients were summed for the optimizer step named (each then counted on its first stage)."""
+        shard = self._runtime
+        stage = shard.stage_for(request.deployment_id)
+        await shard.backwards_over(request.backward_steps, "no gradient norm")
+        if request.optimizer_step:
+            await self._sum_tied(stage, request.optimizer_step)
+        counted_elsewhere = [tie.key for tie in shard.plan.tied if tie.stages[0] != shard.plan.stage]
+        return await shard.run(stage.gradient_norm, request.norm_type or 2.0, counted_elsewhere)
 
     def _check_end(self, call: str, first: bool) -> None:
         plan = self._runtime.plan
@@ -629,6 +650,7 @@ class LinkedLoop:
             if stage is not None and not failure:
                 if request.zero_grad:
                     await shard.run(stage.zero_grad)
+                await self._sum_tied(stage, request.optimizer_step)
                 started = time.perf_counter()
                 await shard.run(stage.step, request.gradient_scale)
                 self._record_stats(request, time.perf_counter() - started)
@@ -639,6 +661,40 @@ class LinkedLoop:
             await shard.order.optimizer_step_settled(request.optimizer_step)
             if stage is not None:
                 await shard.forget(stage, request.step)
+
+    async def _sum_tied(self, stage: Stage, optimizer_step: int) -> None:
+        """Before optimizer step `optimizer_step`: sends this stage's gradient of each weight it shares with other
+        stages to them, and replaces its own with the sum over all of them in stage order (the same bits on every
+        stage, so the copies stay equal). Once per optimizer step (clip_grad_norm_ may have done it)."""
+        plan = self._runtime.plan
+        if not plan.tied or optimizer_step in self._tied_summed:
+            return
+        self._tied_summed = {number for number in self._tied_summed if number > optimizer_step - VERDICTS_KEPT}
+        self._tied_summed.add(optimizer_step)
+        for tie in plan.tied:
+            item = shard_pb2.LinkMessage(tied_gradient=shard_pb2.TiedGradient(
+                optimizer_step=optimizer_step, key=tie.key, from_stage=plan.stage))
+            for other, address in zip(tie.stages, tie.addresses):
+                if other != plan.stage:
+                    # To a later stage as a residual link (it may carry the next stage's items too), to an earlier
+                    # one on a link of its own.
+                    role = _ROLES.LINK_ROLE_RESIDUAL if other > plan.stage else _ROLES.LINK_ROLE_TIED
+                    await self._send(self._client(address, role), item, stage.tied_gradient(tie.key), "exact")
+        for tie in plan.tied:
+            grads = []
+            for other in tie.stages:
+                if other == plan.stage:
+                    grads.append(stage.tied_gradient(tie.key))
+                    continue
+                slot = (optimizer_step, tie.key, other)
+                what = f"stage {other}'s gradient of tied weight {tie.key!r} for optimizer step {optimizer_step}"
+                grads.append(await self._tied.get(slot, self._runtime.settings.timeouts.peer_wait, what))
+                self._tied.discard(slot)
+            present = [grad.to(stage.device) for grad in grads if grad is not None]
+            total = None
+            for grad in present:
+                total = grad.clone() if total is None else total + grad
+            await self._runtime.run(stage.set_tied_gradient, tie.key, total)
 
     def _record_stats(self, request: shard_pb2.StepRequest, optimizer_seconds: float) -> None:
         """Keeps what the planned step this optimizer step ends did here, for a Flush that asks."""

@@ -35,9 +35,11 @@ class Peers:
         return self._peers[address]
 
     def options(self, same_host: bool, kind: str) -> wire.SendOptions:
-        """How to send a tensor of `kind` ("activations", "gradients", "residuals") to a peer."""
+        """How to send a tensor of `kind` ("activations", "gradients", "residuals"; "exact" for what must arrive
+        bit for bit: a tied weight's gradient) to a peer."""
         segments = self.segments if same_host else None
-        return wire.SendOptions(self.settings.chunk_bytes, getattr(self.encodings, kind), segments)
+        encoding = tensor_pb2.ENCODING_NONE if kind == "exact" else getattr(self.encodings, kind)
+        return wire.SendOptions(self.settings.chunk_bytes, encoding, segments)
 
     async def adopt(self, plan: shard_pb2.StagePlan, encodings: tensor_pb2.WireEncodings, secret: str) -> None:
         """Takes a new stage's plan and its deployment's secret; learns which of the peers it sends to share this

@@ -115,7 +115,8 @@ class ShardRuntime:
         check_load(request)
         sources = [LayerSource(layer.index, layer.description, layer.program,
                                Wiring(tuple(layer.dependencies), tuple(layer.out_variables)),
-                               {entry.graph_key: entry.model_key for entry in layer.state}, layer.eval_program)
+                               {entry.graph_key: entry.model_key for entry in layer.state}, layer.eval_program,
+                               {entry.model_key: entry.tied_to for entry in layer.state if entry.tied_to})
                    for layer in request.layers]
         plan = request.plan
         residuals = StageResiduals({r.name: r.producer_stage for r in plan.incoming_residuals},
@@ -173,14 +174,12 @@ class ShardRuntime:
             forget(up_to_step)
         self.order.forget(up_to_step)
 
-    async def gradient_norm(self, request: shard_pb2.GradientNormRequest) -> float:
-        """The stage's gradient norm once the listed backwards are over here; FailedPrecondition if one failed."""
-        stage = self.stage_for(request.deployment_id)
-        failures = await self.order.backward_failures(request.backward_steps, self.settings.timeouts.peer_wait)
+    async def backwards_over(self, steps, what: str) -> None:
+        """Waits until the listed backwards are over here; FailedPrecondition, naming `what`, if one failed."""
+        failures = await self.order.backward_failures(steps, self.settings.timeouts.peer_wait)
         if failures:
             step, reason = next(iter(failures.items()))
-            raise FailedPrecondition(f"no gradient norm: the backward of step {step} failed: {reason}")
-        return await self.run(stage.gradient_norm, request.norm_type or 2.0)
+            raise FailedPrecondition(f"{what}: the backward of step {step} failed: {reason}")
 
     def loss(self, spec: shard_pb2.LossSpec) -> tuple:
         """The loss function of a LossSpec and whether it sums, built once per distinct spec."""

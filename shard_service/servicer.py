@@ -124,7 +124,7 @@ class ShardServicer:
     @boundary
     async def GradientNorm(self, request, context):
         self._owned(context, request.deployment_id)
-        return shard_pb2.GradientNormResponse(norm=await self.runtime.gradient_norm(request))
+        return shard_pb2.GradientNormResponse(norm=await self.loop.gradient_norm_call(request))
 
     @boundary
     async def FetchTensor(self, request, context):

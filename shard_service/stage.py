@@ -30,6 +30,7 @@ class LayerSource:
     wiring: Wiring
     state_keys: dict[str, str]  # graph key -> the user's state-dict key
     eval_program: bytes = b""   # the layer's eval-mode graph, where it differs from `program`'s
+    tied: dict[str, str] = field(default_factory=dict)  # state-dict key -> the first key of its tied tensor
 
 
 @dataclass
@@ -55,11 +56,12 @@ class Stage:
         self.layer_indexes = [source.index for source in sources]
         self.descriptions = [source.description for source in sources]
         self._wirings = [source.wiring for source in sources]
+        self._tensors: dict[str, torch.Tensor] = {}  # each weight once, by its key (a tied one by its first key)
         self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
         self._unloaded = set(self._state)
         # Weights are updated in place (load_state, the optimizer), so their storages never change.
         self._weight_storages = {t.untyped_storage().data_ptr() for t in self._state.values()}
-        named = {key: self._state[key] for key in self._parameter_keys()}
+        named = {key: self._tensors[key] for key in self._parameter_keys()}
         # optimizer: (name, defaults as JSON[, param groups]), as optim.build takes them
         self._optimizer = optim.build(optimizer[0], optimizer[1], named, *optimizer[2:]) if named else None
         key_of = {id(tensor): key for key, tensor in named.items()}
@@ -79,9 +81,17 @@ class Stage:
             for spec in program.state_specs():
                 if spec.graph_key not in source.state_keys:
                     raise InvalidArgument(f"layer {source.index}: weight {spec.graph_key!r} has no state-dict key")
-                tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
-                tensor = torch.nn.Parameter(tensor) if spec.is_parameter else tensor
-                graph_state[spec.graph_key] = state[source.state_keys[spec.graph_key]] = tensor
+                key = source.state_keys[spec.graph_key]
+                home = source.tied.get(key, key)
+                tensor = self._tensors.get(home)  # tied weights: one tensor under every key
+                if tensor is None:
+                    tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+                    tensor = self._tensors[home] = torch.nn.Parameter(tensor) if spec.is_parameter else tensor
+                elif list(tensor.shape) != list(spec.shape) or tensor.dtype != spec.dtype:
+                    raise InvalidArgument(f"layer {source.index}: weight {key!r} is tied to {home!r}, a "
+                                          f"{tensor.dtype} of shape {list(tensor.shape)}, but is a {spec.dtype} of "
+                                          f"shape {list(spec.shape)}")
+                graph_state[spec.graph_key] = state[key] = tensor
             layers.append(program.load(graph_state))
             inputs.append(program.input_specs())
             eval_layers.append(_eval_layer(source, program, graph_state) if source.eval_program else layers[-1])
@@ -90,7 +100,7 @@ class Stage:
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
         """The stage's trainable tensors, in layer order."""
-        return [self._state[key] for key in self._parameter_keys()]
+        return [self._tensors[key] for key in self._parameter_keys()]
 
     @property
     def parameter_count(self) -> int:
@@ -229,6 +239,14 @@ class Stage:
         for tensor in self._state.values():
             tensor.grad = None
 
+    def tied_gradient(self, key: str) -> torch.Tensor | None:
+        """This stage's gradient of tied weight `key` (its first key), before the other stages' are added."""
+        return self._tensors[key].grad
+
+    def set_tied_gradient(self, key: str, grad: torch.Tensor | None) -> None:
+        """Replaces the gradient of tied weight `key` with the sum over every stage holding it."""
+        self._tensors[key].grad = grad.to(self.device) if grad is not None else None
+
     def set_hyperparameters(self, hyperparameters_json: str) -> None:
         """Sets the hyperparameters (lr, betas, ...) of each param group, as a client's schedule left them: JSON,
         one object per group."""
@@ -246,9 +264,11 @@ class Stage:
                     parameter.grad.mul_(gradient_scale)
         self._optimizer.step()
 
-    def gradient_norm(self, norm_type: float) -> float:
-        """The p-norm of every gradient the stage holds, taken as one vector (as clip_grad_norm_ takes them)."""
-        norms = [torch.linalg.vector_norm(p.grad.detach(), norm_type) for p in self.parameters if p.grad is not None]
+    def gradient_norm(self, norm_type: float, leave_out: Sequence[str] = ()) -> float:
+        """The p-norm of every gradient the stage holds, taken as one vector (as clip_grad_norm_ takes them), but
+        for the weights named in `leave_out` (tied weights another stage counts)."""
+        norms = [torch.linalg.vector_norm(self._tensors[key].grad.detach(), norm_type)
+                 for key in self._parameter_keys() if key not in leave_out and self._tensors[key].grad is not None]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type).item() if norms else 0.0
 
     def forget(self, up_to_step: int) -> None:
@@ -298,8 +318,8 @@ class Stage:
                                   f"{error}") from None
 
     def _parameter_keys(self) -> list[str]:
-        """The state-dict keys of the stage's parameters, in layer order."""
-        return [key for key, tensor in self._state.items() if isinstance(tensor, torch.nn.Parameter)]
+        """The keys of the stage's parameters, in layer order, each once (a tied weight by its first key)."""
+        return [key for key, tensor in self._tensors.items() if isinstance(tensor, torch.nn.Parameter)]
 
 
 

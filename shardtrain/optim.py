@@ -253,34 +253,39 @@ def _one_step_state(optimizer: torch.optim.Optimizer) -> list[dict] | None:
 
 
 def merged(states: Sequence[KeyedState]) -> KeyedState:
-    """One state from the stages' states, in stage order: group i of every stage (with parameters) becomes group i."""
+    """One state from the stages' states, in stage order: group i of every stage (with parameters) becomes group i.
+    A weight tied across stages is in several; its first stage's entries stand for all (they are equal)."""
     groups: list[dict] = []
     tensors, values = {}, {}
     for state in states:
         for index, group in enumerate(state.groups):
             if index == len(groups):
                 groups.append({**_settings(group), "params": []})
-            groups[index]["params"] += group["params"]
+            groups[index]["params"] += [key for key in group["params"] if key not in groups[index]["params"]]
         tensors.update(state.tensors)
         values.update(state.values)
     return KeyedState(groups, tensors, values)
 
 
-def split(state: KeyedState, owners: dict[str, int], stages: int) -> list[KeyedState]:
-    """Each stage's share of `state`, by the stage that owns each parameter key (`owners`)."""
+def split(state: KeyedState, owners: dict[str, int | list[int]], stages: int) -> list[KeyedState]:
+    """Each stage's share of `state`, by the stage (or, for a weight tied across stages, the stages) that hold each
+    parameter key (`owners`)."""
+    holders = {key: owner if isinstance(owner, list) else [owner] for key, owner in owners.items()}
     shares = [KeyedState([], {}, {}) for _ in range(stages)]
-    holding = {owners[key] for group in state.groups for key in group["params"] if key in owners}
+    holding = {stage for group in state.groups for key in group["params"] for stage in holders.get(key, ())}
     for group in state.groups:
         settings = _settings(group)
         for stage, share in enumerate(shares):
             if stage in holding:  # every group, empty ones too: group i is the same group on every stage
-                share.groups.append({**settings, "params": [key for key in group["params"] if owners.get(key) == stage]})
+                share.groups.append({**settings, "params": [key for key in group["params"]
+                                                            if stage in holders.get(key, ())]})
     for entries, field in ((state.tensors, "tensors"), (state.values, "values")):
         for where, value in entries.items():
-            owner = owners.get(where.rpartition("/")[0])
-            if owner is None:
+            stages_holding = holders.get(where.rpartition("/")[0])
+            if not stages_holding:
                 raise InvalidArgument(f"optimizer state entry {where!r} names no parameter of this model")
-            getattr(shares[owner], field)[where] = value
+            for stage in stages_holding:
+                getattr(shares[stage], field)[where] = value
     return shares
 
 

@@ -15,11 +15,13 @@ class LinkRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LINK_ROLE_OUTPUT: _ClassVar[LinkRole]
     LINK_ROLE_NEXT: _ClassVar[LinkRole]
     LINK_ROLE_RESIDUAL: _ClassVar[LinkRole]
+    LINK_ROLE_TIED: _ClassVar[LinkRole]
 LINK_ROLE_UNSPECIFIED: LinkRole
 LINK_ROLE_INPUT: LinkRole
 LINK_ROLE_OUTPUT: LinkRole
 LINK_ROLE_NEXT: LinkRole
 LINK_ROLE_RESIDUAL: LinkRole
+LINK_ROLE_TIED: LinkRole
 
 class ProbeSharedMemoryRequest(_message.Message):
     __slots__ = ("path",)
@@ -56,12 +58,24 @@ class CapturedLayer(_message.Message):
     def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ...) -> None: ...
 
 class StateEntry(_message.Message):
-    __slots__ = ("graph_key", "model_key")
+    __slots__ = ("graph_key", "model_key", "tied_to")
     GRAPH_KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIED_TO_FIELD_NUMBER: _ClassVar[int]
     graph_key: str
     model_key: str
-    def __init__(self, graph_key: _Optional[str] = ..., model_key: _Optional[str] = ...) -> None: ...
+    tied_to: str
+    def __init__(self, graph_key: _Optional[str] = ..., model_key: _Optional[str] = ..., tied_to: _Optional[str] = ...) -> None: ...
+
+class TiedWeight(_message.Message):
+    __slots__ = ("key", "stages", "addresses")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResidualSource(_message.Message):
     __slots__ = ("name", "producer_stage", "producer_address")
@@ -84,7 +98,7 @@ class ResidualSink(_message.Message):
     def __init__(self, name: _Optional[str] = ..., consumer_stages: _Optional[_Iterable[int]] = ..., consumer_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StagePlan(_message.Message):
-    __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals", "replica", "num_replicas", "rendezvous")
+    __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals", "replica", "num_replicas", "rendezvous", "tied")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +108,7 @@ class StagePlan(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    TIED_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     previous_address: str
@@ -103,7 +118,8 @@ class StagePlan(_message.Message):
     replica: int
     num_replicas: int
     rendezvous: str
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
+    tied: _containers.RepeatedCompositeFieldContainer[TiedWeight]
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., rendezvous: _Optional[str] = ..., tied: _Optional[_Iterable[_Union[TiedWeight, _Mapping]]] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "groups")
@@ -328,14 +344,16 @@ class StepResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GradientNormRequest(_message.Message):
-    __slots__ = ("deployment_id", "backward_steps", "norm_type")
+    __slots__ = ("deployment_id", "optimizer_step", "backward_steps", "norm_type")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_STEPS_FIELD_NUMBER: _ClassVar[int]
     NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
+    optimizer_step: int
     backward_steps: _containers.RepeatedScalarFieldContainer[int]
     norm_type: float
-    def __init__(self, deployment_id: _Optional[str] = ..., backward_steps: _Optional[_Iterable[int]] = ..., norm_type: _Optional[float] = ...) -> None: ...
+    def __init__(self, deployment_id: _Optional[str] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., norm_type: _Optional[float] = ...) -> None: ...
 
 class GradientNormResponse(_message.Message):
     __slots__ = ("norm",)
@@ -492,7 +510,7 @@ class TensorKey(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "target", "loss", "tensor")
+    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "target", "loss", "tied_gradient", "tensor")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -505,6 +523,7 @@ class LinkMessage(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    TIED_GRADIENT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     open: LinkOpen
     forward: ForwardHeader
@@ -518,5 +537,16 @@ class LinkMessage(_message.Message):
     error: LinkError
     target: LossTarget
     loss: StepLoss
+    tied_gradient: TiedGradient
     tensor: _tensor_pb2.TensorChunk
-    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., target: _Optional[_Union[LossTarget, _Mapping]] = ..., loss: _Optional[_Union[StepLoss, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., target: _Optional[_Union[LossTarget, _Mapping]] = ..., loss: _Optional[_Union[StepLoss, _Mapping]] = ..., tied_gradient: _Optional[_Union[TiedGradient, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class TiedGradient(_message.Message):
+    __slots__ = ("optimizer_step", "key", "from_stage")
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    optimizer_step: int
+    key: str
+    from_stage: int
+    def __init__(self, optimizer_step: _Optional[int] = ..., key: _Optional[str] = ..., from_stage: _Optional[int] = ...) -> None: ...

@@ -266,3 +266,14 @@ def test_set_hyperparameters_sets_each_group_and_refuses_what_does_not_fit_chang
         with pytest.raises(InvalidArgument, match=why):
             set_hyperparameters(optimizer, json.dumps(bad))
     assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.25]
+
+
+def test_a_weight_tied_across_stages_goes_to_every_stage_holding_it_and_merges_back_once():
+    _, optimizer, keys = stepped()
+    original = optimizer.state_dict()
+    holders = {"0.weight": [0, 1], "0.bias": [0], "1.weight": [1], "1.bias": [1]}
+    shares = split(keyed(original, keys), holders, 2)
+    assert [share.groups[0]["params"] for share in shares] == [["0.weight", "0.bias"], ["0.weight", "1.weight",
+                                                                                      "1.bias"]]
+    assert set(shares[1].tensors) >= {"0.weight/exp_avg", "1.weight/exp_avg"}
+    assert same_state(indexed(merged(shares), keys), original)

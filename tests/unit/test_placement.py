@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.placement import StagePlacement, place
+from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord
 from shardtrain.residuals import StageResiduals
 
@@ -47,3 +47,9 @@ def test_placement_outgoing_is_a_copy_of_the_route():
     placement = place([(0, 1), (1, 2)], [route, StageResiduals(incoming={"r": 0})], SHARDS[:2])[0]
     route.outgoing["s"] = [1]
     assert placement.outgoing == {"r": [1]}
+
+
+def test_tied_weights_name_every_stage_holding_them_and_only_when_they_cross_stages():
+    ranges = [(0, 2), (2, 4), (4, 6)]
+    keys = [["0.weight"], [], ["2.weight"], ["2.weight"], [], ["0.weight"]]  # each layer's tied keys
+    assert tied_stages(ranges, keys) == [{"0.weight": [0, 2]}, {}, {"0.weight": [0, 2]}]
