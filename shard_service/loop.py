@@ -727,7 +727,9 @@ class LinkedLoop:
             log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error)
 
     async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
-        """Passes a failure on the way it travels; a failed backward also counts as failed here."""
+        """Passes a failure on the way it travels. A failed backward coming up counts as failed here, and so does
+        a failed forward coming down: this stage will run no backward for that step (a planned step's optimizer
+        step waits for one, even where no item of the step ever arrived)."""
         error = message.error
         from_below = not end.toward_first
         aborted = error.HasField("key") and self._abort_run(error.key.step, error.message)
@@ -736,7 +738,7 @@ class LinkedLoop:
             # A forward that failed before it reached the last stage, with no SDK here to hear of it: a client of
             # the per-call RPCs started it, and fetches its output from here.
             self._by_call.add(error.key.step)
-        if error.backward and error.HasField("key") and from_below and not aborted:
+        if error.HasField("key") and error.backward == from_below and not aborted:
             await self._runtime.order.backward_finished(error.key.step, error.message)
         await self._tell(message, up=from_below, either_way=False)
 

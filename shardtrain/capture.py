@@ -217,6 +217,27 @@ class CapturedProgram:
         return _without_input_checks(exported.module())
 
 
+_BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
+
+
+def batch_norm_minimum(module: torch.nn.Module) -> tuple[int, list]:
+    """(the smallest batch a loaded layer takes in training mode, the input shape of the batch norm that sets it).
+
+    F.batch_norm refuses, in Python, to normalise one value per channel while training (its variance would be
+    0/0 and poison the running statistics); capture drops that check. A training-mode batch norm whose input has
+    nothing but the batch beside its channels (an [N, C] or [N, C, 1] input) needs at least 2 rows."""
+    for node in getattr(module, "graph", torch.fx.Graph()).nodes:
+        name = getattr(getattr(node.target, "_schema", None), "name", "").removeprefix("aten::")
+        if node.op != "call_function" or name not in _BATCH_NORMS or len(node.args) < 6 or node.args[5] is not True:
+            continue
+        value = getattr(node.args[0], "meta", {}).get("val")
+        if value is None or value.dim() < 2 or isinstance(value.shape[0], int):
+            continue  # not batch-first: nothing to check up front
+        if all(isinstance(size, int) and size == 1 for size in value.shape[2:]):
+            return 2, ["batch", *value.shape[1:]]
+    return 1, []
+
+
 def _without_input_checks(module: torch.nn.Module) -> torch.nn.Module:
     """Drops export's per-call input-constraint hook, which costs about as much as a small layer's own call:
     the shard checks each stage's inputs once instead."""

@@ -57,6 +57,25 @@ def test_batchnorm_trains_like_one_process_running_statistics_included(cluster4)
     assert trained["1.num_batches_tracked"].item() == trained["4.num_batches_tracked"].item() == 20
 
 
+def test_a_batch_of_one_row_through_batchnorm_in_training_is_refused_as_pytorch_refuses_it(cluster4):
+    """Capture drops F.batch_norm's Python check; the stage makes it before anything runs, so the running
+    statistics stay finite and unchanged, in the loop and in pipelined micro-batches of one row."""
+    model, local = trained_batchnorm(cluster4, steps=2)
+    before = model.state_dict()
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        local(torch.ones(1, 3))
+    with pytest.raises(InvalidArgument, match=r"layer 1 \(BatchNorm1d.*Expected more than 1 value per channel when "
+                                              r"training, got input size \[1, 8\]"):
+        torch.nn.functional.mse_loss(model(torch.ones(1, 3)), torch.ones(1, 1)).backward()
+        model.synchronize()
+    with pytest.raises(InvalidArgument, match="Expected more than 1 value per channel"):
+        model.train_step(torch.ones(4, 3), torch.ones(4, 1), microbatches=4)
+    assert largest_difference(model.state_dict(), before) == 0
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(torch.ones(1, 3)), local.eval()(torch.ones(1, 3)), atol=1e-6)
+
+
 def test_eval_mode_normalises_by_the_running_statistics_and_leaves_them_alone(cluster4):
     model, local = trained_batchnorm(cluster4, steps=5)
     trained = state_of(local)

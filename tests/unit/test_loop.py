@@ -229,3 +229,22 @@ def test_a_planned_step_on_the_last_stage_sends_each_loss_to_the_sdk_and_gradien
     assert [message.backward.key.microbatch for message, _ in stage.up.items] == [0, 1]
     expected = [0.5 * nn.functional.mse_loss(model[2](h), y).item() for h, y in zip(hs, ys)]
     assert [message.loss.loss for message, _ in stage.out.items] == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_forward_that_failed_before_this_stage_settles_its_step_here_at_once(model):
+    """A planned step that failed on an earlier stage before any of its items came here: the error item is all this
+    stage sees, and the optimizer step listing that step's backward must be refused here, not wait for it."""
+    async def sequence():
+        stage = LastStage(model)
+        await stage.start()
+        before = stage.weights()
+        error = link.error_item(key(0), errors.InvalidArgument("refused on stage 0"), "stage 0")
+        await stage.feed(stage.up, error)
+        await stage.feed(stage.up, step_item(1, [0]))
+        await stage.feed(stage.up, shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=1)))
+        after = stage.weights()
+        await stage.close()
+        return stage, before, after
+    stage, before, after = asyncio.run(sequence())
+    assert stage.out.kinds() == ["error", "flush"]
+    assert all(torch.equal(before[name], after[name]) for name in before)
