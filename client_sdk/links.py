@@ -47,6 +47,7 @@ class SdkLinks:
         self._loss_parts: dict[int, list] = {}           # planned step -> [loss so far, micro-batches still to come]
         self._planned: dict[int, asyncio.Future] = {}    # planned step -> fails if the step fails anywhere
         self._stats: dict[int, list] = {}                # optimizer step -> the StageStats its Flush brought back
+        self._later: set[asyncio.Task] = set()           # optimizer steps sent once their gradient scale is known
 
     def _link(self, role: int) -> link.ClientLink:
         client = self._links.get(role)
@@ -107,11 +108,13 @@ class SdkLinks:
 
     async def planned(self, forwards: list[tuple[shard_pb2.ForwardHeader, torch.Tensor]],
                       targets: list[tuple[shard_pb2.LossTarget, torch.Tensor]],
-                      request: shard_pb2.StepRequest) -> tuple[float, asyncio.Future]:
+                      request: shard_pb2.StepRequest,
+                      gradient_scale: asyncio.Future | None = None) -> tuple[float, asyncio.Future]:
         """A planned step: the micro-batches into the first stage, their targets into the last, then the optimizer
         step and a Flush asking for every stage's figures. Returns the step's loss as soon as the last stage sent
         it, with a future that ends (with the stages' StageStats) once every stage settled the step, or fails with
-        the step's failure: the backwards and the optimizer step go on meanwhile, as after the loop's step()."""
+        the step's failure: the backwards and the optimizer step go on meanwhile, as after the loop's step().
+        With `gradient_scale` (clipping), the optimizer step goes once that future has the scale."""
         step, number = forwards[0][0].key.step, request.optimizer_step
         loss = self._expect(self._losses, step)
         failed = self._expect(self._planned, step)
@@ -125,12 +128,20 @@ class SdkLinks:
             for target, y in targets:
                 await self._send(_ROLES.LINK_ROLE_OUTPUT, shard_pb2.LinkMessage(target=target), y)
 
-        async def send_inputs() -> None:
-            for header, x in forwards:
-                await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
+        async def send_step() -> None:
+            if gradient_scale is not None:
+                request.gradient_scale = await gradient_scale
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request)))
             flush = shard_pb2.Flush(optimizer_step=number, stats=True)
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=flush))
+
+        async def send_inputs() -> None:
+            for header, x in forwards:
+                await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
+            if gradient_scale is None:
+                await send_step()
+            else:  # after the backwards: the loss comes back before then
+                self._send_later(send_step(), settled)
         try:
             await asyncio.gather(send_targets(), send_inputs())
             value = await self._wait(self._losses, step, loss, f"the loss of step {step} from {self._last.name}")
@@ -140,6 +151,17 @@ class SdkLinks:
         finally:
             self._loss_parts.pop(step, None)
         return value, asyncio.ensure_future(self._planned_outcome(step, number, settled, failed))
+
+    def _send_later(self, sending, settled: asyncio.Future) -> None:
+        """Sends in a task of its own; if that fails, the step it was for fails with it."""
+        task = asyncio.ensure_future(sending)
+        self._later.add(task)
+
+        def done(task: asyncio.Task) -> None:
+            self._later.discard(task)
+            if not task.cancelled() and task.exception() is not None and not settled.done():
+                settled.set_exception(task.exception())
+        task.add_done_callback(done)
 
     async def _planned_outcome(self, step: int, number: int, settled: asyncio.Future, failed: asyncio.Future) -> list:
         """The StageStats of a planned step once every stage settled it; its failure if it failed anywhere (a
@@ -269,6 +291,8 @@ class SdkLinks:
 
     async def close(self) -> None:
         """Ends both links; the shards keep the model."""
+        for task in list(self._later):
+            task.cancel()
         links, self._links = self._links, {}
         for client in links.values():
             await client.close()

@@ -171,7 +171,7 @@ class DistributedModel:
         return len(self._trainer.replicas)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn="MSELoss", microbatches: int = 1,
-                   schedule: str = "1f1b") -> float:
+                   schedule: str = "1f1b", clip_grad_norm: float | None = None) -> float:
         """One pipelined training step on the shards: zero_grad, forward and backward of every micro-batch,
         the replicas' gradient all-reduce, and the optimizer step. Returns the batch's loss as soon as the
         last stage computed it; the backwards and the optimizer step go on meanwhile, and a failure of
@@ -184,9 +184,18 @@ class DistributedModel:
         is computed on the last stage: a torch.nn loss by name ("MSELoss"), class or instance from
         the allow-list, or a loss module of your own (captured like a layer). Mean-reducing losses
         weigh each micro-batch by its share of the batch, so the result equals one full-batch step.
+        clip_grad_norm: clip the gradients by their global norm before the step, as clip_grad_norm_ does (the optimizer
+        step then waits for the stages' norms; model.grad_norm() gives the total norm).
         """
         self._check_open()
-        return self._io.run(self._train_step(x, y, loss_fn, microbatches, schedule))
+        clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
+        return self._io.run(self._train_step(x, y, loss_fn, microbatches, schedule, clip))
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm of the last train_step that clipped (None before one did), once it settled."""
+        self._check_open()
+        self._io.run(self._synchronize())
+        return self._trainer.grad_norm
 
     def stats(self) -> list[dict]:
         """Per shard, what it did in the last train_step: compute seconds, busy fraction, peak activations.
@@ -224,7 +233,7 @@ class DistributedModel:
         return await self._io.wrap(self._read_state())
 
     # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
-    async def _train_step(self, x, y, loss_fn, microbatches: int, schedule: str) -> float:
+    async def _train_step(self, x, y, loss_fn, microbatches: int, schedule: str, clip=None) -> float:
         self._inflight.raise_failures()
         if self._backward_steps:
             await self._synchronize()  # a loop backward still running would add to the step's fresh gradients
@@ -242,7 +251,7 @@ class DistributedModel:
         try:
             loss, settled = await self._trainer.run(step, x, y, spec, microbatches, schedule, after,
                                                     self._optimizer_steps, eval_mode=not self.training,
-                                                    hyperparameters=self._hyperparameters.changes())
+                                                    hyperparameters=self._hyperparameters.changes(), clip=clip)
             self.optimizer._opt_called = True  # what torch's lr schedulers check: an optimizer step ran
         except BaseException:
             self._abandon_deferred_work()

@@ -50,7 +50,8 @@ class StageClients:
 
     async def planned_step(self, step: int, share: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_rows: int,
                            loss: shard_pb2.LossSpec, plan: shard_pb2.StepPlan, after_optimizer_step: int,
-                           optimizer_step: int, eval_mode: bool, hyperparameters: str = "") -> tuple[float, asyncio.Future]:
+                           optimizer_step: int, eval_mode: bool, hyperparameters: str = "",
+                           gradient_scale: asyncio.Future | None = None) -> tuple[float, asyncio.Future]:
         """One planned step over this pipeline's Links: each (input, target) micro-batch of `share` forward and
         backward on every stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's
         loss once the last stage computed it, and a future of every stage's StageStats once the step settled."""
@@ -62,7 +63,7 @@ class StageClients:
                     y.detach()) for k, (_, y) in enumerate(share)]
         request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, optimizer_step=optimizer_step,
                                         backward_steps=[step], hyperparameters_json=hyperparameters)
-        return await self._links.planned(forwards, targets, request)
+        return await self._links.planned(forwards, targets, request, gradient_scale)
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
                       after_optimizer_step: int, input_requires_grad: bool = False,

@@ -105,3 +105,21 @@ def test_groups_given_by_name_and_filter_and_the_refusals(cluster4):
         cluster4.deploy(net(), optimizer=(torch.optim.SGD, [{"params": ["9.weight"]}], {"lr": 0.1}))
     with pytest.raises(InvalidArgument, match=r"optimizer takes \(class, kwargs\)"):
         cluster4.deploy(net(), optimizer=(torch.optim.SGD, 0.1))
+
+
+@pytest.mark.parametrize("num_stages, replicas", [(3, 1), (2, 2)])
+def test_train_step_clips_by_the_global_norm_as_one_process(cluster4, num_stages, replicas):
+    local, batches = net(), regression_batches(steps=6, batch=16, features=3)
+    remote_net = copy.deepcopy(local)
+    model = cluster4.deploy(remote_net, optimizer=configure_optimizers(remote_net), num_stages=num_stages,
+                            replicas=replicas)
+    optimizer = configure_optimizers(local)
+    for x, y in batches:
+        model.train_step(x, y, "MSELoss", microbatches=2, schedule="1f1b", clip_grad_norm=0.05)
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model.grad_norm().item() == pytest.approx(local_norm.item(), rel=1e-5)
+    assert local_norm > 0.05
+    assert largest_difference(model.state_dict(), local.state_dict()) <= 1e-5
