@@ -2,6 +2,6 @@
 
 from client_sdk.cluster import Cluster
 from client_sdk.layer_list import LayerList
-from client_sdk.model import DistributedModel, Placement
+from client_sdk.model import DistributedModel, Placement, RemoteParameter
 
-__all__ = ["Cluster", "DistributedModel", "LayerList", "Placement"]
+__all__ = ["Cluster", "DistributedModel", "LayerList", "Placement", "RemoteParameter"]

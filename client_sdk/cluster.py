@@ -14,7 +14,7 @@ from client_sdk import layers as layer_tools
 from client_sdk import modes
 from client_sdk import optimizer as optimizer_tools
 from client_sdk.io_loop import shared_loop
-from client_sdk.model import DistributedModel, Placement
+from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
 from client_sdk.transport import StageClients
@@ -131,12 +131,13 @@ class Cluster:
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
                                                     layers_per_stage=layers_per_stage),
             replicas=replicas)
-        layer_tools.mark_tied(request.layers, layer_tools.tied_keys(module))
+        layer_tools.mark_state(request.layers, module)
         response = self._io.run(self._coordinator.call("Deploy", request))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
             [name for name, _ in module.named_parameters()]
-        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec))
+        shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
+        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes))
         distributed.load_state_dict(module.state_dict())
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
@@ -145,7 +146,7 @@ class Cluster:
         return distributed
 
     async def _handle(self, response, captured, encodings, parameter_keys: list[str],
-                      optimizer: shard_pb2.OptimizerSpec) -> DistributedModel:
+                      optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple]) -> DistributedModel:
         owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
@@ -162,8 +163,10 @@ class Cluster:
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas)
         key_order = [entry.model_key for layer in captured for entry in layer.state]
+        parameters = [RemoteParameter(name, shape, dtype, requires_grad, tuple(sorted(holders.get(name, ()))))
+                      for name, (shape, dtype, requires_grad) in shapes.items()]
         return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer,
-                                {key: sorted(stages) for key, stages in holders.items()})
+                                {key: sorted(stages) for key, stages in holders.items()}, parameters)
 
     def _close_models(self) -> None:
         models, self._models = self._models, []

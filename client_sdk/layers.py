@@ -83,11 +83,15 @@ def tied_keys(module: torch.nn.Module) -> dict[str, str]:
     return {key: home for key, home in homes.items() if home in shared}
 
 
-def mark_tied(captured: Sequence[shard_pb2.CapturedLayer], tied: dict[str, str]) -> None:
-    """Names, on each captured weight that is tied to others, the first key of its tensor (StateEntry.tied_to)."""
+def mark_state(captured: Sequence[shard_pb2.CapturedLayer], module: torch.nn.Module) -> None:
+    """Marks each captured weight tied to others with the first key of its tensor (StateEntry.tied_to), and each
+    parameter that takes no gradient as frozen."""
+    tied = tied_keys(module)
+    frozen = {key for key, parameter in module.named_parameters(remove_duplicate=False) if not parameter.requires_grad}
     for layer in captured:
         for entry in layer.state:
             entry.tied_to = tied.get(entry.model_key, "")
+            entry.frozen = entry.model_key in frozen
 
 
 def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.CapturedLayer]:

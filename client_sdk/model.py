@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,23 @@ from shardtrain.v1 import shard_pb2
 log = logging.getLogger("shardtrain.sdk")
 
 MAX_AWAITING = 64  # forwards whose backward may still come: as many steps as a shard keeps in flight
+
+
+@dataclass(frozen=True)
+class RemoteParameter:
+    """A parameter of a deployed model: what it is and which stages hold it (its value: model.state_dict())."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool  # False: frozen when deployed (it was in the model), so it takes no gradient
+    stages: tuple[int, ...]  # more than one for a weight tied across stages
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -52,7 +70,8 @@ class DistributedModel:
 
     def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
                  owners: dict[str, int], key_order: Sequence[str], parameter_keys: Sequence[str] = (),
-                 optimizer: shard_pb2.OptimizerSpec | None = None, holders: dict[str, list[int]] | None = None):
+                 optimizer: shard_pb2.OptimizerSpec | None = None, holders: dict[str, list[int]] | None = None,
+                 parameters: Sequence[RemoteParameter] = ()):
         self._io = io
         self._trainer = trainer
         self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
@@ -60,6 +79,7 @@ class DistributedModel:
         self.placements = list(placements)
         self._owners = owners
         self._holders = holders or {key: [stage] for key, stage in owners.items()}  # a tied weight: several stages
+        self._parameters = list(parameters)
         self._key_order = list(key_order)
         self._parameter_keys = [key for key in parameter_keys if key in owners]  # the order torch.optim numbers
         # The shards' optimizer as seen from here: its param groups hold the hyperparameters in force.
@@ -160,6 +180,15 @@ class DistributedModel:
         per_stage = optim.split(optim.from_torch(state, self._parameter_keys), self._holders, len(self.placements))
         self._io.run(self._load_optimizer_state(per_stage))
         self._hyperparameters.loaded(state["param_groups"])
+
+    def named_parameters(self):
+        """(name, RemoteParameter) for each parameter, in net.named_parameters()'s order (a tied weight once)."""
+        return ((parameter.name, parameter) for parameter in self._parameters)
+
+    def parameters(self):
+        """Each RemoteParameter, in net.parameters()'s order: sum(p.numel() for p in model.parameters()) counts
+        the model's weights, as for a local module."""
+        return iter(self._parameters)
 
     def describe(self) -> list:
         """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals."""

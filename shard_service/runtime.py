@@ -116,7 +116,8 @@ class ShardRuntime:
         sources = [LayerSource(layer.index, layer.description, layer.program,
                                Wiring(tuple(layer.dependencies), tuple(layer.out_variables)),
                                {entry.graph_key: entry.model_key for entry in layer.state}, layer.eval_program,
-                               {entry.model_key: entry.tied_to for entry in layer.state if entry.tied_to})
+                               {entry.model_key: entry.tied_to for entry in layer.state if entry.tied_to},
+                               frozenset(entry.model_key for entry in layer.state if entry.frozen))
                    for layer in request.layers]
         plan = request.plan
         residuals = StageResiduals({r.name: r.producer_stage for r in plan.incoming_residuals},

@@ -31,6 +31,7 @@ class LayerSource:
     state_keys: dict[str, str]  # graph key -> the user's state-dict key
     eval_program: bytes = b""   # the layer's eval-mode graph, where it differs from `program`'s
     tied: dict[str, str] = field(default_factory=dict)  # state-dict key -> the first key of its tied tensor
+    frozen: frozenset[str] = frozenset()  # parameters that take no gradient
 
 
 @dataclass
@@ -87,7 +88,9 @@ class Stage:
                 tensor = self._tensors.get(home)  # tied weights: one tensor under every key
                 if tensor is None:
                     tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
-                    tensor = self._tensors[home] = torch.nn.Parameter(tensor) if spec.is_parameter else tensor
+                    if spec.is_parameter:
+                        tensor = torch.nn.Parameter(tensor, requires_grad=key not in source.frozen)
+                    self._tensors[home] = tensor
                 elif list(tensor.shape) != list(spec.shape) or tensor.dtype != spec.dtype:
                     raise InvalidArgument(f"layer {source.index}: weight {key!r} is tied to {home!r}, a "
                                           f"{tensor.dtype} of shape {list(tensor.shape)}, but is a {spec.dtype} of "

@@ -58,14 +58,16 @@ class CapturedLayer(_message.Message):
     def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ...) -> None: ...
 
 class StateEntry(_message.Message):
-    __slots__ = ("graph_key", "model_key", "tied_to")
+    __slots__ = ("graph_key", "model_key", "tied_to", "frozen")
     GRAPH_KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_KEY_FIELD_NUMBER: _ClassVar[int]
     TIED_TO_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
     graph_key: str
     model_key: str
     tied_to: str
-    def __init__(self, graph_key: _Optional[str] = ..., model_key: _Optional[str] = ..., tied_to: _Optional[str] = ...) -> None: ...
+    frozen: bool
+    def __init__(self, graph_key: _Optional[str] = ..., model_key: _Optional[str] = ..., tied_to: _Optional[str] = ..., frozen: _Optional[bool] = ...) -> None: ...
 
 class TiedWeight(_message.Message):
     __slots__ = ("key", "stages", "addresses")

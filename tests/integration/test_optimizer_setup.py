@@ -123,3 +123,27 @@ def test_train_step_clips_by_the_global_norm_as_one_process(cluster4, num_stages
         assert model.grad_norm().item() == pytest.approx(local_norm.item(), rel=1e-5)
     assert local_norm > 0.05
     assert largest_difference(model.state_dict(), local.state_dict()) <= 1e-5
+
+
+def test_frozen_parameters_take_no_gradient_and_the_model_lists_its_parameters(cluster4):
+    local, batches = net(), regression_batches(steps=4, batch=16, features=3)
+    for parameter in local[0].parameters():
+        parameter.requires_grad_(False)  # fine-tuning: the first layer stays as it is
+    remote = copy.deepcopy(local)
+    model = cluster4.deploy(remote, optimizer=torch.optim.Adam(remote.parameters(), lr=0.01), num_stages=3)
+    named = dict(model.named_parameters())
+    assert list(named) == [name for name, _ in local.named_parameters()]
+    assert named["0.weight"].shape == (16, 3) and named["0.weight"].dim() == 2 and not named["0.weight"].requires_grad
+    assert named["4.bias"].requires_grad and named["4.bias"].stages == (2,)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in local.parameters())
+    optimizer = torch.optim.Adam(local.parameters(), lr=0.01)
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model.step()
+        model.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = model.state_dict()
+    assert torch.equal(trained["0.weight"], net().state_dict()["0.weight"])
+    assert largest_difference(trained, local.state_dict()) <= 1e-5
