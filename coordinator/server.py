@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import sys
 
 import grpc
 
 from coordinator.servicer import CoordinatorServicer
-from shardtrain import health, rpc, shm
+from shardtrain import health, logs, rpc, shm
 from shardtrain.lifecycle import die_with_parent
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
@@ -42,8 +41,9 @@ async def serve(settings: CoordinatorSettings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `shardtrain coordinator`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure()  # until the flags say otherwise: parsing them may warn
     settings = coordinator_settings(sys.argv[1:] if argv is None else argv)
+    logs.configure(settings.log_level, settings.log_format)
     die_with_parent(settings.parent_pid)
     shm.sweep()  # segments left by shardtrain processes that were killed
     try:

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from shard_service.servicer import ShardServicer
-from shardtrain import carrier, health, rpc, shm
+from shardtrain import carrier, health, logs, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
@@ -103,8 +103,9 @@ def flush_denormals() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `shardtrain shard`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure()  # until the flags say otherwise: parsing them may warn
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
+    logs.configure(settings.log_level, settings.log_format)
     die_with_parent(settings.parent_pid)
     keep_freed_memory()
     shm.sweep()  # segments left by shardtrain processes that were killed

@@ -9,12 +9,15 @@ away from the client token, so that a client cannot pose as a shard, and a reade
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 
 import grpc
 
 from shardtrain.errors import PermissionDenied
 from shardtrain.settings import Security
+
+log = logging.getLogger("shardtrain.auth")
 
 CLIENT, SHARD, READER = "client", "shard", "reader"
 _READING = frozenset({CLIENT, SHARD, READER})
@@ -39,6 +42,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/Describe": _READING,
     "ShardService/ProbeSharedMemory": _READING,
     "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)
+    "ServerReflection/ServerReflectionInfo": _READING,  # the contract, as protos/ has it
 }
 
 
@@ -102,11 +106,13 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
         presented = dict(details.invocation_metadata or ()).get("authorization", "")
         roles = roles_of(presented, self._security)
         if not roles:
+            log.info("refused %s: UNAUTHENTICATED (%s token)", details.method, "a wrong" if presented else "no")
             return _refusing(await continuation(details), grpc.StatusCode.UNAUTHENTICATED,
                              f"{details.method}: missing or wrong auth token (expected metadata "
                              "'authorization: Bearer <token>')")
         allowed = ALLOWED.get(method, frozenset())
         if not roles & allowed:
+            log.info("refused %s: PERMISSION_DENIED (the %s role)", details.method, " or ".join(sorted(roles)))
             return _refusing(await continuation(details), grpc.StatusCode.PERMISSION_DENIED,
                              f"{details.method}: the {' or '.join(sorted(roles))} token may not call this; it takes "
                              f"the {' or '.join(sorted(allowed)) or 'no'} role")

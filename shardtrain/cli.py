@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 COMMANDS = {
@@ -15,8 +16,11 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Dispatches `shardtrain COMMAND [flags]`; components are imported only when their command runs."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:
+        print(f"shardtrain {importlib.metadata.version('shardtrain')}")
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print("usage: shardtrain {coordinator,shard,demo} [--help]\n", file=sys.stderr)
+        print("usage: shardtrain {coordinator,shard,demo} [--help] | --version\n", file=sys.stderr)
         for name, (_, summary) in COMMANDS.items():
             print(f"  {name:<12} {summary}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from grpc_reflection.v1alpha import reflection
 
 from google.protobuf import message_factory
 
@@ -128,9 +129,11 @@ def add_service(server: grpc.aio.Server, servicer: Any, service) -> None:
 
 
 def add_health(server: grpc.aio.Server, service) -> health.HealthServicer:
-    """Serves grpc.health.v1.Health beside `service` on `server`; the returned servicer reports their status."""
+    """Serves grpc.health.v1.Health beside `service` on `server`, and server reflection over both (tools such as
+    grpcurl list and describe them, with a token); the returned servicer reports their status."""
     servicer = health.HealthServicer((service.full_name,))
     add_service(server, servicer, health.SERVICE)
+    reflection.enable_server_reflection((service.full_name, health.SERVICE.full_name, reflection.SERVICE_NAME), server)
     return servicer
 
 
@@ -207,7 +210,7 @@ def boundary(method: Callable) -> Callable:
                 async for item in method(self, request, context):
                     yield item
             except Exception as error:  # noqa: BLE001 - this is the one boundary
-                await context.abort(*status_message(error, self.location))
+                await context.abort(*_refusal(error, self.location, method.__name__, context))
         return streaming
 
     @functools.wraps(method)
@@ -215,8 +218,23 @@ def boundary(method: Callable) -> Callable:
         try:
             return await method(self, request, context)
         except Exception as error:  # noqa: BLE001 - this is the one boundary
-            await context.abort(*status_message(error, self.location))
+            await context.abort(*_refusal(error, self.location, method.__name__, context))
     return unary
+
+
+def _refusal(error: Exception, where: str, method: str, context) -> tuple[grpc.StatusCode, str]:
+    """status_message, logged once with the method and the caller: an info line for a request the caller got
+    wrong, a warning for a failure here or further on."""
+    code, message = status_message(error, where)
+    level = logging.INFO if code.name in CALLER_ERRORS else logging.WARNING
+    log.log(level, "%s %s from %s: %s %s", "refused" if level == logging.INFO else "failed", method,
+            context.peer(), code.name, message)
+    return code, message
+
+
+# Codes that say the request was wrong, not the server or its peers.
+CALLER_ERRORS = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "ALREADY_EXISTS", "OUT_OF_RANGE",
+                           "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DATA_LOSS"})
 
 
 def translate(error: grpc.aio.AioRpcError, peer: str) -> errors.ShardtrainError:

@@ -9,6 +9,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from shardtrain import logs
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
 ENV_PREFIX = "SHARDTRAIN_"
@@ -72,6 +73,8 @@ class ShardSettings:
     tcp_links: bool = True      # peers on other hosts carry them on a TCP socket, unless the services use TLS
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
+    log_level: str = "info"
+    log_format: str = "text"  # or "json": one JSON object a line
     security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -82,6 +85,8 @@ class CoordinatorSettings:
 
     bind: str = "127.0.0.1:0"
     parent_pid: int = 0
+    log_level: str = "info"
+    log_format: str = "text"
     security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -157,6 +162,14 @@ def _coordinator_default(env: Mapping[str, str]) -> str:
     return _env(env, "COORDINATOR")
 
 
+def add_log_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """--log-level and --log-format, shared by the services."""
+    parser.add_argument("--log-level", choices=logs.LEVELS, default=_env(env, "LOG_LEVEL", "info"),
+                        help="the least severe records logged (default info; every refused request is an info line)")
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=_env(env, "LOG_FORMAT", "text"),
+                        help="text lines, or json: one object a line with time, level, logger and message")
+
+
 def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ShardSettings:
     """Parses `shardtrain shard` flags, with environment variables as defaults."""
     env = os.environ if env is None else env
@@ -187,6 +200,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--simulate-compute-ms", type=float, default=_env(env, "SIMULATE_COMPUTE_MS", "0"),
                         help="add this much time to each pipelined forward and backward "
                              "(benchmarks: it stands for GPU work)")
+    add_log_flags(parser, env)
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
     if not args.coordinator:
@@ -196,8 +210,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", tcp_links=args.tcp_links == "on",
                          flush_denormal=args.flush_denormal == "on",
-                         simulate_compute=args.simulate_compute_ms / 1e3,
-                         security=security_from(args, role="shard"))
+                         simulate_compute=args.simulate_compute_ms / 1e3, log_level=args.log_level,
+                         log_format=args.log_format, security=security_from(args, role="shard"))
 
 
 def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:
@@ -207,6 +221,8 @@ def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = No
     parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"))
     parser.add_argument("--parent-pid", type=int, default=_env(env, "PARENT_PID", "0"),
                         help="exit when this process dies")
+    add_log_flags(parser, env)
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
-    return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, security=security_from(args, role="shard"))
+    return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, log_level=args.log_level,
+                               log_format=args.log_format, security=security_from(args, role="shard"))

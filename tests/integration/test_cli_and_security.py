@@ -134,7 +134,38 @@ def test_tls_end_to_end(tmp_path):
             Cluster.connect(cluster.address, security=Security(token="t"))  # plaintext to a TLS port
 
 
-def test_entry_point_lists_its_commands():
+def test_refused_requests_are_logged_once_with_the_code_and_the_caller_as_json_lines():
+    env = {**without_shardtrain_variables(), "SHARDTRAIN_AUTH_TOKEN": "t"}
+    process = subprocess.Popen(["shardtrain", "coordinator", "--bind", "127.0.0.1:0", "--log-format", "json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        address = f"127.0.0.1:{json.loads(process.stdout.readline())['port']}"
+
+        async def refused_calls() -> None:
+            for token in ("t", "wrong"):
+                coordinator = rpc.Peer("coordinator", address, rpc.COORDINATOR_SERVICE, Security(token=token), 10)
+                try:
+                    with pytest.raises((errors.InvalidArgument, errors.Unauthenticated)):
+                        await coordinator.call("Deploy", coordinator_pb2.DeployRequest())
+                finally:
+                    await coordinator.close()
+        asyncio.run(refused_calls())
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    lines = [json.loads(line) for line in stderr.splitlines()]
+    assert {"time", "level", "logger", "message"} <= set(lines[0])
+    refusals = [line for line in lines if line["message"].startswith("refused")]
+    assert len(refusals) == 2
+    assert refusals[0]["level"] == "INFO" and "Deploy from ipv4:127.0.0.1" in refusals[0]["message"]
+    assert "INVALID_ARGUMENT coordinator 127.0.0.1" in refusals[0]["message"]
+    assert refusals[0]["message"].endswith("a deploy needs at least one layer")
+    assert "CoordinatorService/Deploy: UNAUTHENTICATED (a wrong token)" in refusals[1]["message"]
+
+
+def test_entry_point_lists_its_commands_and_its_version():
+    version = subprocess.run(["shardtrain", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("shardtrain 0.")
     done = subprocess.run([sys.executable, "-m", "shardtrain.cli"], capture_output=True, text=True)
     assert done.returncode == 2
     assert all(name in done.stderr for name in ("coordinator", "shard", "demo"))

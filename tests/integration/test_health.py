@@ -1,4 +1,5 @@
-"""gRPC's health checking protocol on the coordinator and the shards: open to probes without a token."""
+"""gRPC's health checking protocol on the coordinator and the shards, open to probes without a token; and server
+reflection, for token holders."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client_sdk import Cluster
 from shardtrain import errors, health, rpc
@@ -53,3 +56,41 @@ def test_watch_sends_the_status_then_each_change():
         servicer.set_all(health.NOT_SERVING)
         return [first.status, (await asyncio.wait_for(later, 5)).status]
     assert asyncio.run(scenario()) == [health.SERVING, health.NOT_SERVING]
+
+
+async def reflect(address: str, security: Security, request) -> list:
+    """The answers of server reflection (grpc.reflection.v1alpha, as grpcurl asks) to one request."""
+    channel = rpc.open_channel(address, security)
+    try:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(**request)]),
+                                         metadata=security.metadata, timeout=5)
+        return [answer async for answer in call]
+    finally:
+        await channel.close()
+
+
+@pytest.mark.parametrize("own_cluster", [1], indirect=True)
+def test_reflection_lists_and_describes_the_services_to_a_token_holder(own_cluster):
+    cluster = own_cluster
+    shard = cluster.shards()[0].address
+
+    async def ask() -> tuple:
+        listed = [await reflect(address, cluster.security, {"list_services": ""})
+                  for address in (cluster.address, shard)]
+        files = await reflect(shard, cluster.security, {"file_containing_symbol": "shardtrain.v1.ShardService"})
+        try:
+            await reflect(shard, Security(), {"list_services": ""})
+            refused = None
+        except grpc.aio.AioRpcError as error:
+            refused = error.code()
+        return listed, files, refused
+    listed, files, refused = cluster._io.run(ask())
+    names = [{service.name for service in answer[0].list_services_response.service} for answer in listed]
+    assert {"shardtrain.v1.CoordinatorService", "grpc.health.v1.Health"} <= names[0]
+    assert {"shardtrain.v1.ShardService", "grpc.health.v1.Health"} <= names[1]
+    described = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                 for raw in files[0].file_descriptor_response.file_descriptor_proto]
+    methods = {m.name for f in described for s in f.service if s.name == "ShardService" for m in s.method}
+    assert {"Forward", "Backward", "Step", "GradientNorm", "Link"} <= methods
+    assert refused == grpc.StatusCode.UNAUTHENTICATED
