@@ -34,6 +34,7 @@ import torch
 
 from shard_service.calls import CallOutbox
 from shard_service.mailbox import Mailbox
+from shard_service.peers import Peers
 from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts, tensor_bytes
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
@@ -65,8 +66,9 @@ def _check_forward(header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> N
 class LinkedLoop:
     """The links of one shard for its current deployment, and the work their items start."""
 
-    def __init__(self, runtime: ShardRuntime):
+    def __init__(self, runtime: ShardRuntime, peers: Peers):
         self._runtime = runtime
+        self._peers = peers  # the channels to other shards that this stage's links are opened on
         runtime.forgetters.append(self.forget)
         self._deployment_id = ""
         self._input: link.LinkEnd | None = None    # the SDK's input link (first stage)
@@ -169,7 +171,7 @@ class LinkedLoop:
         """The Link this stage opened to `address`, opened again if it broke."""
         client = self._opened.get(address)
         if client is None or client.broken is not None:
-            peer = self._runtime.peers.peer(address)
+            peer = self._peers.peer(address)
             settings = self._runtime.settings
             tls = bool(settings.security.tls_cert or settings.security.tls_ca)
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
@@ -235,7 +237,7 @@ class LinkedLoop:
                     kind: str = "activations") -> None:
         if end is None:
             raise errors.Unavailable(f"{self._runtime.location}: no link to send a {message.WhichOneof('item')} on")
-        await end.send(message, tensor, self._runtime.peers.options(end.same_host, kind))
+        await end.send(message, tensor, self._peers.options(end.same_host, kind))
 
     async def _report(self, key: shard_pb2.StepKey, error: BaseException, backward: bool) -> None:
         """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
@@ -564,7 +566,7 @@ class LinkedLoop:
         shard = self._runtime
         incoming = {}
         for name in stage.residuals.incoming:
-            producer = shard.peers.producer(name).producer_stage
+            producer = shard.producer(name).producer_stage
             what = f"residual {name!r} of step {key.step} micro-batch {key.microbatch} from stage {producer}"
             tensor = await self._residuals.get((key.step, key.microbatch, name), shard.settings.timeouts.peer_wait,
                                                what)
@@ -598,7 +600,7 @@ class LinkedLoop:
     async def _send_residual_gradients(self, key: shard_pb2.StepKey, grads: dict[str, torch.Tensor]) -> None:
         """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
         for name, grad in grads.items():
-            producer = self._runtime.peers.producer(name).producer_stage
+            producer = self._runtime.producer(name).producer_stage
             item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
             await self._send(self._from_stage.get(producer), item, grad, "residuals")
 

@@ -15,11 +15,10 @@ from shardtrain.v1 import shard_pb2, tensor_pb2
 
 
 class Peers:
-    """Peers by address for one shard, with the current stage's plan and wire encodings."""
+    """Peers by address for one shard, with the current deployment's wire encodings and secret."""
 
     def __init__(self, settings: ShardSettings):
         self.settings = settings
-        self.plan = shard_pb2.StagePlan()
         self.encodings = tensor_pb2.WireEncodings()  # exact until a deployment asks otherwise
         self.segments = shm.SegmentPool() if settings.shared_memory and shm.available() else None
         self._peers: dict[str, Peer] = {}
@@ -52,11 +51,7 @@ class Peers:
                          *(r.producer_address for r in plan.incoming_residuals),
                          *(a for r in plan.outgoing_residuals for a in r.consumer_addresses)}
             await asyncio.gather(*(self.peer(address).probe() for address in addresses if address))
-        self.plan, self.encodings = plan, encodings
-
-    def producer(self, name: str) -> shard_pb2.ResidualSource:
-        """Where residual `name` comes from."""
-        return next(r for r in self.plan.incoming_residuals if r.name == name)
+        self.encodings = encodings
 
     async def close(self) -> None:
         """Closes every channel and unlinks this shard's shared segments."""

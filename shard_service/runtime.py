@@ -1,6 +1,7 @@
-"""What a shard is, apart from how calls reach it: the loaded stage, its compute thread, what it has settled, its
-replicas' averager and losses, and the residual gradients it gathers. The Link loop (loop.py) and the gRPC servicer
-(servicer.py) both work through one ShardRuntime; it knows neither."""
+"""What a shard is, apart from how calls reach it: the loaded stage and its plan, its compute thread, what it has
+settled, its replicas' averager and losses, and the residual gradients it gathers. The Link loop (loop.py) and the
+gRPC servicer (servicer.py) both work through one ShardRuntime; it knows neither, nor gRPC: its peers' channels
+are theirs (peers.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shard_service.peers import Peers
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
@@ -52,7 +52,7 @@ class ShardRuntime:
         self.deployment_id = ""
         self.secret = ""                # what calls on the deployment must carry (auth.check_deployment)
         self._stage: Stage | None = None
-        self.peers = Peers(settings)
+        self._plan = shard_pb2.StagePlan()
         self._gradients = Mailbox()     # residual gradients, waiting for this stage's backward
         self._residual_grads: dict[tuple, list] = {}  # received so far, per (step, microbatch, name)
         self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
@@ -75,8 +75,12 @@ class ShardRuntime:
 
     @property
     def plan(self) -> shard_pb2.StagePlan:
-        """Where this shard's stage sits: neighbours and residual traffic."""
-        return self.peers.plan
+        """Where this shard's stage sits: neighbours, residual traffic, tied weights."""
+        return self._plan
+
+    def producer(self, name: str) -> shard_pb2.ResidualSource:
+        """Where residual `name` comes from."""
+        return next(r for r in self._plan.incoming_residuals if r.name == name)
 
     @property
     def stage(self) -> Stage | None:
@@ -126,8 +130,8 @@ class ShardRuntime:
         optimizer = (request.optimizer.name, request.optimizer.kwargs_json, groups)
         stage = await self.run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
                                self.settings.max_in_flight)
-        await self.peers.adopt(plan, request.encodings, request.deployment_secret)
         self._stage, self.deployment_id, self.secret = stage, request.deployment_id, request.deployment_secret
+        self._plan = plan
         self._gradients.discard_where(lambda key: True)
         self._residual_grads.clear()
         self._losses.clear()  # built for the previous deployment's last stage
@@ -205,8 +209,7 @@ class ShardRuntime:
             self._averager.arm(last_microbatch)
 
     async def close(self) -> None:
-        """Closes peer channels, the compute thread and the replicas' averager."""
-        await self.peers.close()
+        """Closes the compute thread and the replicas' averager."""
         self._compute.shutdown(wait=False, cancel_futures=True)
         if self._averager is not None:
             self._averager.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from shard_service.loop import LinkedLoop
+from shard_service.peers import Peers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
 from shardtrain import auth, carrier, link, optim, shm, wire
@@ -38,7 +39,8 @@ class ShardServicer:
         self.settings = settings
         self.address = address
         self.runtime = ShardRuntime(settings, address)
-        self.loop = LinkedLoop(self.runtime)  # the Link items: the PyTorch-shaped loop and planned steps
+        self.peers = Peers(settings)  # channels to the other shards, and how tensors reach each
+        self.loop = LinkedLoop(self.runtime, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
         self.local_links = _listener(settings, address)  # sockets that carry Link items instead of gRPC streams
         self.health = None  # the server's grpc.health.v1 status (set by build_server)
 
@@ -56,6 +58,7 @@ class ShardServicer:
     @boundary
     async def LoadStage(self, request, context):
         response = await self.runtime.load(request)
+        await self.peers.adopt(request.plan, request.encodings, request.deployment_secret)
         await self.loop.reset(request.deployment_id)
         return response
 
@@ -131,7 +134,7 @@ class ShardServicer:
         self._owned(context, request.key.deployment_id)
         tensor = await self.loop.calls.fetch(request.key, request.name, self.settings.timeouts.peer_wait)
         kind = "activations" if request.name == OUTPUT else "gradients"
-        options = self.runtime.peers.options(request.shared_memory, kind)
+        options = self.peers.options(request.shared_memory, kind)
         for frame in wire.tensor_frames(tensor, request.name, options, start=request.offset):
             yield frame
         self.loop.calls.fetched(request.key, request.name)  # kept until then, so a broken stream can resume
@@ -176,5 +179,6 @@ class ShardServicer:
         """Ends the links, closes peer channels, the compute thread and this shard's shared segments."""
         await self.loop.close()
         await self.runtime.close()
+        await self.peers.close()
         if self.local_links is not None:
             await self.local_links.close()

@@ -12,6 +12,7 @@ from torch import nn
 
 from client_sdk.layers import capture_model, layers_of
 from shard_service.loop import LinkedLoop
+from shard_service.peers import Peers
 from shard_service.runtime import ShardRuntime
 from shardtrain import errors, link
 from shardtrain.settings import ShardSettings
@@ -48,7 +49,8 @@ class LastStage:
                                              optimizer=shard_pb2.OptimizerSpec(name="SGD", kwargs_json='{"lr": 0.1}'))
         settings = ShardSettings(coordinator="127.0.0.1:1", shared_memory=False, local_links=False)
         self.runtime = ShardRuntime(settings, "127.0.0.1:8")
-        self.loop = LinkedLoop(self.runtime)
+        self.peers = Peers(settings)
+        self.loop = LinkedLoop(self.runtime, self.peers)
         self.request = request
         self.state = {key: value.clone() for key, value in model.state_dict().items() if key.startswith("2.")}
 
@@ -81,6 +83,7 @@ class LastStage:
     async def close(self) -> None:
         await self.loop.close()
         await self.runtime.close()
+        await self.peers.close()
 
 
 def key(step: int, microbatch: int = 0) -> shard_pb2.StepKey:
