@@ -74,11 +74,11 @@ def capture_model(module: torch.nn.Module, layers: Sequence[Layer],
 def tied_keys(module: torch.nn.Module) -> dict[str, str]:
     """Every state-dict key of a tensor that more than one key holds (tied weights), mapped to the first of them in
     the model's order (the one net.named_parameters() keeps)."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     first: dict[int, str] = {}
-    for key, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+    for key, tensor in named:
         first.setdefault(id(tensor), key)
-    homes = {key: first[id(tensor)] for key, tensor in
-             [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
+    homes = {key: first[id(tensor)] for key, tensor in named}
     shared = {home for key, home in homes.items() if key != home}
     return {key: home for key, home in homes.items() if home in shared}
 

@@ -145,7 +145,8 @@ class DistributedModel:
         self._has_gradients = False
         self._gradient_scale = 0.0
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every stage's gradients: returns their total norm, and the next step()
         scales every gradient by max_norm / (total + 1e-6) when that is under 1. Waits for the backwards sent."""
         self._check_open()

@@ -17,7 +17,8 @@ from shardtrain.settings import ShardSettings
 from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2
 
-_STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL)  # opened by stages; the rest by the SDK
+# Opened by stages, with the shard role's token; the rest by the SDK, with the client's.
+_STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL, shard_pb2.LINK_ROLE_TIED)
 
 
 def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:

@@ -50,7 +50,8 @@ def build(name: str, kwargs_json: str, parameters: Iterable[torch.nn.Parameter] 
 
 
 def json_options(text: str, what: str) -> dict:
-    """A JSON object of hyperparameters (`what` names them in errors), lists turned into the tuples torch.optim takes (betas)."""
+    """A JSON object of hyperparameters (`what` names them in errors), lists turned into the tuples torch.optim
+    takes (betas)."""
     try:
         value = json.loads(text or "{}")
     except ValueError as error:

@@ -223,6 +223,12 @@ def test_role_tokens_keep_clients_shards_and_readers_to_their_own_calls():
         assert len(train_remotely(model, regression_batches(steps=1, batch=2, features=2))) == 1
         broken = model._io.run(open_stage_link(model.placements[1].shard_address, model.deployment_id, roles))
         assert isinstance(broken, errors.PermissionDenied) and "takes the shard role's token" in str(broken)
+        tied = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+        tied[2].weight = tied[0].weight  # the stages swap its gradients on a link of their own, as shards
+        model = cluster.deploy(tied, num_stages=2)
+        train_remotely(model, regression_batches(steps=2, batch=2, features=2, outputs=2))
+        state = model.state_dict()
+        assert torch.equal(state["0.weight"], state["2.weight"])
 
 
 async def open_stage_link(address: str, deployment_id: str, security: Security,
