@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,7 +126,32 @@ def _export(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[torch.T
     except Exception as error:  # export reports unsupported code in many exception types
         mode = "training" if adapter.training else "eval"
         raise InvalidArgument(f"layer {index} ({type(layer.module).__name__}) cannot be captured with "
-                              f"torch.export in {mode} mode: {type(error).__name__}: {str(error)[:500]}") from None
+                              f"torch.export in {mode} mode{_user_line(error)}: {_why(error)}") from None
+
+
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "Data-dependent")
+
+
+def _why(error: Exception) -> str:
+    """What export refused, in a line, and what to do about it: torch's own message runs to pages."""
+    text = str(error)
+    if any(mark in text or mark in type(error).__name__ for mark in _DATA_DEPENDENT):
+        return ("its forward takes a path that depends on the values in a tensor (an `if` or a loop on them, "
+                ".item(), .tolist()); a captured graph has one path for every input. Compute both branches and "
+                "pick with torch.where, or make the decision outside the model")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first[:300]}"
+
+
+def _user_line(error: Exception) -> str:
+    """ " at FILE:LINE (`code`)": the deepest frame of the failure in the user's code, not torch's or ours."""
+    ours = (os.sep + "torch" + os.sep, os.sep + "client_sdk" + os.sep, os.sep + "shardtrain" + os.sep, "<frozen")
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if not any(part in frame.filename for part in ours)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()[:80]}`)"
 
 
 def _describe(index: int, layer: Layer, adapter: LayerAdapter, program: bytes,

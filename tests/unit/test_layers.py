@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -90,10 +92,15 @@ class DataDependent(nn.Module):
         return -x
 
 
-def test_layer_that_cannot_be_captured_is_named():
+def test_layer_that_cannot_be_captured_is_named_with_the_line_and_what_to_do():
     layers = layer_tools.layers_of(nn.Sequential(nn.Identity(), DataDependent()))
-    with pytest.raises(InvalidArgument, match=r"layer 1 \(DataDependent\) cannot be captured with torch.export"):
+    with pytest.raises(InvalidArgument) as refused:
         layer_tools.capture(layers, torch.randn(2, 3))
+    message = str(refused.value)
+    assert message.startswith("layer 1 (DataDependent) cannot be captured with torch.export in training mode at ")
+    line = inspect.getsourcelines(DataDependent.forward)[1] + 1
+    assert f"test_layers.py:{line} (`if x.sum() > 0:`): its forward takes a path that depends on the values" in message
+    assert "torch.where" in message and len(message) < 500 and "torch/" not in message
 
 
 class TrainingNoise(nn.Module):
