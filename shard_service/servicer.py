@@ -59,8 +59,10 @@ class ShardServicer:
     @boundary
     async def LoadStage(self, request, context):
         response = await self.runtime.load(request)
-        await self.peers.adopt(request.plan, request.encodings, request.deployment_secret)
+        # The previous deployment's link work ends before anything else runs: awaited later, it could still record
+        # its outcomes in the new deployment's StepOrder.
         await self.loop.reset(request.deployment_id)
+        await self.peers.adopt(request.plan, request.encodings, request.deployment_secret)
         return response
 
     @boundary
