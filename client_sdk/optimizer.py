@@ -75,23 +75,17 @@ def _keys(params, named: dict[str, torch.nn.Parameter], what: str) -> list[str]:
 def _from_instance(optimizer: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter]) -> shard_pb2.OptimizerSpec:
     accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW: Adam's own)
     defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    name, defaults_json = optim.encode(type(optimizer), _plain(defaults, "the optimizer's defaults"))
-    groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": group["params"]}
-              for group in optimizer.param_groups]
-    for group in groups:
-        for key, value in group.items():
-            if key != "params":
-                group[key] = _plain_value(value, f"hyperparameter {key!r}")
+    name, defaults_json = optim.encode(type(optimizer), _plain(defaults))
     spec = shard_pb2.OptimizerSpec(name=name, kwargs_json=defaults_json)
-    spec.groups.extend(_groups(groups, named))
+    spec.groups.extend(_groups(optimizer.param_groups, named))  # _groups makes each group's values plain
     return spec
 
 
-def _plain(values: dict, what: str) -> dict:
-    return {key: _plain_value(value, f"{what}: {key!r}") for key, value in values.items()}
+def _plain(values: dict) -> dict:
+    return {key: _plain_value(value) for key, value in values.items()}
 
 
-def _plain_value(value, what: str):
+def _plain_value(value):
     """A hyperparameter as JSON carries it: a tensor holding one number becomes that number."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
@@ -100,7 +94,7 @@ def _plain_value(value, what: str):
 
 def _json(options: dict, what: str) -> str:
     try:
-        return json.dumps(_plain(options, what))
+        return json.dumps(_plain(options))
     except (TypeError, ValueError) as error:
         raise InvalidArgument(f"{what}: hyperparameters must be JSON numbers, strings, booleans or lists: "
                               f"{error}") from None
@@ -136,7 +130,7 @@ class Hyperparameters:
         self._sent = self._current()
 
     def _current(self) -> list[dict]:
-        return [{name: list(value) if isinstance(value, tuple) else _plain_value(value, name)
+        return [{name: list(value) if isinstance(value, tuple) else _plain_value(value)
                  for name, value in group.items() if name != "params"} for group in self._optimizer.param_groups]
 
     def changes(self) -> str:

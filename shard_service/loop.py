@@ -36,7 +36,7 @@ from shard_service.calls import CallOutbox
 from shard_service.mailbox import Mailbox
 from shard_service.peers import Peers
 from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts, tensor_bytes
-from shard_service.runtime import ShardRuntime
+from shard_service.runtime import ShardRuntime, summed
 from shard_service.stage import Stage
 from shardtrain import errors, link
 from shardtrain.rpc import status_message
@@ -692,10 +692,7 @@ class LinkedLoop:
                 what = f"stage {other}'s gradient of tied weight {tie.key!r} for optimizer step {optimizer_step}"
                 grads.append(await self._tied.get(slot, self._runtime.settings.timeouts.peer_wait, what))
                 self._tied.discard(slot)
-            present = [grad.to(stage.device) for grad in grads if grad is not None]
-            total = None
-            for grad in present:
-                total = grad.clone() if total is None else total + grad
+            total = summed([grad.to(stage.device) if grad is not None else None for grad in grads])
             await self._runtime.run(stage.set_tied_gradient, tie.key, total)
 
     def _record_stats(self, request: shard_pb2.StepRequest, optimizer_seconds: float) -> None:

@@ -43,6 +43,13 @@ def _with_threads(threads: int, function, *args):
     return function(*args), time.perf_counter() - start
 
 
+def summed(grads: list) -> torch.Tensor | None:
+    """The sum of the gradients that are not None, added in the order given (so that every party adding the same
+    list gets the same bits); None if all are."""
+    present = [grad for grad in grads if grad is not None]
+    return sum(present[1:], present[0]) if present else None
+
+
 class ShardRuntime:
     """One shard's stage and the state around it, for the current deployment."""
 
@@ -157,8 +164,7 @@ class ShardRuntime:
         received.append(grad)
         if len(received) == len(stage.residuals.outgoing[name]):
             del self._residual_grads[entry]
-            present = [g for g in received if g is not None]
-            self._gradients.put(entry, sum(present[1:], present[0]) if present else None)
+            self._gradients.put(entry, summed(received))
 
     async def residual_gradients(self, stage: Stage, key) -> dict:
         """The gradients of the residuals this stage produced, once every consumer has sent its own."""

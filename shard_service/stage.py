@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardtrain import optim
-from shardtrain.capture import CapturedProgram, InputSpec, batch_norm_minimum
+from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
 
@@ -58,7 +58,7 @@ class Stage:
         self.descriptions = [source.description for source in sources]
         self._wirings = [source.wiring for source in sources]
         self._tensors: dict[str, torch.Tensor] = {}  # each weight once, by its key (a tied one by its first key)
-        self._training_minimum: tuple = (1,)  # the smallest batch training mode takes, and the layer that says so
+        self._two_rows: tuple | None = None  # (layer index, description, input shape) of a layer that needs 2 rows
         self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
         self._unloaded = set(self._state)
         # Weights are updated in place (load_state, the optimizer), so their storages never change.
@@ -97,9 +97,9 @@ class Stage:
                                           f"shape {list(spec.shape)}")
                 graph_state[spec.graph_key] = state[key] = tensor
             layers.append(program.load(graph_state))
-            minimum, shape = batch_norm_minimum(layers[-1])
-            if minimum > self._training_minimum[0]:
-                self._training_minimum = (minimum, source.index, source.description, shape)
+            shape = one_row_batch_norm(layers[-1])
+            if shape is not None and self._two_rows is None:
+                self._two_rows = (source.index, source.description, shape)
             inputs.append(program.input_specs())
             eval_layers.append(_eval_layer(source, program, graph_state) if source.eval_program else layers[-1])
         return layers, eval_layers, state, inputs
@@ -159,8 +159,8 @@ class Stage:
         """
         self._check_ready(key, requires_grad)
         self.check_input(x)
-        if training and x.dim() and x.shape[0] < self._training_minimum[0]:
-            _, index, description, shape = self._training_minimum
+        if training and self._two_rows is not None and x.dim() and x.shape[0] < 2:
+            index, description, shape = self._two_rows
             size = [x.shape[0], *shape[1:]]
             raise InvalidArgument(f"stage {self.index} layer {index} ({description}): Expected more than 1 value per "
                                   f"channel when training, got input size {size} (as PyTorch refuses it: pass at "

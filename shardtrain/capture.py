@@ -220,8 +220,9 @@ class CapturedProgram:
 _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
 
 
-def batch_norm_minimum(module: torch.nn.Module) -> tuple[int, list]:
-    """(the smallest batch a loaded layer takes in training mode, the input shape of the batch norm that sets it).
+def one_row_batch_norm(module: torch.nn.Module) -> list | None:
+    """The input shape (batch first) of a training-mode batch norm in a loaded layer that a batch of one row would
+    give one value per channel, or None.
 
     F.batch_norm refuses, in Python, to normalise one value per channel while training (its variance would be
     0/0 and poison the running statistics); capture drops that check. A training-mode batch norm whose input has
@@ -234,8 +235,8 @@ def batch_norm_minimum(module: torch.nn.Module) -> tuple[int, list]:
         if value is None or value.dim() < 2 or isinstance(value.shape[0], int):
             continue  # not batch-first: nothing to check up front
         if all(isinstance(size, int) and size == 1 for size in value.shape[2:]):
-            return 2, ["batch", *value.shape[1:]]
-    return 1, []
+            return ["batch", *value.shape[1:]]
+    return None
 
 
 def _without_input_checks(module: torch.nn.Module) -> torch.nn.Module:

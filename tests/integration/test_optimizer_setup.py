@@ -43,6 +43,17 @@ def train_here(module: nn.Module, batches, clip: float | None):
     return optimizer, norms
 
 
+def train_both(model, local: nn.Module, optimizer: torch.optim.Optimizer, batches) -> None:
+    """The plain loop, step for step on the deployed model and on `local` with `optimizer`."""
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model.step()
+        model.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_param_groups_a_cosine_schedule_and_clipping_train_as_one_process(cluster4, clip):
     local, batches = net(), regression_batches(steps=STEPS, batch=16, features=3)
@@ -91,13 +102,7 @@ def test_groups_given_by_name_and_filter_and_the_refusals(cluster4):
     model = cluster4.deploy(copy.deepcopy(local), optimizer=(torch.optim.SGD, groups, {"lr": 0.1}), num_stages=2)
     optimizer = torch.optim.SGD([{"params": [p for p in local.parameters() if p.dim() >= 2], "lr": 0.05},
                                  {"params": [p for p in local.parameters() if p.dim() < 2]}], lr=0.1)
-    for x, y in batches:
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        model.step()
-        model.zero_grad()
-        torch.nn.functional.mse_loss(local(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_both(model, local, optimizer, batches)
     assert largest_difference(model.state_dict(), local.state_dict()) <= 1e-5
     with pytest.raises(InvalidArgument, match=r"parameter '0.bias' is in param groups 0 and 1"):
         cluster4.deploy(net(), optimizer=(torch.optim.SGD, [{"params": ["0.bias"]}, {"params": ["0.bias"]}], {}))
@@ -137,13 +142,7 @@ def test_frozen_parameters_take_no_gradient_and_the_model_lists_its_parameters(c
     assert named["4.bias"].requires_grad and named["4.bias"].stages == (2,)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in local.parameters())
     optimizer = torch.optim.Adam(local.parameters(), lr=0.01)
-    for x, y in batches:
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        model.step()
-        model.zero_grad()
-        torch.nn.functional.mse_loss(local(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_both(model, local, optimizer, batches)
     trained = model.state_dict()
     assert torch.equal(trained["0.weight"], net().state_dict()["0.weight"])
     assert largest_difference(trained, local.state_dict()) <= 1e-5

@@ -100,6 +100,14 @@ def step_item(number: int, steps: list[int], failure: str = "") -> shard_pb2.Lin
     return shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
 
 
+def backpropagated(layer: nn.Module, h: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer's output for `h`, the leaf holding `h` and its gradient): `grad` backpropagated in one process."""
+    leaf = h.clone().requires_grad_(True)
+    out = layer(leaf)
+    out.backward(grad)
+    return out, leaf
+
+
 @pytest.fixture
 def model() -> nn.Sequential:
     torch.manual_seed(0)
@@ -122,9 +130,7 @@ def test_a_step_sends_the_output_down_the_gradient_up_and_applies_the_optimizer_
         return stage, weights
     stage, weights = asyncio.run(sequence())
 
-    leaf = h.clone().requires_grad_(True)
-    out = reference(leaf)
-    out.backward(grad)
+    out, leaf = backpropagated(reference, h, grad)
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     assert stage.out.kinds() == ["output", "flush"]
     assert torch.allclose(stage.out.items[0][1], out.detach(), atol=1e-6)
@@ -180,9 +186,7 @@ def test_a_step_a_call_started_keeps_its_output_for_fetching_and_a_backward_call
         return stage, kept
     stage, kept = asyncio.run(sequence())
 
-    leaf = h.clone().requires_grad_(True)
-    out = reference(leaf)
-    out.backward(grad)
+    out, leaf = backpropagated(reference, h, grad)
     assert torch.allclose(kept, out.detach(), atol=1e-6)
     assert stage.out.kinds() == ["output"]  # step 1's, the SDK's
     assert stage.out.items[0][0].output.key.step == 1
