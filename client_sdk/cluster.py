@@ -90,18 +90,26 @@ class Cluster:
         self._io.run(wait())
 
     def deploy(self, model, optimizer: tuple = (torch.optim.SGD, {"lr": 0.01}),
-               example_input: torch.Tensor | None = None, split_points: Sequence[int] = (),
+               example_input: torch.Tensor | None = None, split_points: Sequence[int | str] = (),
                layers_per_stage: Sequence[int] = (), num_stages: int = 0,
-               compression: str | dict[str, str] = "none", replicas: int = 1) -> DistributedModel:
+               compression: str | dict[str, str] = "none", replicas: int = 1,
+               dynamic_shapes=None) -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
-        model: an nn.Sequential, a LayerList or a seed layer list [(layer_class, kwargs, input_shape), ...].
+        model: any nn.Module torch.export can capture, taking one tensor and returning one. An nn.Sequential, a
+        LayerList or a seed layer list [(layer_class, kwargs, input_shape), ...] is split between its layers; any
+        other module is captured whole from `example_input` (a tensor shaped like one batch) and split between its
+        submodules (items of a ModuleList, ModuleDict or Sequential count one by one), with the values that cross
+        each cut (any number, any dtype) sent straight to the stages that read them. Dim 0 is the batch;
+        `dynamic_shapes` names other dims that vary, in torch.export's form, e.g.
+        {"idx": {1: torch.export.Dim("seq", max=block_size)}}.
         optimizer: (torch.optim class or name, kwargs), (class, param groups, kwargs) with each group's "params" a
         list of state-dict keys or parameters or a filter f(key, parameter), or an optimizer instance built over
         the model's parameters (its state, if it stepped, comes along). Each shard steps the same class over the
         weights it holds; model.optimizer stands for it here (bind lr schedulers to it).
         Partitioning: balanced by parameter count over `num_stages` (default: every shard), unless
-        split_points (layer indexes where a stage starts) or layers_per_stage say otherwise.
+        split_points (where stages start: layer indexes, or submodule names such as "transformer.h.2") or
+        layers_per_stage say otherwise.
         compression: the wire encoding of the tensors that move between shards and this client:
         "none" (exact, the default), "fp16", "bf16" (half the bytes of float32) or "int8" (blockwise,
         about a quarter), for every kind, or a dict by kind: {"activations": ..., "gradients": ...,
@@ -116,7 +124,10 @@ class Cluster:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
         self._close_models()  # shards hold one deployment at a time: finish the previous one first
         module = layer_tools.as_module(model)
-        layers = layer_tools.layers_of(module)
+        if layer_tools.is_layered(module):
+            layers = layer_tools.layers_of(module)
+        else:
+            layers = layer_tools.whole_model_layers(module, example_input, dynamic_shapes)
         mixed = modes.mixed_modes(module)
         if mixed:
             warnings.warn(f"layers {mixed[:5]} are not in the model's {'training' if module.training else 'eval'} "
@@ -128,7 +139,8 @@ class Cluster:
             encodings=encodings,
             layers=layer_tools.capture_model(module, layers, example_input),
             optimizer=spec,
-            partition=coordinator_pb2.PartitionSpec(num_stages=num_stages, split_points=split_points,
+            partition=coordinator_pb2.PartitionSpec(num_stages=num_stages,
+                                                    split_points=layer_tools.split_indexes(layers, split_points),
                                                     layers_per_stage=layers_per_stage),
             replicas=replicas)
         layer_tools.mark_state(request.layers, module)
@@ -137,7 +149,8 @@ class Cluster:
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
             [name for name, _ in module.named_parameters()]
         shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
-        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes))
+        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
+                                                list(module.state_dict())))
         distributed.load_state_dict(module.state_dict())
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
@@ -146,7 +159,8 @@ class Cluster:
         return distributed
 
     async def _handle(self, response, captured, encodings, parameter_keys: list[str],
-                      optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple]) -> DistributedModel:
+                      optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple],
+                      model_keys: list[str]) -> DistributedModel:
         owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
@@ -162,7 +176,9 @@ class Cluster:
                                          response.deployment_secret))
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas)
-        key_order = [entry.model_key for layer in captured for entry in layer.state]
+        held = list(dict.fromkeys(entry.model_key for layer in captured for entry in layer.state))
+        known = set(model_keys)  # state_dict() in the model's own order
+        key_order = [key for key in model_keys if key in set(held)] + [key for key in held if key not in known]
         parameters = [RemoteParameter(name, shape, dtype, requires_grad, tuple(sorted(holders.get(name, ()))))
                       for name, (shape, dtype, requires_grad) in shapes.items()]
         return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 from collections.abc import Sequence
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from client_sdk import units
 from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
 from shardtrain.capture import LayerAdapter, capture_layer
@@ -26,6 +28,10 @@ class Layer:
     module: torch.nn.Module
     wiring: Wiring
     prefix: str
+    name: str = ""                              # what split points call it (default: the prefix)
+    description: str = ""                       # one line for model.placements (default: the module's repr)
+    eval_module: torch.nn.Module | None = None  # its eval-mode graph, for a unit of a whole-model capture
+    varying: tuple[tuple[int, ...], ...] | None = None  # per input, the dims that vary (default: the batch)
 
     @property
     def cost(self) -> int:
@@ -43,14 +49,85 @@ def as_module(model) -> torch.nn.Module:
                           "or a seed layer list [(layer_class, kwargs, input_shape), ...]")
 
 
+def is_layered(module: torch.nn.Module) -> bool:
+    """True for the models deployed layer by layer (an nn.Sequential, a LayerList); others are captured whole."""
+    return isinstance(module, (LayerList, torch.nn.Sequential))
+
+
 def layers_of(module: torch.nn.Module) -> list[Layer]:
     """The layers, in order, of an nn.Sequential or a LayerList."""
     if isinstance(module, LayerList):
         return [Layer(m, w, name) for (name, m), w in zip(module.named_children(), module.wirings)]
-    if isinstance(module, torch.nn.Sequential):
-        return [Layer(m, Wiring(), name) for name, m in module.named_children()]
-    raise InvalidArgument(f"cannot split a {type(module).__name__} into stages; put its layers in an "
-                          "nn.Sequential (or a seed layer list for residuals)")
+    return [Layer(m, Wiring(), name) for name, m in module.named_children()]
+
+
+def whole_model_layers(module: torch.nn.Module, example: torch.Tensor | None, dynamic_shapes=None) -> list[Layer]:
+    """Any other module: its forward captured whole in both modes and cut into units (client_sdk/units.py)."""
+    if example is None:
+        raise InvalidArgument(f"a {type(module).__name__} is captured whole, from an example: pass "
+                              "example_input=<a tensor shaped like one batch>")
+    example = _rows(example)
+    spec = _with_batch(module, example, dynamic_shapes)
+    with untouched(module):
+        cuts = []
+        for training in (True, False):
+            module.train(training)
+            try:
+                program = units.export_model(module, (example,), spec)
+            except InvalidArgument:
+                raise
+            except Exception as error:  # export reports unsupported code in many exception types
+                mode = "training" if training else "eval"
+                raise InvalidArgument(f"{type(module).__name__} cannot be captured with torch.export in {mode} "
+                                      f"mode{_user_line(error)}: {_why(error)}") from None
+            cuts.append(units.cut(program, module))
+    train, evaluation = cuts
+    shapes = lambda cut: [(len(w.dependencies), len(w.out_variables)) for w in cut.wirings]  # noqa: E731
+    if train.names != evaluation.names or shapes(train) != shapes(evaluation):
+        raise InvalidArgument(f"{type(module).__name__} passes different values between its parts in training and "
+                              "eval mode, so one cut cannot serve both; deploy it as an nn.Sequential")
+    return [Layer(m, w, "", name=n, description=d, eval_module=e, varying=v)
+            for m, w, n, d, e, v in zip(train.modules, train.wirings, train.names, train.descriptions,
+                                        evaluation.modules, train.dynamic)]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x[:EXAMPLE_BATCH] if x.dim() and x.shape[0] > EXAMPLE_BATCH else x
+
+
+def _with_batch(module: torch.nn.Module, example: torch.Tensor, dynamic_shapes):
+    """The user's dynamic_shapes (torch.export's form) with dim 0 of the input added as the batch."""
+    batch = torch.export.Dim("batch", min=1)
+    if dynamic_shapes is None:
+        return ({0: batch} if example.dim() else {},)
+    if isinstance(dynamic_shapes, dict):
+        name = next(iter(inspect.signature(module.forward).parameters))
+        dims = dict(dynamic_shapes.get(name) or {})
+        if example.dim():
+            dims.setdefault(0, batch)
+        return {**dynamic_shapes, name: dims}
+    if isinstance(dynamic_shapes, (tuple, list)) and dynamic_shapes:
+        dims = dict(dynamic_shapes[0] or {})
+        if example.dim():
+            dims.setdefault(0, batch)
+        return (dims, *dynamic_shapes[1:])
+    raise InvalidArgument(f"dynamic_shapes must be a dict by argument name or a tuple by position, as torch.export "
+                          f"takes it; got {dynamic_shapes!r}")
+
+
+def split_indexes(layers: Sequence[Layer], split_points: Sequence) -> list[int]:
+    """Split points as layer indexes: each given as an index or as the name of the layer a stage starts with."""
+    names = [layer.name or layer.prefix for layer in layers]
+    indexes = []
+    for point in split_points:
+        if isinstance(point, str):  # a part's name, or a container's: its first part
+            starts = [i for i, name in enumerate(names) if name == point or name.startswith(point + ".")]
+            if not starts:
+                raise InvalidArgument(f"split point {point!r} is not a part the model can be cut before; "
+                                      f"those are {names[:12]}{' ...' if len(names) > 12 else ''}")
+            point = starts[0]
+        indexes.append(int(point))
+    return indexes
 
 
 def example_input(module: torch.nn.Module, layers: Sequence[Layer]) -> torch.Tensor:
@@ -110,10 +187,13 @@ def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.Captured
             with ModeReads(adapter) as reads:
                 result = adapter(*args)
             program, eval_program = _export(index, layer, adapter, args), b""
-            if reads.seen:
+            if layer.eval_module is not None:
+                eval_adapter = LayerAdapter(layer.eval_module, layer.wiring.out_variables).eval()
+                eval_program = _export(index, layer, eval_adapter, args)
+            elif reads.seen:
                 eval_program = _export(index, layer, adapter.eval(), args)
                 adapter.train()
-                eval_program = b"" if eval_program == program else eval_program
+            eval_program = b"" if eval_program == program else eval_program
             captured.append(_describe(index, layer, adapter, program, eval_program))
             x = result[0] if layer.wiring.out_variables else result
             saved.update(zip(layer.wiring.out_variables, result[1:] if layer.wiring.out_variables else ()))
@@ -122,10 +202,10 @@ def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.Captured
 
 def _export(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[torch.Tensor, ...]) -> bytes:
     try:
-        return capture_layer(adapter, args)
+        return capture_layer(adapter, args, layer.varying)
     except Exception as error:  # export reports unsupported code in many exception types
         mode = "training" if adapter.training else "eval"
-        raise InvalidArgument(f"layer {index} ({type(layer.module).__name__}) cannot be captured with "
+        raise InvalidArgument(f"layer {index} ({layer.description or type(layer.module).__name__}) cannot be captured with "
                               f"torch.export in {mode} mode{_user_line(error)}: {_why(error)}") from None
 
 
@@ -158,7 +238,8 @@ def _describe(index: int, layer: Layer, adapter: LayerAdapter, program: bytes,
               eval_program: bytes) -> shard_pb2.CapturedLayer:
     state = [shard_pb2.StateEntry(graph_key=key, model_key=_model_key(layer.prefix, key))
              for key in adapter.state_dict()]
-    return shard_pb2.CapturedLayer(index=index, description=_one_line(layer.module), program=program,
+    return shard_pb2.CapturedLayer(index=index, description=layer.description or _one_line(layer.module),
+                                   program=program,
                                    dependencies=layer.wiring.dependencies,
                                    out_variables=layer.wiring.out_variables, state=state, cost=layer.cost,
                                    eval_program=eval_program)

@@ -166,8 +166,8 @@ class Stage:
                                   f"channel when training, got input size {size} (as PyTorch refuses it: pass at "
                                   "least 2 rows per batch and micro-batch in training mode, or call model.eval())")
         # detach(): our own leaves, never the caller's tensors (to() returns the same object on the same device)
-        x = x.to(self.device).detach().requires_grad_(requires_grad and (self.index > 0 or input_requires_grad))
-        leaves = {name: t.to(self.device).detach().requires_grad_(requires_grad) for name, t in incoming.items()}
+        x = _leaf(x.to(self.device), requires_grad and (self.index > 0 or input_requires_grad))
+        leaves = {name: _leaf(t.to(self.device), requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
         layers = self._layers if training else self._eval_layers
         with torch.set_grad_enabled(requires_grad):
@@ -375,6 +375,13 @@ class _SavedBytes:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _leaf(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """Our own autograd leaf, never the caller's tensor; only floating-point values take a gradient (token ids and
+    masks do not)."""
+    differentiable = tensor.is_floating_point() or tensor.is_complex()
+    return tensor.detach().requires_grad_(requires_grad and differentiable)
 
 
 def _check_like(value: torch.Tensor, reference: torch.Tensor, what: str) -> None:

@@ -30,8 +30,9 @@ _OPERATOR = re.compile(r"torch\.ops\.aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operato
 _SYMPY_TOKEN = re.compile(r"\s*(Symbol|Integer|Add|Mul|Max|Min|FloorDiv|Mod|CeilToInt|positive|integer|"
                           r"GreaterThan|LessThan|StrictGreaterThan|StrictLessThan|Equality|Unequality|"
                           r"nonnegative|True|False|'[a-z]\d{1,6}'|\d{1,12}|[()=,+\-/]|\*(?!\*))")
-# e.g. L['x'].size()[0] == L['res'].size()[0]  or  L['x'].size()[1] >= 2
-_GUARD_TERM = r"(L\['[A-Za-z_][A-Za-z0-9_]*'\](\[\d+\])?\.size\(\)\[\d+\]|\d+)"
+# e.g. L['x'].size()[0] == L['res'].size()[0], L['x'].size()[1] >= 2, (12*L['x'].size()[0]) == (12*L['y'].size()[0])
+_GUARD_SIZE = r"L\['[A-Za-z_][A-Za-z0-9_]*'\](\[\d+\])?\.size\(\)\[\d+\]"
+_GUARD_TERM = rf"(\(?(\d+\*)?{_GUARD_SIZE}(\*\d+)?\)?|\d+)"
 _GUARD = re.compile(rf"{_GUARD_TERM} (==|>=|<=|!=|<|>) {_GUARD_TERM}")
 # Strings that only label things (dtype names, dialects, kinds): no quotes, spaces or brackets.
 _PLAIN = re.compile(r"[A-Za-z0-9_.:\-]*")
@@ -74,21 +75,25 @@ class LayerAdapter(torch.nn.Module):
             return result
         if isinstance(result, torch.Tensor):  # a plain layer: what it saves is its output
             return (result, *(result for _ in self.out_variables))
+        if all(isinstance(value, torch.Tensor) for value in result):  # (output, *saved) in out_variables order
+            return result
         output, saved = result
         named = dict(saved)
         return (output, *(named[name] for name in self.out_variables))
 
 
-def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...]) -> bytes:
-    """Exports a layer with a dynamic batch (dim 0) on every input; returns the program without weights."""
-    batch = torch.export.Dim("batch", min=1)
-
-    def dims(arg: torch.Tensor) -> dict:
-        return {0: batch} if arg.dim() > 0 else {}
-
-    dynamic: dict = {"x": dims(example_args[0])}
+def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
+                  varying: tuple[tuple[int, ...], ...] | None = None) -> bytes:
+    """Exports a layer with a dynamic batch (dim 0) on every input, or the dims `varying` names per input;
+    returns the program without weights."""
+    if varying is None:
+        batch = torch.export.Dim("batch", min=1)
+        per_input = [{0: batch} if arg.dim() > 0 else {} for arg in example_args]
+    else:
+        per_input = [{dim: torch.export.Dim.DYNAMIC for dim in dims} for dims in varying]
+    dynamic: dict = {"x": per_input[0]}
     if len(example_args) > 1:  # export wants the varargs key only when varargs were given
-        dynamic["dependencies"] = tuple(dims(arg) for arg in example_args[1:])
+        dynamic["dependencies"] = tuple(per_input[1:])
     program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
     artifact = export_serde.serialize(program, serialize_state_dict=False, serialize_constants=False,
                                       serialize_example_inputs=False)

@@ -48,6 +48,17 @@ def train_remotely(model, batches: Batches) -> list[float]:
     return losses
 
 
+def train_side_by_side(model, local: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, loss_fn) -> None:
+    """Trains a deployed model with the plain PyTorch loop and `local` with `optimizer` on the same batches."""
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        model.step()
+        model.zero_grad()
+        loss_fn(local(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def trains_like_one_process(cluster, num_stages: int) -> float:
     """Deploys a small MLP over `num_stages` shards, trains it a few steps with Adam, and returns how far its
     weights end from the same training in one process (a check that a cluster still works as it should)."""

@@ -259,6 +259,8 @@ def test_aten_lookalike_target_is_refused_before_loading(tree):
     "L['x'].size()[0] == 2 or __import__('os')",
     "L['x'].__class__ == 1",
     "L['x'].size()[0]",
+    "(12**L['x'].size()[0]) == 1",
+    "(9*L['x'].size()[0]) == (9**9**9)",
 ])
 def test_guard_with_code_is_refused(tree, guard):
     tree["guards_code"] = [guard]
@@ -266,8 +268,10 @@ def test_guard_with_code_is_refused(tree, guard):
         CapturedProgram(dumps(tree))
 
 
-def test_plain_shape_guard_is_accepted(tree):
-    tree["guards_code"] = ["L['x'].size()[1] >= 2"]
+@pytest.mark.parametrize("guard", ["L['x'].size()[1] >= 2",
+                                   "(12*L['x'].size()[0]) == (12*L['dependencies'][0].size()[0])"])
+def test_plain_shape_guard_is_accepted(tree, guard):
+    tree["guards_code"] = [guard]
     CapturedProgram(dumps(tree))
 
 

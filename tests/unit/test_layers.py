@@ -43,9 +43,11 @@ def test_layers_of_a_layer_list_carry_its_wiring():
     assert layers[6].wiring == Wiring(dependencies=("res_1",))
 
 
-def test_layers_of_another_module_is_refused():
-    with pytest.raises(InvalidArgument, match="cannot split a Linear into stages"):
-        layer_tools.layers_of(nn.Linear(2, 2))
+def test_other_modules_are_captured_whole():
+    assert layer_tools.is_layered(nn.Sequential()) and layer_tools.is_layered(LayerList(TEST_RESIDUAL_SMALL))
+    assert not layer_tools.is_layered(nn.Linear(2, 2))
+    layers = layer_tools.whole_model_layers(nn.Linear(2, 2), torch.randn(3, 2))
+    assert [layer.name for layer in layers] == ["(model)"]  # no submodules: one part
 
 
 def test_cost_is_the_parameter_count():

@@ -1,0 +1,321 @@
+"""Any module as layers: its whole forward captured once with torch.export, then cut at module boundaries.
+
+Each unit (a top-level submodule, or an item of a ModuleList, ModuleDict or Sequential, at any depth of containers)
+becomes one layer of the chain the shards run: the value passed on to the next unit travels as the layer's main
+input, every other value a later unit reads (int64 token ids, masks, skip connections) as a named residual. So
+cutting between any two units works for any tensors crossing the cut, with no second engine.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+
+from shardtrain.errors import InvalidArgument
+from shardtrain.residuals import Wiring
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+@dataclass
+class CutGraph:
+    """A whole-model graph cut into units: per unit, its graph module, wiring and the dynamic dims of its inputs."""
+
+    names: list[str]
+    modules: list[torch.nn.Module]
+    wirings: list[Wiring]
+    dynamic: list[tuple[tuple[int, ...], ...]]  # per unit, per input (main first), the dims that vary
+    descriptions: list[str]
+
+
+def unit_names(module: torch.nn.Module) -> list[str]:
+    """The module paths a model can be cut between: its submodules, looking through containers."""
+    names: list[str] = []
+
+    def walk(prefix: str, parent: torch.nn.Module) -> None:
+        for name, child in parent.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, _CONTAINERS):
+                walk(path, child)
+            else:
+                names.append(path)
+    walk("", module)
+    return names
+
+
+def export_model(module: torch.nn.Module, example: tuple, dynamic_shapes=None) -> torch.export.ExportedProgram:
+    """The whole forward as one graph, with a dynamic batch (dim 0 of every input) unless `dynamic_shapes` says."""
+    if dynamic_shapes is None:
+        batch = torch.export.Dim("batch", min=1)
+        dynamic_shapes = tuple({0: batch} if arg.dim() else {} for arg in example)
+    return torch.export.export(module, example, dynamic_shapes=dynamic_shapes)
+
+
+def cut(program: torch.export.ExportedProgram, module: torch.nn.Module) -> CutGraph:
+    """Cuts a whole-model graph into units (see the module docstring)."""
+    return _Cutter(program, module).result()
+
+
+class _Cutter:
+    """Assigns every operation to a unit, then builds each unit's graph module and the values between them."""
+
+    def __init__(self, program: torch.export.ExportedProgram, module: torch.nn.Module):
+        self.program = program
+        self.module = module
+        self.candidates = set(unit_names(module))
+        self.aliases = _aliases(module)
+        self.builders: list[_UnitBuilder] = []
+        signature = program.graph_signature
+        self.state: dict[str, str] = {}  # placeholder name -> state-dict key
+        self.inputs: list[torch.fx.Node] = []
+        nodes = {node.name: node for node in program.graph.nodes}
+        for spec in signature.input_specs:
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                if spec.kind == InputKind.BUFFER and not spec.persistent:
+                    raise InvalidArgument(f"the model's buffer {spec.target!r} is not persistent (not in its "
+                                          "state_dict), so the shards could not be given its value; register it "
+                                          "with persistent=True")
+                self.state[spec.arg.name] = spec.target
+            elif spec.kind == InputKind.USER_INPUT:
+                self.inputs.append(nodes[spec.arg.name])
+            else:
+                raise InvalidArgument(f"the model holds a tensor {spec.target!r} that is neither a parameter nor a "
+                                      "buffer; register it with register_buffer so the shards receive it")
+        if len(self.inputs) != 1:
+            raise InvalidArgument(f"the model's forward takes {len(self.inputs)} tensor inputs; a deployed model "
+                                  "takes one")
+        output = next(node for node in program.graph.nodes if node.op == "output")
+        self.outputs: list[torch.fx.Node] = []
+        for spec, node in zip(signature.output_specs, output.args[0]):
+            if spec.kind != OutputKind.USER_OUTPUT:  # the training graph updates buffers in place instead
+                raise InvalidArgument(f"the model's forward changes {spec.target!r} in a way a deployed model "
+                                      "cannot follow")
+            self.outputs.append(node)
+        if len(self.outputs) != 1 or not _is_tensor(self.outputs[0]):
+            raise InvalidArgument(f"the model returns {len(self.outputs)} values; a deployed model returns one "
+                                  "tensor (compute a loss outside it, or with train_step's loss_fn)")
+        self.unit_of = self._assign()
+
+    def _assign(self) -> dict[torch.fx.Node, int]:
+        """Each operation's unit: the unit of the module that ran it, never earlier than the operation before."""
+        order: list[str] = []
+        unit_of: dict[torch.fx.Node, int] = {}
+        current = 0
+        for node in self.program.graph.nodes:
+            if node.op != "call_function" or _is_symbolic(node):  # sizes: each unit reads its own
+                continue
+            name = self._unit_name(node)
+            if name is not None and name not in order:
+                order.append(name)
+            if name is not None:
+                current = max(current, order.index(name))
+            unit_of[node] = current
+        self.order = order or ["(model)"]
+        return unit_of
+
+    def _unit_name(self, node: torch.fx.Node) -> str | None:
+        stack = node.meta.get("nn_module_stack") or {}
+        for path, _type in stack.values():
+            if path in self.candidates:
+                return path
+        return None
+
+    def result(self) -> CutGraph:
+        count = len(self.order)
+        produced = dict(self.unit_of)
+        produced[self.inputs[0]] = 0
+        consumers: dict[torch.fx.Node, set[int]] = {}
+        for node, unit in self.unit_of.items():
+            for used in _tensor_args(node):
+                if used in produced and produced[used] != unit:
+                    consumers.setdefault(used, set()).add(unit)
+        final = self.outputs[0]
+        if produced.get(final, 0) != count - 1:
+            consumers.setdefault(final, set()).add(count)  # the last unit passes the model's output through
+        crossing = [node for node in self.program.graph.nodes if node in consumers]
+        mains = self._mains(count, crossing, produced, consumers)
+        modules, wirings, dynamic = [], [], []
+        for unit in range(count):
+            incoming = [n for n in crossing if unit in consumers[n] and n is not mains[unit - 1]] if unit else []
+            main_in = mains[unit - 1] if unit else self.inputs[0]
+            outgoing = [n for n in crossing if produced[n] == unit and n is not mains[unit]
+                        or n is mains[unit] and consumers[n] - {unit + 1}]
+            if unit == count - 1:
+                outgoing = []
+            modules.append(self._unit_module(unit, main_in, incoming, mains[unit], outgoing))
+            wirings.append(Wiring(tuple(n.name for n in incoming), tuple(n.name for n in outgoing)))
+            dynamic.append(tuple(_varying(n) for n in (main_in, *incoming)))
+        self._check_buffers()
+        descriptions = [f"{name} ({self._type_name(name)})" for name in self.order]
+        return CutGraph(list(self.order), modules, wirings, dynamic, descriptions)
+
+    def _mains(self, count: int, crossing: list, produced: dict, consumers: dict) -> list[torch.fx.Node]:
+        """Per unit, the value it hands the next unit as the main input: one the next unit reads, floating-point
+        if any (its gradient comes back that way); the last unit's is the model's output."""
+        mains = []
+        for unit in range(count - 1):
+            ours = [n for n in crossing if produced[n] == unit]
+            ranked = sorted(ours, key=lambda n: (unit + 1 not in consumers[n], not _is_float(n)))
+            if not ranked:
+                raise InvalidArgument(f"the model's unit {self.order[unit]!r} produces nothing a later part reads")
+            mains.append(ranked[0])
+        mains.append(self.outputs[0])
+        return mains
+
+    def _type_name(self, name: str) -> str:
+        try:
+            return type(self.module.get_submodule(name)).__name__
+        except AttributeError:
+            return "operations"
+
+    def _unit_module(self, unit: int, main_in: torch.fx.Node, incoming: Sequence[torch.fx.Node],
+                     main_out: torch.fx.Node, outgoing: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
+        """The unit as a graph module: forward(x, *incoming) -> main_out, or (main_out, *outgoing)."""
+        builder = _UnitBuilder(self, unit)
+        builder.take(main_in, "x")
+        for node in incoming:
+            builder.take(node, node.name)
+        for node in self.program.graph.nodes:
+            if self.unit_of.get(node) == unit:
+                builder.copy(node)
+        self.builders.append(builder)
+        return builder.finish([main_out, *outgoing])
+
+    def _check_buffers(self) -> None:
+        """A buffer changed in one unit and read in another would differ between the stages holding it."""
+        for builder in self.builders:
+            for key in builder.written:
+                readers = [self.order[b.unit] for b in self.builders if key in b.read and b is not builder]
+                if readers:
+                    raise InvalidArgument(f"the model changes buffer {key!r} in {self.order[builder.unit]!r} and "
+                                          f"reads it in {readers[0]!r}; a buffer must be changed and read within "
+                                          "one submodule")
+
+    def key_in(self, key: str, unit: int) -> str:
+        """A tied weight by the name it has inside the unit (an LM head's own, not the embedding's it is tied to)."""
+        inside = [alias for alias in self.aliases.get(key, ()) if alias.startswith(self.order[unit] + ".")]
+        return inside[0] if inside else key
+
+
+class _UnitBuilder:
+    """One unit's graph, built by copying the whole graph's operations; weights and sizes are fetched as needed."""
+
+    def __init__(self, cutter: _Cutter, unit: int):
+        self.cutter, self.unit = cutter, unit
+        self.graph = torch.fx.Graph()
+        self.holder = torch.nn.Module()  # the unit's weights, at their state-dict paths
+        self.env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.read: set[str] = set()     # the whole graph's keys of the weights the unit uses
+        self.written: set[str] = set()  # those of them it changes in place
+
+    def take(self, node: torch.fx.Node, name: str) -> None:
+        """An input of the unit, standing for `node` of the whole graph."""
+        self.env[node] = self.graph.placeholder(name)
+        self.env[node].meta = dict(node.meta)
+
+    def copy(self, node: torch.fx.Node) -> None:
+        self.env[node] = self.graph.node_copy(node, self.resolve)
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable and node.args and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].name in self.cutter.state:
+            self.written.add(self.cutter.state[node.args[0].name])  # a running statistic, a counter
+
+    def finish(self, results: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
+        values = [self.env[node] for node in results]
+        self.graph.output(values[0] if len(values) == 1 else tuple(values))
+        return torch.fx.GraphModule(self.holder, self.graph)
+
+    def resolve(self, arg: torch.fx.Node):
+        """What stands for `arg` in the unit: a copy made already, a weight, or a size read again here."""
+        if arg in self.env:
+            return self.env[arg]
+        if arg.name in self.cutter.state:
+            self.env[arg] = self._weight(self.cutter.state[arg.name])
+        elif _is_symbolic(arg):
+            value = arg.meta["val"]
+            if isinstance(value, (int, float, bool)):
+                return value  # a size the capture fixed: a constant in every unit
+            self.env[arg] = self._size(arg)
+        else:
+            raise InvalidArgument(f"cannot cut the model between parts: {arg.name} crosses a cut and is not a "
+                                  "tensor")
+        return self.env[arg]
+
+    def _weight(self, key: str) -> torch.fx.Node:
+        self.read.add(key)
+        here = self.cutter.key_in(key, self.unit)
+        _register(self.holder, here, self.cutter.program.state_dict[key],
+                  key in self.cutter.program.graph_signature.parameters)
+        return self.graph.get_attr(here)
+
+    def _size(self, arg: torch.fx.Node) -> torch.fx.Node:
+        """A size computed in another unit, read again from a tensor this unit has: sizes never cross a cut."""
+        wanted = str(arg.meta["val"])
+        for source, copy in list(self.env.items()):
+            value = source.meta.get("val")
+            sizes = value.shape if isinstance(value, torch.Tensor) else ()
+            for dim, size in enumerate(sizes):
+                if not isinstance(size, int) and str(size) == wanted:
+                    return self.graph.call_function(torch.ops.aten.sym_size.int, (copy, dim))
+        if arg.op == "call_function" and arg.target in _SIZE_ARITHMETIC:
+            return self.graph.node_copy(arg, self.resolve)
+        raise InvalidArgument(f"cannot cut the model between parts: a size ({wanted}) is needed after a cut and no "
+                              "tensor there has it")
+
+
+_SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv, torch.sym_max, torch.sym_min)
+
+
+def _aliases(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Every state-dict key of a tensor held under several keys (tied weights), with all of its keys."""
+    keys: dict[int, list[str]] = {}
+    for key, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        keys.setdefault(id(tensor), []).append(key)
+    return {key: group for group in keys.values() if len(group) > 1 for key in group}
+
+
+def _register(holder: torch.nn.Module, key: str, tensor: torch.Tensor, is_parameter: bool) -> None:
+    """Puts a weight into the unit's module at its state-dict path, as a Parameter or a buffer."""
+    *path, leaf = key.split(".")
+    owner = holder
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, torch.nn.Module())
+        owner = getattr(owner, part)
+    if leaf in owner._parameters or leaf in owner._buffers:
+        return
+    if is_parameter:
+        owner.register_parameter(leaf, tensor if isinstance(tensor, torch.nn.Parameter)
+                                 else torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad))
+    else:
+        owner.register_buffer(leaf, tensor)
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: found.append(arg))
+    return [arg for arg in found if _is_tensor(arg) or arg.op == "placeholder"]
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _is_symbolic(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _is_float(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def _varying(node: torch.fx.Node) -> tuple[int, ...]:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return ()
+    return tuple(dim for dim, size in enumerate(value.shape) if not isinstance(size, int))

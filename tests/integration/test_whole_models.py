@@ -1,0 +1,219 @@
+"""Models deployed whole (not an nn.Sequential): captured once with torch.export, cut between submodules, and trained
+as one process trains them: a GPT with its head tied to its embedding, a ResNet-shaped CNN with BatchNorm, a model
+whose cuts carry token ids and a boolean mask."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from examples.gpt import GPT, GPTConfig, generate, loss_of
+from shardtrain.errors import InvalidArgument
+from tests.integration.training import largest_difference, train_side_by_side
+
+CONFIG = GPTConfig(vocab_size=13, block_size=12, n_layer=4, n_head=2, n_embd=16)
+SEQUENCE = {"idx": {1: torch.export.Dim("seq", max=CONFIG.block_size)}}
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def token_batches(steps: int, batch: int = 8, length: int = CONFIG.block_size):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, CONFIG.vocab_size, (batch, length), generator=generator),
+             torch.randint(0, CONFIG.vocab_size, (batch, length), generator=generator)) for _ in range(steps)]
+
+
+class SequenceLoss(nn.Module):
+    """Cross entropy over every position, for train_step (its loss runs on the last stage)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_of(logits, targets)
+
+
+def test_a_gpt_trains_as_one_process_with_tied_weights_groups_a_schedule_and_clipping(cluster4):
+    local, batches = gpt(), token_batches(steps=20)
+    remote = copy.deepcopy(local)
+    model = cluster4.deploy(remote, optimizer=remote.configure_optimizers(0.1, 3e-3), example_input=batches[0][0],
+                            dynamic_shapes=SEQUENCE, num_stages=3)
+    assert [p.stage for p in model.placements] == [0, 1, 2]
+    optimizer = local.configure_optimizers(0.1, 3e-3)
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=len(batches)) for o in (model.optimizer,
+                                                                                           optimizer)]
+    for x, y in batches:
+        loss_of(model(x), y).backward()
+        remote_norm = model.clip_grad_norm_(1.0)
+        model.optimizer.step()
+        model.optimizer.zero_grad()
+        loss_of(local(x), y).backward()
+        local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        for schedule in schedules:
+            schedule.step()
+        assert remote_norm.item() == pytest.approx(local_norm.item(), rel=1e-5)
+    state = model.state_dict()
+    assert set(state) == set(local.state_dict())
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    assert largest_difference(state, local.state_dict()) < 1e-5
+
+
+def test_a_gpt_trains_with_train_step_1f1b_as_one_process(cluster4):
+    local, batches = gpt(), token_batches(steps=6)
+    remote = copy.deepcopy(local)
+    model = cluster4.deploy(remote, optimizer=(torch.optim.AdamW, {"lr": 3e-3}), example_input=batches[0][0],
+                            num_stages=3)
+    optimizer = torch.optim.AdamW(local.parameters(), lr=3e-3)
+    for x, y in batches:
+        remote_loss = model.train_step(x, y, loss_fn=SequenceLoss(), microbatches=4, schedule="1f1b",
+                                       clip_grad_norm=1.0)
+        local_loss = loss_of(local(x), y)
+        local_loss.backward()
+        torch.nn.utils.clip_grad_norm_(local.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert remote_loss == pytest.approx(local_loss.item(), rel=1e-5)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
+
+
+def test_a_gpt_generates_from_prompts_shorter_than_its_example_and_splits_where_named(cluster4):
+    local = gpt()
+    model = cluster4.deploy(copy.deepcopy(local), example_input=token_batches(1)[0][0], dynamic_shapes=SEQUENCE,
+                            split_points=["transformer.h.1", "transformer.h.3"])
+    starts = [placement.layers[0] for placement in model.placements]
+    assert [start.split(" ")[0] for start in starts] == ["transformer.wte", "transformer.h.1", "transformer.h.3"]
+    model.eval()
+    local.eval()
+    for prompt in (torch.tensor([[3]]), torch.tensor([[1, 2, 3], [4, 5, 6]])):
+        remote_text = generate(model, prompt, 14, CONFIG.block_size, generator=torch.Generator().manual_seed(2))
+        local_text = generate(local, prompt, 14, CONFIG.block_size, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(remote_text, local_text)
+    with pytest.raises(InvalidArgument, match="split point 'transformer.h.9'.*transformer.wte"):
+        cluster4.deploy(copy.deepcopy(local), example_input=token_batches(1)[0][0], split_points=["transformer.h.9"])
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convolutions with BatchNorm, and a projected shortcut."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(outputs)
+        self.conv2 = nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(outputs)
+        self.downsample = None if stride == 1 and inputs == outputs else nn.Sequential(
+            nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class SmallResNet(nn.Module):
+    """ResNet-18's shape (stem, four stages of two basic blocks, pooling, classifier), narrow."""
+
+    def __init__(self, width: int = 4, classes: int = 5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        widths = [width, width, 2 * width, 2 * width]
+        self.layer1, self.layer2, self.layer3, self.layer4 = (
+            nn.Sequential(BasicBlock(w_in, w_out, 1 if i == 0 else 2), BasicBlock(w_out, w_out, 1))
+            for i, (w_in, w_out) in enumerate(zip([width, *widths[:-1]], widths)))
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_a_resnet_with_batchnorm_in_training_mode_trains_as_one_process(cluster4):
+    torch.manual_seed(0)
+    local = SmallResNet()
+    remote = copy.deepcopy(local)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 3, 16, 16, generator=generator), torch.randint(0, 5, (8,), generator=generator))
+               for _ in range(4)]
+    model = cluster4.deploy(remote, optimizer=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+                            example_input=batches[0][0], num_stages=4)
+    units = [name for placement in model.placements for name in placement.layers]
+    assert any(name.startswith("layer2.1 ") for name in units)  # a Sequential's blocks are cut one by one
+    optimizer = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+    train_side_by_side(model, local, optimizer, batches, nn.functional.cross_entropy)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5  # running statistics included
+    model.eval()
+    local.eval()
+    assert (model(batches[0][0]) - local(batches[0][0])).abs().max().item() < 1e-5
+
+
+class MaskedTokens(nn.Module):
+    """Token ids and a padding mask made at the start and read at the end: cuts carry int64 and bool tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.body = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        self.scale = nn.Embedding(10, 1)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = tokens != 0
+        x = self.embed(tokens)
+        for layer in self.body:
+            x = layer(x) + x
+        x = x * self.scale(tokens)
+        pooled = (x * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        return self.head(pooled)
+
+
+def test_cuts_carry_token_ids_and_masks_to_the_stages_that_read_them(cluster4):
+    torch.manual_seed(0)
+    local = MaskedTokens()
+    remote = copy.deepcopy(local)
+    generator = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 10, (5, 7), generator=generator), torch.randn(5, 2, generator=generator))
+               for _ in range(4)]
+    model = cluster4.deploy(remote, optimizer=(torch.optim.Adam, {"lr": 1e-2}), example_input=batches[0][0],
+                            split_points=["body.1", "scale"])
+    train_side_by_side(model, local, torch.optim.Adam(local.parameters(), lr=1e-2), batches, nn.functional.mse_loss)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.linear(x)
+        return x
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        y = self.linear(x)
+        return y, y.sum()
+
+
+@pytest.mark.parametrize("net, expected", [
+    (DataDependent(), r"DataDependent cannot be captured .* at .*test_whole_models.py:\d+ \(`if x.sum\(\) > 0:`\): "
+                      r"its forward takes a path that depends on the values in a tensor"),
+    (TwoOutputs(), "the model returns 2 values; a deployed model returns one tensor"),
+])
+def test_a_model_that_cannot_be_deployed_whole_is_refused_with_the_reason(cluster4, net, expected):
+    with pytest.raises(InvalidArgument, match=expected):
+        cluster4.deploy(net, example_input=torch.randn(3, 4))
+    with pytest.raises(InvalidArgument, match="captured whole, from an example: pass example_input"):
+        cluster4.deploy(TwoOutputs())

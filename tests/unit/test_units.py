@@ -1,0 +1,123 @@
+"""client_sdk.units: a whole-model graph cut between submodules, each part running as the model's own slice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import units
+from client_sdk.layers import whole_model_layers
+from shardtrain.capture import LayerAdapter
+from shardtrain.errors import InvalidArgument
+from shardtrain.residuals import run_chain
+
+
+class Tokens(nn.Module):
+    """Token ids and a mask made first and read last; a size read in the first part and used in the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = tokens != 0
+        x = self.embed(tokens)
+        for layer in self.body:
+            x = layer(x)
+        x = self.head(x) * mask.unsqueeze(-1)
+        return x.reshape(tokens.shape[0], -1)
+
+
+def run_parts(layers, x: torch.Tensor) -> torch.Tensor:
+    adapters = [LayerAdapter(layer.module, layer.wiring.out_variables) for layer in layers]
+    return run_chain(adapters, [layer.wiring for layer in layers], x, {})
+
+
+def test_unit_names_look_through_containers_at_any_depth():
+    assert units.unit_names(Tokens()) == ["embed", "body.0.0", "body.0.1", "body.1.0", "body.1.1", "head"]
+
+
+def test_values_a_later_part_reads_travel_by_name_with_their_dtypes():
+    torch.manual_seed(0)
+    model = Tokens()
+    tokens = torch.tensor([[1, 0, 3], [4, 5, 0]])
+    layers = whole_model_layers(model, tokens, {"tokens": {1: torch.export.Dim("seq", max=8)}})
+    assert [layer.name for layer in layers] == units.unit_names(model)
+    # the first part saves the ids' mask for the head; the head reads it after the main input
+    assert layers[0].wiring.out_variables == ("ne",)
+    assert layers[-1].wiring.dependencies == ("ne",)
+    assert layers[0].varying == ((0, 1),)
+    for x in (tokens, torch.tensor([[2, 0, 1, 1, 7]])):  # other batch sizes and lengths
+        assert torch.equal(run_parts(layers, x), model(x))
+
+
+class TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx):
+        return self.head(self.embed(idx))
+
+
+def test_a_tied_weight_keeps_each_parts_own_name():
+    layers = whole_model_layers(TiedHead(), torch.tensor([[1, 2], [3, 4]]))
+    keys = [[key for key, _ in layer.module.named_parameters()] for layer in layers]
+    assert keys == [["embed.weight"], ["head.weight"]]
+
+
+class NotPersistent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(2), persistent=False)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class Constant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.ones(2)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class Counter(nn.Module):
+    """Counts rows in a buffer outside its submodules: the count would be changed on one stage, read on another."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(2, 2), nn.Linear(2, 2)
+        self.register_buffer("rows", torch.zeros(()))
+
+    def forward(self, x):
+        self.rows = self.rows + x.shape[0]
+        return self.second(self.first(x))
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+@pytest.mark.parametrize("model, expected", [
+    (NotPersistent(), "buffer 'scale' is not persistent"),
+    (Constant(), "holds a tensor 'scale' that is neither a parameter nor a buffer; register it with register_buffer"),
+    (Counter(), "changes buffer 'rows' in 'second' and reads it in 'first'; a buffer must be changed and read within "
+                "one submodule"),
+])
+def test_state_the_shards_could_not_receive_is_refused(model, expected):
+    with pytest.raises(InvalidArgument, match=expected):
+        whole_model_layers(model, torch.randn(3, 2))
+
+
+def test_more_than_one_input_is_refused():
+    program = torch.export.export(TwoInputs(), (torch.randn(2, 2), torch.randn(2, 2)))
+    with pytest.raises(InvalidArgument, match="takes 2 tensor inputs; a deployed model takes one"):
+        units.cut(program, TwoInputs())
