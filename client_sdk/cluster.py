@@ -25,6 +25,9 @@ from shardtrain.settings import Security, Timeouts, security_env, security_from_
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 
+BALANCES = {"time": "us of forward and backward", "parameters": "parameters"}  # balance -> what a cost counts
+
+
 class Cluster:
     """A coordinator and its shards, seen from a script or notebook. Use as a context manager."""
 
@@ -93,7 +96,7 @@ class Cluster:
                example_input: torch.Tensor | None = None, split_points: Sequence[int | str] = (),
                layers_per_stage: Sequence[int] = (), num_stages: int = 0,
                compression: str | dict[str, str] = "none", replicas: int = 1,
-               dynamic_shapes=None) -> DistributedModel:
+               dynamic_shapes=None, balance: str = "") -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: any nn.Module torch.export can capture, taking one tensor and returning one. An nn.Sequential, a
@@ -107,9 +110,11 @@ class Cluster:
         list of state-dict keys or parameters or a filter f(key, parameter), or an optimizer instance built over
         the model's parameters (its state, if it stepped, comes along). Each shard steps the same class over the
         weights it holds; model.optimizer stands for it here (bind lr schedulers to it).
-        Partitioning: balanced by parameter count over `num_stages` (default: every shard), unless
-        split_points (where stages start: layer indexes, or submodule names such as "transformer.h.2") or
-        layers_per_stage say otherwise.
+        Partitioning: over `num_stages` (default: every shard), contiguous stages balanced by `balance`: "time"
+        (each layer's forward and backward measured on `example_input`, here, before shipping: the default for a
+        model captured whole; give an example the size of a micro-batch) or "parameters" (the default for an
+        nn.Sequential or a layer list), unless split_points (where stages start: layer indexes, or submodule
+        names such as "transformer.h.2") or layers_per_stage say otherwise.
         compression: the wire encoding of the tensors that move between shards and this client:
         "none" (exact, the default), "fp16", "bf16" (half the bytes of float32) or "int8" (blockwise,
         about a quarter), for every kind, or a dict by kind: {"activations": ..., "gradients": ...,
@@ -124,10 +129,14 @@ class Cluster:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
         self._close_models()  # shards hold one deployment at a time: finish the previous one first
         module = layer_tools.as_module(model)
-        if layer_tools.is_layered(module):
+        layered = layer_tools.is_layered(module)
+        if layered:
             layers = layer_tools.layers_of(module)
         else:
             layers = layer_tools.whole_model_layers(module, example_input, dynamic_shapes)
+        balance = balance or ("parameters" if layered else "time")
+        if balance not in BALANCES:
+            raise InvalidArgument(f"balance must be one of {list(BALANCES)}, got {balance!r}")
         mixed = modes.mixed_modes(module)
         if mixed:
             warnings.warn(f"layers {mixed[:5]} are not in the model's {'training' if module.training else 'eval'} "
@@ -144,13 +153,18 @@ class Cluster:
                                                     layers_per_stage=layers_per_stage),
             replicas=replicas)
         layer_tools.mark_state(request.layers, module)
+        if split_points or layers_per_stage:
+            balance = "parameters"  # nothing to balance: the costs shown are parameter counts
+        if balance == "time":
+            for layer, seconds in zip(request.layers, layer_tools.measure(module, layers, example_input)):
+                layer.cost = max(1, round(seconds * 1e6))
         response = self._io.run(self._coordinator.call("Deploy", request))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
             [name for name, _ in module.named_parameters()]
         shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
         distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
-                                                list(module.state_dict())))
+                                                list(module.state_dict()), BALANCES[balance]))
         distributed.load_state_dict(module.state_dict())
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
@@ -160,7 +174,7 @@ class Cluster:
 
     async def _handle(self, response, captured, encodings, parameter_keys: list[str],
                       optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple],
-                      model_keys: list[str]) -> DistributedModel:
+                      model_keys: list[str], cost_unit: str) -> DistributedModel:
         owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
@@ -168,7 +182,8 @@ class Cluster:
             for entry in (entry for layer in held for entry in layer.state):  # a tied weight: on every stage using it
                 holders.setdefault(entry.tied_to or entry.model_key, set()).add(stage.stage)
             placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
-                                        tuple(layer.description for layer in held)))
+                                        tuple(layer.description for layer in held),
+                                        sum(layer.cost for layer in held), cost_unit))
         replicas = []
         for replica in range(max(s.replica for s in response.stages) + 1):
             addresses = [s.shard_address for s in response.stages if s.replica == replica]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from client_sdk import units
+from client_sdk import profile, units
 from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
 from shardtrain.capture import LayerAdapter, capture_layer
@@ -148,6 +148,12 @@ def capture_model(module: torch.nn.Module, layers: Sequence[Layer],
     torch's random stream, which the example and a Dropout would otherwise draw from."""
     with untouched(module):
         return capture(layers, example if example is not None else example_input(module, layers))
+
+
+def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Tensor | None) -> list[float]:
+    """Each layer's forward plus backward seconds on `example` (or a guessed input), leaving the model as it was."""
+    with untouched(module):
+        return profile.layer_times(layers, example if example is not None else example_input(module, layers))
 
 
 def tied_keys(module: torch.nn.Module) -> dict[str, str]:

@@ -53,6 +53,8 @@ class Placement:
     first_layer: int
     end_layer: int
     layers: tuple[str, ...]
+    cost: int = 0  # what the partitioner balanced: the stage's measured time or its parameter count
+    cost_unit: str = "parameters"
 
 
 class DistributedModel:

@@ -42,6 +42,7 @@ def test_a_gpt_trains_as_one_process_with_tied_weights_groups_a_schedule_and_cli
     model = cluster4.deploy(remote, optimizer=remote.configure_optimizers(0.1, 3e-3), example_input=batches[0][0],
                             dynamic_shapes=SEQUENCE, num_stages=3)
     assert [p.stage for p in model.placements] == [0, 1, 2]
+    assert {p.cost_unit for p in model.placements} == {"us of forward and backward"}  # balanced by measured time
     optimizer = local.configure_optimizers(0.1, 3e-3)
     schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=len(batches)) for o in (model.optimizer,
                                                                                            optimizer)]
@@ -85,6 +86,7 @@ def test_a_gpt_generates_from_prompts_shorter_than_its_example_and_splits_where_
     local = gpt()
     model = cluster4.deploy(copy.deepcopy(local), example_input=token_batches(1)[0][0], dynamic_shapes=SEQUENCE,
                             split_points=["transformer.h.1", "transformer.h.3"])
+    assert {p.cost_unit for p in model.placements} == {"parameters"}
     starts = [placement.layers[0] for placement in model.placements]
     assert [start.split(" ")[0] for start in starts] == ["transformer.wte", "transformer.h.1", "transformer.h.3"]
     model.eval()
@@ -95,6 +97,8 @@ def test_a_gpt_generates_from_prompts_shorter_than_its_example_and_splits_where_
         assert torch.equal(remote_text, local_text)
     with pytest.raises(InvalidArgument, match="split point 'transformer.h.9'.*transformer.wte"):
         cluster4.deploy(copy.deepcopy(local), example_input=token_batches(1)[0][0], split_points=["transformer.h.9"])
+    with pytest.raises(InvalidArgument, match=r"balance must be one of \['time', 'parameters'\], got 'speed'"):
+        cluster4.deploy(copy.deepcopy(local), example_input=token_batches(1)[0][0], balance="speed")
 
 
 class BasicBlock(nn.Module):

@@ -144,3 +144,15 @@ def test_capture_model_leaves_buffers_modes_and_the_random_stream_as_they_were()
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
     assert model[3].calls is calls
     assert [m.training for m in model.modules()] == [True, True, False, True, True]
+
+
+def test_measured_layer_times_leave_gradients_buffers_and_randomness_alone():
+    model = nn.Sequential(nn.Linear(4, 64), nn.BatchNorm1d(64), nn.Dropout(0.5), nn.Linear(64, 4))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    x = torch.randn(8, 4)
+    state = torch.random.get_rng_state()
+    times = layer_tools.measure(model, layer_tools.layers_of(model), x)
+    assert len(times) == 4 and all(seconds > 0 for seconds in times)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    assert torch.equal(torch.random.get_rng_state(), state)
