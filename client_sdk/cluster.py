@@ -13,6 +13,7 @@ import torch
 from client_sdk import layers as layer_tools
 from client_sdk import modes
 from client_sdk import optimizer as optimizer_tools
+from client_sdk.interface import Interface
 from client_sdk.io_loop import shared_loop
 from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.pipeline import PipelineTrainer
@@ -96,16 +97,18 @@ class Cluster:
                example_input: torch.Tensor | None = None, split_points: Sequence[int | str] = (),
                layers_per_stage: Sequence[int] = (), num_stages: int = 0,
                compression: str | dict[str, str] = "none", replicas: int = 1,
-               dynamic_shapes=None, balance: str = "") -> DistributedModel:
+               dynamic_shapes=None, balance: str = "", example_inputs: tuple = (),
+               example_kwargs: dict | None = None) -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
-        model: any nn.Module torch.export can capture, taking one tensor and returning one. An nn.Sequential, a
-        LayerList or a seed layer list [(layer_class, kwargs, input_shape), ...] is split between its layers; any
-        other module is captured whole from `example_input` (a tensor shaped like one batch) and split between its
-        submodules (items of a ModuleList, ModuleDict or Sequential count one by one), with the values that cross
-        each cut (any number, any dtype) sent straight to the stages that read them. Dim 0 is the batch;
-        `dynamic_shapes` names other dims that vary, in torch.export's form, e.g.
-        {"idx": {1: torch.export.Dim("seq", max=block_size)}}.
+        model: any nn.Module torch.export can capture. An nn.Sequential, a LayerList or a seed layer list
+        [(layer_class, kwargs, input_shape), ...] is split between its layers; any other module is captured whole
+        from `example_input` (a tensor shaped like one batch), or `example_inputs=(...)` and `example_kwargs={...}`
+        for a forward of several tensors, and split between its submodules (items of a ModuleList, ModuleDict or
+        Sequential count one by one), with the values that cross each cut (any number, any dtype) sent straight to
+        the stages that read them. It may return a tensor, or tensors in a tuple, list or dict (a loss among them).
+        Dim 0 of every input is the batch; `dynamic_shapes` names other dims that vary, in torch.export's form,
+        e.g. {"idx": {1: torch.export.Dim("seq", max=block_size)}}.
         optimizer: (torch.optim class or name, kwargs), (class, param groups, kwargs) with each group's "params" a
         list of state-dict keys or parameters or a filter f(key, parameter), or an optimizer instance built over
         the model's parameters (its state, if it stepped, comes along). Each shard steps the same class over the
@@ -131,9 +134,16 @@ class Cluster:
         module = layer_tools.as_module(model)
         layered = layer_tools.is_layered(module)
         if layered:
-            layers = layer_tools.layers_of(module)
+            layers, interface = layer_tools.layers_of(module), Interface()
+            x, inputs = example_input, {}
         else:
-            layers = layer_tools.whole_model_layers(module, example_input, dynamic_shapes)
+            args = (example_input,) if isinstance(example_input, torch.Tensor) else tuple(example_inputs)
+            layers, interface = layer_tools.whole_model_layers(module, args, dict(example_kwargs or {}),
+                                                               dynamic_shapes)
+            x, inputs = interface.bind(args, dict(example_kwargs or {}))
+        if replicas > 1 and not interface.is_plain:
+            raise InvalidArgument("replicas train through train_step, which takes models of one tensor in and one "
+                                  "out; this one takes or returns several")
         balance = balance or ("parameters" if layered else "time")
         if balance not in BALANCES:
             raise InvalidArgument(f"balance must be one of {list(BALANCES)}, got {balance!r}")
@@ -146,17 +156,17 @@ class Cluster:
         encodings = wire.wire_encodings(compression)
         request = coordinator_pb2.DeployRequest(
             encodings=encodings,
-            layers=layer_tools.capture_model(module, layers, example_input),
+            layers=layer_tools.capture_model(module, layers, x, inputs),
             optimizer=spec,
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages,
                                                     split_points=layer_tools.split_indexes(layers, split_points),
                                                     layers_per_stage=layers_per_stage),
-            replicas=replicas)
+            replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs)
         layer_tools.mark_state(request.layers, module)
         if split_points or layers_per_stage:
             balance = "parameters"  # nothing to balance: the costs shown are parameter counts
         if balance == "time":
-            for layer, seconds in zip(request.layers, layer_tools.measure(module, layers, example_input)):
+            for layer, seconds in zip(request.layers, layer_tools.measure(module, layers, x, inputs)):
                 layer.cost = max(1, round(seconds * 1e6))
         response = self._io.run(self._coordinator.call("Deploy", request))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
@@ -164,7 +174,7 @@ class Cluster:
             [name for name, _ in module.named_parameters()]
         shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
         distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
-                                                list(module.state_dict()), BALANCES[balance]))
+                                                list(module.state_dict()), BALANCES[balance], interface))
         distributed.load_state_dict(module.state_dict())
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
@@ -174,7 +184,7 @@ class Cluster:
 
     async def _handle(self, response, captured, encodings, parameter_keys: list[str],
                       optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple],
-                      model_keys: list[str], cost_unit: str) -> DistributedModel:
+                      model_keys: list[str], cost_unit: str, interface: Interface) -> DistributedModel:
         owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
@@ -197,7 +207,7 @@ class Cluster:
         parameters = [RemoteParameter(name, shape, dtype, requires_grad, tuple(sorted(holders.get(name, ()))))
                       for name, (shape, dtype, requires_grad) in shapes.items()]
         return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer,
-                                {key: sorted(stages) for key, stages in holders.items()}, parameters)
+                                {key: sorted(stages) for key, stages in holders.items()}, parameters, interface)
 
     def _close_models(self) -> None:
         models, self._models = self._models, []

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from client_sdk import profile, units
+from client_sdk.interface import Interface
 from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
 from shardtrain.capture import LayerAdapter, capture_layer
@@ -61,19 +62,31 @@ def layers_of(module: torch.nn.Module) -> list[Layer]:
     return [Layer(m, Wiring(), name) for name, m in module.named_children()]
 
 
-def whole_model_layers(module: torch.nn.Module, example: torch.Tensor | None, dynamic_shapes=None) -> list[Layer]:
-    """Any other module: its forward captured whole in both modes and cut into units (client_sdk/units.py)."""
-    if example is None:
+def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
+                       dynamic_shapes=None) -> tuple[list[Layer], Interface]:
+    """Any other module: its forward captured whole in both modes from the example arguments and cut into units
+    (client_sdk/units.py); with the interface the deployment is called through."""
+    if not args and not kwargs:
         raise InvalidArgument(f"a {type(module).__name__} is captured whole, from an example: pass "
-                              "example_input=<a tensor shaped like one batch>")
-    example = _rows(example)
-    spec = _with_batch(module, example, dynamic_shapes)
+                              "example_input=<a tensor shaped like one batch> (or example_inputs=(...), "
+                              "example_kwargs={...} for several)")
+    signature = inspect.signature(module.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise InvalidArgument(f"the example does not fit {type(module).__name__}.forward{signature}: {error}") from None
+    for name, value in bound.arguments.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise InvalidArgument(f"the model's inputs must be tensors, each its own argument; the example gives "
+                                  f"{name!r} a {type(value).__name__}")
+    args, kwargs = tuple(_rows(a) for a in bound.args), {k: _rows(v) for k, v in bound.kwargs.items()}
+    spec = _with_batch(bound, dynamic_shapes)
     with untouched(module):
         cuts = []
         for training in (True, False):
             module.train(training)
             try:
-                program = units.export_model(module, (example,), spec)
+                program = units.export_model(module, args, kwargs, spec)
             except InvalidArgument:
                 raise
             except Exception as error:  # export reports unsupported code in many exception types
@@ -83,36 +96,46 @@ def whole_model_layers(module: torch.nn.Module, example: torch.Tensor | None, dy
             cuts.append(units.cut(program, module))
     train, evaluation = cuts
     shapes = lambda cut: [(len(w.dependencies), len(w.out_variables)) for w in cut.wirings]  # noqa: E731
-    if train.names != evaluation.names or shapes(train) != shapes(evaluation):
+    if train.names != evaluation.names or shapes(train) != shapes(evaluation) or train.inputs != evaluation.inputs:
         raise InvalidArgument(f"{type(module).__name__} passes different values between its parts in training and "
                               "eval mode, so one cut cannot serve both; deploy it as an nn.Sequential")
-    return [Layer(m, w, "", name=n, description=d, eval_module=e, varying=v)
-            for m, w, n, d, e, v in zip(train.modules, train.wirings, train.names, train.descriptions,
-                                        evaluation.modules, train.dynamic)]
+    layers = [Layer(m, w, "", name=n, description=d, eval_module=e, varying=v)
+              for m, w, n, d, e, v in zip(train.modules, train.wirings, train.names, train.descriptions,
+                                          evaluation.modules, train.dynamic)]
+    return layers, Interface(signature, tuple(train.inputs), tuple(train.outputs), tuple(train.leaves),
+                             train.out_spec)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x[:EXAMPLE_BATCH] if x.dim() and x.shape[0] > EXAMPLE_BATCH else x
+def _rows(x):
+    if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] > EXAMPLE_BATCH:
+        return x[:EXAMPLE_BATCH]
+    return x
 
 
-def _with_batch(module: torch.nn.Module, example: torch.Tensor, dynamic_shapes):
-    """The user's dynamic_shapes (torch.export's form) with dim 0 of the input added as the batch."""
+def _with_batch(bound: inspect.BoundArguments, dynamic_shapes):
+    """The user's dynamic_shapes (torch.export's form, by argument name or position) by argument name, with dim 0
+    of every tensor argument they leave out as the batch."""
     batch = torch.export.Dim("batch", min=1)
+    names = list(bound.arguments)
     if dynamic_shapes is None:
-        return ({0: batch} if example.dim() else {},)
-    if isinstance(dynamic_shapes, dict):
-        name = next(iter(inspect.signature(module.forward).parameters))
-        dims = dict(dynamic_shapes.get(name) or {})
-        if example.dim():
-            dims.setdefault(0, batch)
-        return {**dynamic_shapes, name: dims}
-    if isinstance(dynamic_shapes, (tuple, list)) and dynamic_shapes:
-        dims = dict(dynamic_shapes[0] or {})
-        if example.dim():
-            dims.setdefault(0, batch)
-        return (dims, *dynamic_shapes[1:])
-    raise InvalidArgument(f"dynamic_shapes must be a dict by argument name or a tuple by position, as torch.export "
-                          f"takes it; got {dynamic_shapes!r}")
+        given = {}
+    elif isinstance(dynamic_shapes, dict):
+        given = dict(dynamic_shapes)
+    elif isinstance(dynamic_shapes, (tuple, list)):
+        given = dict(zip(names, dynamic_shapes))
+    else:
+        raise InvalidArgument(f"dynamic_shapes must be a dict by argument name or a tuple by position, as "
+                              f"torch.export takes it; got {dynamic_shapes!r}")
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise InvalidArgument(f"dynamic_shapes names {unknown}, which the example does not give (it gives {names})")
+    spec = {}
+    for name, value in bound.arguments.items():
+        dims = given.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() and (dims is None or isinstance(dims, dict)):
+            dims = {0: batch, **(dims or {})}
+        spec[name] = dims
+    return spec
 
 
 def split_indexes(layers: Sequence[Layer], split_points: Sequence) -> list[int]:
@@ -141,19 +164,23 @@ def example_input(module: torch.nn.Module, layers: Sequence[Layer]) -> torch.Ten
                           "pass example_input=<a tensor shaped like one batch>")
 
 
-def capture_model(module: torch.nn.Module, layers: Sequence[Layer],
-                  example: torch.Tensor | None = None) -> list[shard_pb2.CapturedLayer]:
-    """Captures every layer of `module` (see capture), tracing with `example` or a guessed input, and leaves
-    the module as it was: its buffers (a BatchNorm's running statistics), its layers' train/eval modes, and
-    torch's random stream, which the example and a Dropout would otherwise draw from."""
+def capture_model(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Tensor | None = None,
+                  inputs: dict[str, torch.Tensor] | None = None) -> list[shard_pb2.CapturedLayer]:
+    """Captures every layer of `module` (see capture), tracing with `example` or a guessed input (and the model's
+    other inputs by name), and leaves the module as it was: its buffers (a BatchNorm's running statistics), its
+    layers' train/eval modes, and torch's random stream, which the example and a Dropout would otherwise draw
+    from."""
     with untouched(module):
-        return capture(layers, example if example is not None else example_input(module, layers))
+        return capture(layers, example if example is not None else example_input(module, layers), inputs or {})
 
 
-def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Tensor | None) -> list[float]:
-    """Each layer's forward plus backward seconds on `example` (or a guessed input), leaving the model as it was."""
+def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Tensor | None,
+            inputs: dict[str, torch.Tensor] | None = None) -> list[float]:
+    """Each layer's forward plus backward seconds on `example` (or a guessed input) and the model's other inputs,
+    leaving the model as it was."""
     with untouched(module):
-        return profile.layer_times(layers, example if example is not None else example_input(module, layers))
+        x = example if example is not None else example_input(module, layers)
+        return profile.layer_times(layers, x, inputs or {})
 
 
 def tied_keys(module: torch.nn.Module) -> dict[str, str]:
@@ -179,13 +206,14 @@ def mark_state(captured: Sequence[shard_pb2.CapturedLayer], module: torch.nn.Mod
             entry.frozen = entry.model_key in frozen
 
 
-def capture(layers: Sequence[Layer], x: torch.Tensor) -> list[shard_pb2.CapturedLayer]:
+def capture(layers: Sequence[Layer], x: torch.Tensor,
+            inputs: dict[str, torch.Tensor] | None = None) -> list[shard_pb2.CapturedLayer]:
     """Captures each layer in training mode, and in eval mode too where its forward reads `training` (Dropout,
     BatchNorm, a custom layer's own branch), with the activations an example input produces on the way
     through (in training mode, as the shards will train). Runs the layers: capture_model keeps the model
     as it was."""
-    captured, saved = [], {}
-    x = x[:EXAMPLE_BATCH] if x.dim() and x.shape[0] > EXAMPLE_BATCH else x
+    captured, saved = [], {name: _rows(value) for name, value in (inputs or {}).items()}
+    x = _rows(x)
     with torch.no_grad():
         for index, layer in enumerate(layers):
             adapter = LayerAdapter(layer.module, layer.wiring.out_variables).train()

@@ -36,7 +36,8 @@ class SdkLinks:
         self._timeout = timeout
         self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (not under TLS)
         self._links: dict[int, link.ClientLink] = {}
-        self._outputs: dict[int, asyncio.Future] = {}    # step -> the model's output
+        self._outputs: dict[int, asyncio.Future] = {}    # step -> (the model's output, its other outputs by name)
+        self._extras: dict[int, dict] = {}               # step -> the other outputs come so far, ahead of the output
         self._backwards: dict[int, asyncio.Future] = {}  # step -> the input's gradient (or None) once done
         self._settles: dict[int, asyncio.Future] = {}    # optimizer step -> None once settled everywhere
         self._follows: dict[int, int] = {}               # forward step -> the optimizer step it follows
@@ -80,13 +81,18 @@ class SdkLinks:
             if pending.get(key) is future:
                 del pending[key]
 
-    async def forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor) -> torch.Tensor:
-        """Sends x into the first stage; returns the last stage's output."""
+    async def forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor,
+                      inputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sends x into the first stage, the model's other inputs ahead of it as residuals; returns the last stage's
+        output and the model's other outputs, which come ahead of it."""
         step = header.key.step
         future = self._expect(self._outputs, step)
         self._follows[step] = header.after_optimizer_step
         try:
             self._link(_ROLES.LINK_ROLE_OUTPUT)  # opened now: the last stage sends the output on it
+            for name, tensor in (inputs or {}).items():
+                item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=header.key, name=name))
+                await self._send(_ROLES.LINK_ROLE_INPUT, item, tensor, "residuals")
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
         except BaseException:
             self._outputs.pop(step, None)
@@ -96,12 +102,17 @@ class SdkLinks:
             return await self._wait(self._outputs, step, future, f"the output of step {step} from {self._last.name}")
         finally:
             self._follows.pop(step, None)
+            self._extras.pop(step, None)
 
-    async def backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Sends the output's gradient into the last stage; returns (the input's gradient or None) once every
-        stage has run backward."""
+    async def backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None,
+                       output_grads: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor | None:
+        """Sends the outputs' gradients into the last stage (the other outputs' ahead of the main one's; None for
+        one without); returns (the input's gradient or None) once every stage has run backward."""
         step = header.key.step
         future = self._expect(self._backwards, step)
+        for name, output_grad in (output_grads or {}).items():
+            item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=header.key, name=name))
+            await self._send(_ROLES.LINK_ROLE_OUTPUT, item, output_grad, "gradients")
         await self._send(_ROLES.LINK_ROLE_OUTPUT, shard_pb2.LinkMessage(backward=header), grad, "gradients")
         return await self._wait(self._backwards, step, future,
                                 f"the end of step {step}'s backward on {self._first.name}")
@@ -233,7 +244,10 @@ class SdkLinks:
         if kind == "output":
             step = message.output.key.step
             self._settled(self._follows.get(step, 0))
-            _resolve(self._outputs.get(step), tensor)
+            _resolve(self._outputs.get(step), (tensor, self._extras.pop(step, {})))
+        elif kind == "residual":  # one of the model's other outputs
+            if message.residual.key.step in self._outputs:
+                self._extras.setdefault(message.residual.key.step, {})[message.residual.name] = tensor
         elif kind == "backward_done":
             _resolve(self._backwards.get(message.backward_done.key.step), tensor)
         elif kind == "loss":

@@ -13,13 +13,14 @@ import torch
 
 from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
+from client_sdk.interface import Interface
 from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import split_state
 from shardtrain import optim
-from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
@@ -73,7 +74,7 @@ class DistributedModel:
     def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
                  owners: dict[str, int], key_order: Sequence[str], parameter_keys: Sequence[str] = (),
                  optimizer: shard_pb2.OptimizerSpec | None = None, holders: dict[str, list[int]] | None = None,
-                 parameters: Sequence[RemoteParameter] = ()):
+                 parameters: Sequence[RemoteParameter] = (), interface: Interface | None = None):
         self._io = io
         self._trainer = trainer
         self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
@@ -82,6 +83,7 @@ class DistributedModel:
         self._owners = owners
         self._holders = holders or {key: [stage] for key, stage in owners.items()}  # a tied weight: several stages
         self._parameters = list(parameters)
+        self._interface = interface or Interface()  # the model's arguments and outputs
         self._key_order = list(key_order)
         self._parameter_keys = [key for key in parameter_keys if key in owners]  # the order torch.optim numbers
         # The shards' optimizer as seen from here: its param groups hold the hyperparameters in force.
@@ -123,15 +125,21 @@ class DistributedModel:
         """Eval mode (model.train(False)): Dropout passes its input on, BatchNorm uses its running statistics."""
         return self.train(False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward(x)
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Runs the model; under autograd the result backpropagates into the shards."""
+    def forward(self, *args, **kwargs):
+        """Runs the model on its arguments, as the local model takes them (the tensors the example had); returns
+        what it returns (a tensor, or a tuple or dict of them). Under autograd the result backpropagates into the
+        shards: into the first input too when it requires grad; the other inputs take no gradient."""
+        x, inputs = self._interface.bind(args, kwargs)
         if torch.is_grad_enabled():
             self._check_single_replica()
-            return RemoteStages.apply(self, self._anchor, x)
-        return self._io.run(self._forward(self._begin_step(), x, requires_grad=False))
+            result = RemoteStages.apply(self, self._anchor, x, inputs)
+            main, extras = (result[0], result[1:]) if self._interface.outputs else (result, ())
+        else:
+            main, extras = self._io.run(self._forward(self._begin_step(), x, requires_grad=False, inputs=inputs))
+        return self._interface.build(main, extras)
 
     def step(self) -> None:
         """Every shard applies its optimizer to the gradients accumulated so far (nothing, as in PyTorch, when no
@@ -220,6 +228,7 @@ class DistributedModel:
         step then waits for the stages' norms; model.grad_norm() gives the total norm).
         """
         self._check_open()
+        self._check_plain("train_step")
         clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
         return self._io.run(self._train_step(x, y, loss_fn, microbatches, schedule, clip))
 
@@ -239,8 +248,9 @@ class DistributedModel:
     # -- the explicit asynchronous API ---------------------------------------------------------
     async def aforward(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the model; returns a leaf tensor that requires grad. Pass its .grad to abackward."""
+        self._check_plain("aforward")
         step = self._begin_step()
-        output = await self._io.wrap(self._forward(step, x, requires_grad=True))
+        output, _ = await self._io.wrap(self._forward(step, x, requires_grad=True))
         self._async_steps.append(step)
         return output.requires_grad_(True)
 
@@ -295,7 +305,13 @@ class DistributedModel:
     async def _predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x` without autograd (an example for capturing a loss), in eval mode: it must
         not move a BatchNorm's running statistics."""
-        return await self._forward(self._begin_step(), x, requires_grad=False, training=False)
+        return (await self._forward(self._begin_step(), x, requires_grad=False, training=False))[0]
+
+    def _check_plain(self, what: str) -> None:
+        if not self._interface.is_plain:
+            raise FailedPrecondition(f"{what} takes models of one tensor in and one out; this one takes "
+                                     f"{list(self._interface.inputs)} and returns several values: train it with "
+                                     "the loop (outputs = model(...); loss.backward(); model.step())")
 
     def _check_single_replica(self) -> None:
         if self.replicas > 1:
@@ -308,31 +324,39 @@ class DistributedModel:
         self._last_step = next(self._steps)
         return self._last_step
 
-    def _remote_forward(self, step: int, x: torch.Tensor, requires_grad: bool,
-                        input_requires_grad: bool = False) -> torch.Tensor:
-        return self._io.run(self._forward(step, x, requires_grad, input_requires_grad))
+    def _remote_forward(self, step: int, x: torch.Tensor, inputs: dict[str, torch.Tensor], requires_grad: bool,
+                        input_requires_grad: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self._io.run(self._forward(step, x, requires_grad, input_requires_grad, inputs=inputs))
 
-    def _remote_backward(self, step: int, grad_output: torch.Tensor,
-                         input_requires_grad: bool = False) -> torch.Tensor | None:
-        return self._io.run(self._backward(step, grad_output, wait=input_requires_grad))
+    def _remote_backward(self, step: int, grad_output: torch.Tensor, input_requires_grad: bool = False,
+                         output_grads: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor | None:
+        return self._io.run(self._backward(step, grad_output, wait=input_requires_grad, output_grads=output_grads))
 
-    async def _forward(self, step: int, x: torch.Tensor, requires_grad: bool,
-                       input_requires_grad: bool = False, training: bool | None = None) -> torch.Tensor:
+    async def _forward(self, step: int, x: torch.Tensor, requires_grad: bool, input_requires_grad: bool = False,
+                       training: bool | None = None,
+                       inputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the main output, the model's other outputs in the interface's order)."""
         self._inflight.raise_failures()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         training = self.training if training is None else training
         if requires_grad:
             self._await_backward(step)
-        return await self._clients.forward(step, x.detach(), requires_grad, zero_grad, self._settle_before_forward,
-                                           input_requires_grad, eval_mode=not training)
+        output, extras = await self._clients.forward(step, x.detach(), requires_grad, zero_grad,
+                                                     self._settle_before_forward, input_requires_grad,
+                                                     eval_mode=not training, inputs=inputs)
+        missing = [name for name in self._interface.outputs if name not in extras]
+        if missing:
+            raise InternalError(f"step {step}: the last stage sent no output {missing}")
+        return output, [extras[name] for name in self._interface.outputs]
 
-    async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool) -> torch.Tensor | None:
+    async def _backward(self, step: int, grad_output: torch.Tensor | None, wait: bool,
+                        output_grads: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor | None:
         """Sends a backward; with `wait`, waits for it and returns the input's gradient (if the forward asked)."""
         self._inflight.raise_failures()
         self._check_backward(step)
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         self._has_gradients = True
-        call = asyncio.ensure_future(self._clients.backward(step, grad_output, zero_grad))
+        call = asyncio.ensure_future(self._clients.backward(step, grad_output, zero_grad, output_grads))
         self._backward_steps.append(step)
         self._inflight.add(call)
         return await call if wait else None

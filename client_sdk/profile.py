@@ -13,12 +13,14 @@ from shardtrain.capture import LayerAdapter
 REPEATS = 3  # timed runs per layer after one warm-up; the median is kept
 
 
-def layer_times(layers: Sequence, x: torch.Tensor, repeats: int = REPEATS) -> list[float]:
-    """Seconds of forward plus backward of each layer on the activations `x` produces on the way through.
+def layer_times(layers: Sequence, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None,
+                repeats: int = REPEATS) -> list[float]:
+    """Seconds of forward plus backward of each layer on the activations `x` (and the model's other `inputs`, by
+    name) produce on the way through.
 
     Gradients are taken with torch.autograd.grad, so no parameter's .grad changes; the caller keeps the model's
     buffers and random stream (client_sdk.modes.untouched)."""
-    saved: dict[str, torch.Tensor] = {}
+    saved = dict(inputs or {})
     times = []
     for layer in layers:
         adapter = LayerAdapter(layer.module, layer.wiring.out_variables).train()

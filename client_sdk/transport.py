@@ -66,18 +66,21 @@ class StageClients:
         return await self._links.planned(forwards, targets, request, gradient_scale)
 
     async def forward(self, step: int, x: torch.Tensor, requires_grad: bool, zero_grad: bool,
-                      after_optimizer_step: int, input_requires_grad: bool = False,
-                      eval_mode: bool = False) -> torch.Tensor:
-        """Sends x into the first stage over the input Link; returns the last stage's output."""
+                      after_optimizer_step: int, input_requires_grad: bool = False, eval_mode: bool = False,
+                      inputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sends x (and the model's other inputs) into the first stage over the input Link; returns the last
+        stage's output and the model's other outputs by name."""
         header = shard_pb2.ForwardHeader(key=self.key(step), requires_grad=requires_grad, zero_grad=zero_grad,
                                          after_optimizer_step=after_optimizer_step,
                                          input_requires_grad=input_requires_grad, eval_mode=eval_mode)
-        return await self._links.forward(header, x.detach())
+        return await self._links.forward(header, x.detach(), {k: v.detach() for k, v in (inputs or {}).items()})
 
-    async def backward(self, step: int, grad: torch.Tensor | None, zero_grad: bool = False) -> torch.Tensor | None:
-        """Sends the gradient of the output into the last stage (each stage clearing its gradients first with
+    async def backward(self, step: int, grad: torch.Tensor | None, zero_grad: bool = False,
+                       output_grads: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor | None:
+        """Sends the gradients of the outputs into the last stage (each stage clearing its gradients first with
         `zero_grad`); returns once every stage has run backward, with the input's gradient if the forward asked."""
-        return await self._links.backward(shard_pb2.BackwardHeader(key=self.key(step), zero_grad=zero_grad), grad)
+        return await self._links.backward(shard_pb2.BackwardHeader(key=self.key(step), zero_grad=zero_grad), grad,
+                                          output_grads or {})
 
     def step_request(self, step: int, zero_grad: bool, optimizer_step: int,
                      backward_steps: Sequence[int]) -> shard_pb2.StepRequest:

@@ -9,6 +9,7 @@ cutting between any two units works for any tensors crossing the cut, with no se
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,10 @@ class CutGraph:
     wirings: list[Wiring]
     dynamic: list[tuple[tuple[int, ...], ...]]  # per unit, per input (main first), the dims that vary
     descriptions: list[str]
+    inputs: list[str]    # the model's tensor inputs by name, in order: the first is the main input
+    outputs: list[str]   # the last unit's saved values that are the model's outputs after the first
+    leaves: list         # the model's flat outputs: ("main", None), ("output", name) or ("constant", value)
+    out_spec: object     # the pytree spec the flat outputs rebuild into (a tuple, a dict, one tensor)
 
 
 def unit_names(module: torch.nn.Module) -> list[str]:
@@ -47,12 +52,12 @@ def unit_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def export_model(module: torch.nn.Module, example: tuple, dynamic_shapes=None) -> torch.export.ExportedProgram:
-    """The whole forward as one graph, with a dynamic batch (dim 0 of every input) unless `dynamic_shapes` says."""
-    if dynamic_shapes is None:
-        batch = torch.export.Dim("batch", min=1)
-        dynamic_shapes = tuple({0: batch} if arg.dim() else {} for arg in example)
-    return torch.export.export(module, example, dynamic_shapes=dynamic_shapes)
+def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes) -> torch.export.ExportedProgram:
+    """The whole forward as one graph. torch's warning that an LSTM sets its flat weights during export is its own
+    business: the weights are the module's parameters all the same."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*were assigned during export")
+        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
 
 
 def cut(program: torch.export.ExportedProgram, module: torch.nn.Module) -> CutGraph:
@@ -85,19 +90,21 @@ class _Cutter:
             else:
                 raise InvalidArgument(f"the model holds a tensor {spec.target!r} that is neither a parameter nor a "
                                       "buffer; register it with register_buffer so the shards receive it")
-        if len(self.inputs) != 1:
-            raise InvalidArgument(f"the model's forward takes {len(self.inputs)} tensor inputs; a deployed model "
-                                  "takes one")
+        if not self.inputs or not all(_is_tensor(node) for node in self.inputs):
+            raise InvalidArgument("the model's inputs must be tensors (at least one), each its own argument")
         output = next(node for node in program.graph.nodes if node.op == "output")
-        self.outputs: list[torch.fx.Node] = []
-        for spec, node in zip(signature.output_specs, output.args[0]):
+        self.leaves = list(output.args[0])
+        for spec in signature.output_specs:
             if spec.kind != OutputKind.USER_OUTPUT:  # the training graph updates buffers in place instead
                 raise InvalidArgument(f"the model's forward changes {spec.target!r} in a way a deployed model "
                                       "cannot follow")
-            self.outputs.append(node)
-        if len(self.outputs) != 1 or not _is_tensor(self.outputs[0]):
-            raise InvalidArgument(f"the model returns {len(self.outputs)} values; a deployed model returns one "
-                                  "tensor (compute a loss outside it, or with train_step's loss_fn)")
+        self.outputs = list(dict.fromkeys(n for n in self.leaves if isinstance(n, torch.fx.Node)))
+        # Outputs after the first leave the last unit under names of their own: one may also be a value an earlier
+        # unit passes on by its node's name (node names have no dots).
+        self.output_names = tuple(f"output.{k}" for k in range(1, len(self.outputs)))
+        if not self.outputs or not all(_is_tensor(n) for n in self.outputs):
+            raise InvalidArgument("the model must return a tensor, or tensors in a tuple, list or dict (with plain "
+                                  "constants beside them)")
         self.unit_of = self._assign()
 
     def _assign(self) -> dict[torch.fx.Node, int]:
@@ -126,32 +133,40 @@ class _Cutter:
 
     def result(self) -> CutGraph:
         count = len(self.order)
+        main_input, extra_inputs = self.inputs[0], self.inputs[1:]
         produced = dict(self.unit_of)
-        produced[self.inputs[0]] = 0
+        produced[main_input] = 0
+        produced.update({node: -1 for node in extra_inputs})  # from the SDK: read by name wherever needed
         consumers: dict[torch.fx.Node, set[int]] = {}
         for node, unit in self.unit_of.items():
             for used in _tensor_args(node):
                 if used in produced and produced[used] != unit:
                     consumers.setdefault(used, set()).add(unit)
-        final = self.outputs[0]
-        if produced.get(final, 0) != count - 1:
-            consumers.setdefault(final, set()).add(count)  # the last unit passes the model's output through
+        for node in self.outputs:  # the last unit returns every output, passing on those made before it
+            if produced.get(node, 0) != count - 1:
+                consumers.setdefault(node, set()).add(count - 1)
         crossing = [node for node in self.program.graph.nodes if node in consumers]
         mains = self._mains(count, crossing, produced, consumers)
         modules, wirings, dynamic = [], [], []
         for unit in range(count):
-            incoming = [n for n in crossing if unit in consumers[n] and n is not mains[unit - 1]] if unit else []
-            main_in = mains[unit - 1] if unit else self.inputs[0]
-            outgoing = [n for n in crossing if produced[n] == unit and n is not mains[unit]
-                        or n is mains[unit] and consumers[n] - {unit + 1}]
+            main_in = mains[unit - 1] if unit else main_input
+            incoming = [n for n in crossing if unit in consumers[n] and n is not main_in]
             if unit == count - 1:
-                outgoing = []
+                outgoing = self.outputs[1:]
+            else:
+                outgoing = [n for n in crossing if produced[n] == unit and (n is not mains[unit]
+                                                                             or consumers[n] - {unit + 1})]
             modules.append(self._unit_module(unit, main_in, incoming, mains[unit], outgoing))
-            wirings.append(Wiring(tuple(n.name for n in incoming), tuple(n.name for n in outgoing)))
+            saved = self.output_names if unit == count - 1 else tuple(n.name for n in outgoing)
+            wirings.append(Wiring(tuple(n.name for n in incoming), saved))
             dynamic.append(tuple(_varying(n) for n in (main_in, *incoming)))
         self._check_buffers()
         descriptions = [f"{name} ({self._type_name(name)})" for name in self.order]
-        return CutGraph(list(self.order), modules, wirings, dynamic, descriptions)
+        named = dict(zip(self.outputs[1:], self.output_names))
+        leaves = [("main", None) if leaf is self.outputs[0] else ("output", named[leaf])
+                  if isinstance(leaf, torch.fx.Node) else ("constant", leaf) for leaf in self.leaves]
+        return CutGraph(list(self.order), modules, wirings, dynamic, descriptions, [n.name for n in self.inputs],
+                        list(self.output_names), leaves, self.program.call_spec.out_spec)
 
     def _mains(self, count: int, crossing: list, produced: dict, consumers: dict) -> list[torch.fx.Node]:
         """Per unit, the value it hands the next unit as the main input: one the next unit reads, floating-point

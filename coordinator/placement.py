@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.registry import ShardRecord
-from shardtrain.residuals import StageResiduals
+from shardtrain.residuals import CLIENT, StageResiduals
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,12 @@ def place(ranges: Sequence[tuple[int, int]], routes: Sequence[StageResiduals],
             stage=stage, shard=shards[stage], first_layer=first, end_layer=end,
             previous_address=addresses[stage - 1] if stage > 0 else "",
             next_address=addresses[stage + 1] if stage + 1 < len(ranges) else "",
-            incoming={name: (source, addresses[source]) for name, source in route.incoming.items()},
+            incoming={name: (source, _address(addresses, source)) for name, source in route.incoming.items()},
             outgoing=dict(route.outgoing),
-            consumers={name: [addresses[c] for c in stages] for name, stages in route.outgoing.items()},
+            consumers={name: [_address(addresses, c) for c in stages] for name, stages in route.outgoing.items()},
             tied={key: [(s, addresses[s]) for s in stages] for key, stages in tied[stage].items()}))
     return placements
+
+
+def _address(addresses: Sequence[str], stage: int) -> str:
+    return "" if stage == CLIENT else addresses[stage]

@@ -54,7 +54,8 @@ class CoordinatorServicer:
         # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
         ranges = partition.plan([layer.cost for layer in layers], spec.num_stages or min(available, len(layers)),
                                 spec.split_points, spec.layers_per_stage)
-        routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges)
+        routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges,
+                       request.inputs, request.outputs)
         shards = self.registry.take(len(ranges) * replicas)
         tied = tied_stages(ranges, [[entry.tied_to for entry in layer.state if entry.tied_to] for layer in layers])
         pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)], tied)

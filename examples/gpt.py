@@ -3,8 +3,9 @@ shards from a plain PyTorch loop, then asked to write.
 
     python examples/gpt.py [--steps 300]
 
-The model is handed to deploy whole: it is captured once with torch.export (the sequence length free up to the
-block size) and cut between its blocks. The LM head stays tied to the token embedding across stages, AdamW has two
+The model is handed to deploy whole: captured once with torch.export, with its targets, so that the loss is
+computed inside it on the last stage, and cut between its blocks. For sampling it is deployed again as it is
+called without targets, the sequence length free up to the block size. The LM head stays tied to the token embedding across stages, AdamW has two
 parameter groups (weight decay on matrices only), a cosine schedule drives the rate on every stage, and gradients
 are clipped to norm 1.0 over all stages. The text is five of Shakespeare's sonnets (public domain).
 """
@@ -102,14 +103,16 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of the next token at every position of `idx` (batch, time)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits of the next token at every position of `idx` (batch, time), and their loss against `targets`
+        (None without targets)."""
         t = idx.size(1)
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, None if targets is None else loss_of(logits, targets)
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float) -> torch.optim.AdamW:
         """AdamW with weight decay on the matrices (weights and embeddings) only."""
@@ -129,7 +132,8 @@ def generate(model, idx: torch.Tensor, new_tokens: int, block_size: int, tempera
              generator: torch.Generator | None = None) -> torch.Tensor:
     """Extends `idx` by sampling one token at a time; `model` is the local GPT or its deployment."""
     for _ in range(new_tokens):
-        logits = model(idx[:, -block_size:])[:, -1, :] / temperature
+        logits, _ = model(idx[:, -block_size:])
+        logits = logits[:, -1, :] / temperature
         next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
         idx = torch.cat((idx, next_token), dim=1)
     return idx
@@ -157,16 +161,15 @@ def main() -> None:
     gpt = GPT(config)
     generator = torch.Generator().manual_seed(0)
     stream = batches(data, config.block_size, batch_size=16, generator=generator)
-    example, _ = next(stream)
     with Cluster.local(num_shards=3) as cluster:
+        # Captured with targets, so the loss is computed on the last stage, inside the model.
         model = cluster.deploy(gpt, optimizer=gpt.configure_optimizers(weight_decay=0.1, learning_rate=3e-3),
-                               example_input=example,
-                               dynamic_shapes={"idx": {1: torch.export.Dim("seq", max=config.block_size)}})
+                               example_inputs=next(stream))
         print(model)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(model.optimizer, T_max=args.steps, eta_min=3e-4)
         for step in range(args.steps):
             x, y = next(stream)
-            loss = loss_of(model(x), y)
+            _, loss = model(x, y)
             loss.backward()
             model.clip_grad_norm_(1.0)
             model.optimizer.step()
@@ -174,9 +177,12 @@ def main() -> None:
             schedule.step()
             if step % 50 == 0 or step == args.steps - 1:
                 print(f"step {step:4d}  loss {loss.item():.3f}  lr {schedule.get_last_lr()[0]:.2e}")
-        model.eval()
+        # Sampling takes prompts of any length without targets: the trained model, deployed as it is called then.
+        gpt.load_state_dict(model.state_dict())
+        writer = cluster.deploy(gpt.eval(), example_input=x,
+                                dynamic_shapes={"idx": {1: torch.export.Dim("seq", max=config.block_size)}})
         prompt = torch.tensor([[encode[c] for c in "Shall I "]])
-        sample = generate(model, prompt, 120, config.block_size, generator=torch.Generator().manual_seed(1))
+        sample = generate(writer, prompt, 120, config.block_size, generator=torch.Generator().manual_seed(1))
         print("".join(characters[i] for i in sample[0].tolist()))
 
 

@@ -39,6 +39,7 @@ from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts, tensor_bytes
 from shard_service.runtime import ShardRuntime, summed
 from shard_service.stage import Stage
 from shardtrain import errors, link
+from shardtrain.residuals import CLIENT
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
@@ -393,6 +394,10 @@ class LinkedLoop:
             raise errors.FailedPrecondition(
                 f"{call} goes to the {'first' if first else 'last'} stage (stage {wanted}); this shard holds stage "
                 f"{plan.stage}, and the stages pass the work on themselves")
+        if first and any(r.producer_stage == CLIENT for r in plan.incoming_residuals) or not first and any(
+                CLIENT in r.consumer_stages for r in plan.outgoing_residuals):
+            raise errors.FailedPrecondition(f"{call}: this deployment's model takes or returns several tensors; the "
+                                            "per-call RPCs carry one each way: drive it over Links (the Python SDK)")
 
     # --- planned steps -------------------------------------------------------------------------------
     def _planned_item(self, key: shard_pb2.StepKey, item: tuple, backward: bool) -> None:
@@ -528,9 +533,13 @@ class LinkedLoop:
             result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
                                                header.requires_grad, header.input_requires_grad, not header.eval_mode)
             self._forwarded = max(self._forwarded, header.key.step)
-            # The activation first: the next stage needs it now, a residual's consumer only later.
-            await self._send_activation(header, result)
-            await self._send_residuals(header.key, outgoing)
+            if self._runtime.plan.next_address:
+                # The activation first: the next stage needs it now, a residual's consumer only later.
+                await self._send_activation(header, result)
+                await self._send_residuals(header.key, outgoing)
+            else:  # the SDK takes the output as the step's end: the model's other outputs go ahead of it
+                await self._send_residuals(header.key, outgoing)
+                await self._send_activation(header, result)
         except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
             await self._report(header.key, error, backward=False)
             return error
@@ -550,9 +559,14 @@ class LinkedLoop:
         """Each residual this stage produced, straight to every stage that consumes it."""
         for name, tensor in outgoing.items():
             sink = next(r for r in self._runtime.plan.outgoing_residuals if r.name == name)
-            for address in sink.consumer_addresses:
+            for consumer, address in zip(sink.consumer_stages, sink.consumer_addresses):
                 item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
-                await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
+                if consumer != CLIENT:
+                    await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
+                elif key.step not in self._by_call:  # a model output after the first (the per-call RPCs have none)
+                    if self._down(key.step) is None:
+                        await self._sdk_output()
+                    await self._send(self._down(key.step), item, tensor, "activations")
 
     async def _sdk_output(self) -> None:
         """Waits (up to the peer-wait deadline) for the SDK's output link, opened at the same time as the input."""
@@ -567,11 +581,14 @@ class LinkedLoop:
         incoming = {}
         for name in stage.residuals.incoming:
             producer = shard.producer(name).producer_stage
-            what = f"residual {name!r} of step {key.step} micro-batch {key.microbatch} from stage {producer}"
+            source = "the SDK" if producer == CLIENT else f"stage {producer}"
+            what = f"residual {name!r} of step {key.step} micro-batch {key.microbatch} from {source}"
             tensor = await self._residuals.get((key.step, key.microbatch, name), shard.settings.timeouts.peer_wait,
                                                what)
             self._residuals.discard((key.step, key.microbatch, name))
-            stage.incoming_spec(name).check(tensor, f"residual {name!r} from stage {producer}")
+            spec = stage.incoming_spec(name)
+            if spec is not None:
+                spec.check(tensor, f"residual {name!r} from {source}")
             incoming[name] = tensor
         return incoming
 
@@ -601,6 +618,8 @@ class LinkedLoop:
         """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
         for name, grad in grads.items():
             producer = self._runtime.producer(name).producer_stage
+            if producer == CLIENT:
+                continue  # a model input: it takes no gradient
             item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
             await self._send(self._from_stage.get(producer), item, grad, "residuals")
 

@@ -142,12 +142,13 @@ class Stage:
         """InvalidArgument unless `x` fits the first layer's main input."""
         self._input_specs[0][0].check(x, f"stage {self.index} input (layer {self.layer_indexes[0]})")
 
-    def incoming_spec(self, name: str) -> InputSpec:
-        """The dtype and shape the first consumer in this stage expects for residual `name`."""
+    def incoming_spec(self, name: str) -> InputSpec | None:
+        """The dtype and shape the first consumer in this stage expects for residual `name`; None if no layer here
+        reads it (a model input the first stage only passes on)."""
         for wiring, specs in zip(self._wirings, self._input_specs):
             if name in wiring.dependencies:
                 return specs[1 + wiring.dependencies.index(name)]
-        raise NotFound(f"stage {self.index} does not consume residual {name!r}")
+        return None
 
     def forward(self, key: StepKey, x: torch.Tensor, incoming: dict[str, torch.Tensor], requires_grad: bool,
                 input_requires_grad: bool = False,

@@ -6,6 +6,7 @@ import re
 
 from shardtrain.addresses import is_host_port
 from shardtrain.errors import InvalidArgument
+from shardtrain.residuals import CLIENT
 from shardtrain.schedule import MAX_STAGES
 
 MAX_REPLICAS = 1024
@@ -26,16 +27,21 @@ def check_load(request) -> None:
     _check_address("plan.next_address", plan.next_address, required=False)
     if plan.replica > 0:
         _check_address("plan.rendezvous", plan.rendezvous, required=True)
-    for source in plan.incoming_residuals:
+    first, last = plan.stage == 0, plan.stage == plan.num_stages - 1
+    for source in plan.incoming_residuals:  # the first stage's may come from the SDK (CLIENT, no address)
         _check_residual(source.name)
-        _check_range(f"producer_stage of residual {source.name!r}", source.producer_stage, 0, plan.stage - 1)
-        _check_address(f"producer_address of residual {source.name!r}", source.producer_address, required=True)
-    for sink in plan.outgoing_residuals:
+        _check_range(f"producer_stage of residual {source.name!r}", source.producer_stage,
+                     CLIENT if first else 0, plan.stage - 1)
+        _check_address(f"producer_address of residual {source.name!r}", source.producer_address,
+                       required=source.producer_stage != CLIENT)
+    for sink in plan.outgoing_residuals:  # the last stage's may go to the SDK
         _check_residual(sink.name)
-        for consumer in sink.consumer_stages:
-            _check_range(f"a consumer stage of residual {sink.name!r}", consumer, plan.stage + 1, plan.num_stages - 1)
-        for address in sink.consumer_addresses:
-            _check_address(f"a consumer address of residual {sink.name!r}", address, required=True)
+        for consumer, address in zip(sink.consumer_stages, sink.consumer_addresses, strict=False):
+            to_client = last and consumer == CLIENT
+            if not to_client:
+                _check_range(f"a consumer stage of residual {sink.name!r}", consumer, plan.stage + 1,
+                             plan.num_stages - 1)
+            _check_address(f"a consumer address of residual {sink.name!r}", address, required=not to_client)
 
 
 def _check_range(what: str, value: int, low: int, high: int) -> None:

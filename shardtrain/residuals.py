@@ -13,6 +13,7 @@ from shardtrain.errors import InvalidArgument
 OUTPUT = "@output"  # the FetchTensor name of the last stage's output; "@" keeps it apart from residual names
 INPUT_GRADIENT = "@input_grad"  # the FetchTensor name of the first stage's input gradient, when asked for
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+CLIENT = -1  # the SDK as a residual's producer (a model's input after the first) or consumer (an output after it)
 
 
 @dataclass(frozen=True)
@@ -31,28 +32,40 @@ class StageResiduals:
     outgoing: dict[str, list[int]] = field(default_factory=dict)
 
 
-def check_wiring(wirings: Sequence[Wiring]) -> dict[str, int]:
-    """Validates names and order; returns each residual's producing layer."""
+def check_wiring(wirings: Sequence[Wiring], inputs: Sequence[str] = ()) -> dict[str, int]:
+    """Validates names and order; returns each residual's producing layer (a model input's: layer 0, whose stage
+    receives it from the SDK and passes it on)."""
     producer: dict[str, int] = {}
+    for name in inputs:
+        _check_name(name, "model input")
+        producer[name] = 0
     for index, wiring in enumerate(wirings):
         for name in wiring.dependencies:
             if name not in producer:
                 raise InvalidArgument(f"layer {index} depends on {name!r}, which no earlier layer saves "
                                       f"(saved so far: {sorted(producer)})")
         for name in wiring.out_variables:
-            if not _NAME.fullmatch(name):
-                raise InvalidArgument(f"layer {index}: residual name {name!r} must be a plain identifier")
+            _check_name(name, f"layer {index}: residual")
             if name in producer:
                 raise InvalidArgument(f"layer {index} saves {name!r}, already saved by layer {producer[name]}")
             producer[name] = index
     return producer
 
 
-def route(wirings: Sequence[Wiring], ranges: Sequence[tuple[int, int]]) -> list[StageResiduals]:
-    """Which residuals cross which stage boundaries, for a given partition."""
-    producer_layer = check_wiring(wirings)
+def _check_name(name: str, what: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise InvalidArgument(f"{what} name {name!r} must be a plain identifier")
+
+
+def route(wirings: Sequence[Wiring], ranges: Sequence[tuple[int, int]], inputs: Sequence[str] = (),
+          outputs: Sequence[str] = ()) -> list[StageResiduals]:
+    """Which residuals cross which stage boundaries, for a given partition: the model's extra inputs come into the
+    first stage from the SDK, its extra outputs (saved by the last layer) go from the last stage to the SDK."""
+    producer_layer = check_wiring(wirings, inputs)
     stage_of = {layer: stage for stage, (start, end) in enumerate(ranges) for layer in range(start, end)}
     routes = [StageResiduals() for _ in ranges]
+    for name in inputs:
+        routes[0].incoming[name] = CLIENT
     for layer, wiring in enumerate(wirings):
         for name in wiring.dependencies:
             source, sink = stage_of[producer_layer[name]], stage_of[layer]
@@ -60,6 +73,11 @@ def route(wirings: Sequence[Wiring], ranges: Sequence[tuple[int, int]]) -> list[
                 continue
             routes[sink].incoming[name] = source
             routes[source].outgoing.setdefault(name, []).append(sink)
+    for name in outputs:
+        if producer_layer.get(name) != len(wirings) - 1 or name in inputs:
+            raise InvalidArgument(f"model output {name!r} must be saved by the last layer "
+                                  f"({len(wirings) - 1}), not by layer {producer_layer.get(name)}")
+        routes[-1].outgoing.setdefault(name, []).append(CLIENT)
     return routes
 
 

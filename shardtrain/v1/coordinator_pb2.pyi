@@ -53,18 +53,22 @@ class PartitionSpec(_message.Message):
     def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("layers", "optimizer", "partition", "encodings", "replicas")
+    __slots__ = ("layers", "optimizer", "partition", "encodings", "replicas", "inputs", "outputs")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[_shard_pb2.CapturedLayer]
     optimizer: _shard_pb2.OptimizerSpec
     partition: PartitionSpec
     encodings: _tensor_pb2.WireEncodings
     replicas: int
-    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., replicas: _Optional[int] = ..., inputs: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer", "replica")

@@ -194,7 +194,7 @@ def test_an_optimizer_step_that_lists_a_backward_reports_its_end_in_place_of_the
 
     async def steps():
         for step in range(3):
-            output = await clients.forward(step, x, requires_grad=True, zero_grad=True, after_optimizer_step=step)
+            output, _ = await clients.forward(step, x, requires_grad=True, zero_grad=True, after_optimizer_step=step)
             request = clients.step_request(step, False, step + 1, [step])
             request.backwards_end_with_step = ends_with_step
             settled = clients.step(request)

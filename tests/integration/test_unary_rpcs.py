@@ -155,3 +155,24 @@ def test_a_forward_refused_by_the_stage_fails_its_call_and_the_sdk_trains_on(clu
             await calls.forward(1, torch.ones(8, 5))  # the model takes 3 features
     run(model, cluster4.security, script)
     assert len(train_remotely(model, regression_batches(steps=2, batch=8, features=3))) == 2
+
+
+class TwoInOneOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def forward(self, x, shift):
+        return self.second(self.first(x) + shift)
+
+
+def test_calls_on_a_model_of_several_inputs_are_refused_as_the_calls_carry_one(cluster4):
+    x = torch.randn(4, 3)
+    model = cluster4.deploy(TwoInOneOut(), example_inputs=(x, torch.zeros(4, 3)), num_stages=2)
+
+    async def script(calls):
+        with pytest.raises(errors.FailedPrecondition, match="takes or returns several tensors; the per-call RPCs "
+                                                            "carry one each way"):
+            await calls.forward(1, x)
+    run(model, cluster4.security, script)
+    assert model(x, torch.ones(4, 3)).shape == (4, 3)  # the SDK trains on

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from examples.gpt import GPT, GPTConfig, generate, loss_of
-from shardtrain.errors import InvalidArgument
+from shardtrain.errors import FailedPrecondition, InvalidArgument
 from tests.integration.training import largest_difference, train_side_by_side
 
 CONFIG = GPTConfig(vocab_size=13, block_size=12, n_layer=4, n_head=2, n_embd=16)
@@ -36,22 +36,24 @@ class SequenceLoss(nn.Module):
         return loss_of(logits, targets)
 
 
-def test_a_gpt_trains_as_one_process_with_tied_weights_groups_a_schedule_and_clipping(cluster4):
+def test_a_gpt_computing_its_loss_trains_as_one_process_with_tied_weights_groups_a_schedule_and_clipping(cluster4):
     local, batches = gpt(), token_batches(steps=20)
     remote = copy.deepcopy(local)
-    model = cluster4.deploy(remote, optimizer=remote.configure_optimizers(0.1, 3e-3), example_input=batches[0][0],
-                            dynamic_shapes=SEQUENCE, num_stages=3)
+    model = cluster4.deploy(remote, optimizer=remote.configure_optimizers(0.1, 3e-3), example_inputs=batches[0],
+                            num_stages=3)
     assert [p.stage for p in model.placements] == [0, 1, 2]
     assert {p.cost_unit for p in model.placements} == {"us of forward and backward"}  # balanced by measured time
     optimizer = local.configure_optimizers(0.1, 3e-3)
     schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=len(batches)) for o in (model.optimizer,
                                                                                            optimizer)]
     for x, y in batches:
-        loss_of(model(x), y).backward()
+        logits, loss = model(x, targets=y)
+        assert logits.shape == (len(x), CONFIG.block_size, CONFIG.vocab_size) and loss.dim() == 0
+        loss.backward()
         remote_norm = model.clip_grad_norm_(1.0)
         model.optimizer.step()
         model.optimizer.zero_grad()
-        loss_of(local(x), y).backward()
+        local(x, y)[1].backward()
         local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -73,7 +75,7 @@ def test_a_gpt_trains_with_train_step_1f1b_as_one_process(cluster4):
     for x, y in batches:
         remote_loss = model.train_step(x, y, loss_fn=SequenceLoss(), microbatches=4, schedule="1f1b",
                                        clip_grad_norm=1.0)
-        local_loss = loss_of(local(x), y)
+        local_loss = loss_of(local(x)[0], y)
         local_loss.backward()
         torch.nn.utils.clip_grad_norm_(local.parameters(), 1.0)
         optimizer.step()
@@ -190,6 +192,53 @@ def test_cuts_carry_token_ids_and_masks_to_the_stages_that_read_them(cluster4):
     assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
 
 
+class Encoder(nn.Module):
+    """Token ids and an attention mask in, a dict of per-token logits and a pooled summary out."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.classify = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * attention_mask.unsqueeze(-1)
+        pooled = x.sum(1) / attention_mask.sum(1, keepdim=True).clamp(min=1)
+        return {"logits": self.classify(x), "pooled": pooled, "mask": attention_mask > 0}
+
+
+def test_a_model_of_several_inputs_returning_a_dict_trains_as_one_process(cluster4):
+    torch.manual_seed(0)
+    local = Encoder()
+    remote = copy.deepcopy(local)
+    generator = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 10, (4, 6), generator=generator),
+                (torch.rand(4, 6, generator=generator) > 0.3).float()) for _ in range(3)]
+    model = cluster4.deploy(remote, optimizer=(torch.optim.Adam, {"lr": 1e-2}), example_inputs=batches[0],
+                            split_points=["layers.1", "layers.2"])
+    optimizer = torch.optim.Adam(local.parameters(), lr=1e-2)
+
+    def loss_of_outputs(outputs: dict) -> torch.Tensor:
+        return outputs["logits"].square().mean() + outputs["pooled"].abs().mean()
+    for tokens, mask in batches:
+        outputs = model(tokens, attention_mask=mask)
+        assert outputs.keys() == {"logits", "pooled", "mask"} and outputs["mask"].dtype == torch.bool
+        loss_of_outputs(outputs).backward()
+        model.step()
+        model.zero_grad()
+        loss_of_outputs(local(tokens, attention_mask=mask)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
+    with torch.no_grad():
+        remote_outputs, local_outputs = model(*batches[0]), local(*batches[0])
+    assert all(torch.allclose(remote_outputs[key], local_outputs[key], atol=1e-6) for key in local_outputs)
+    with pytest.raises(FailedPrecondition, match="train_step takes models of one tensor in and one out"):
+        model.train_step(batches[0][0], batches[0][1])
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -201,23 +250,23 @@ class DataDependent(nn.Module):
         return x
 
 
-class TwoOutputs(nn.Module):
+class ListInput(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor):
-        y = self.linear(x)
-        return y, y.sum()
+    def forward(self, pair):
+        return self.linear(pair[0] + pair[1])
 
 
 @pytest.mark.parametrize("net, expected", [
     (DataDependent(), r"DataDependent cannot be captured .* at .*test_whole_models.py:\d+ \(`if x.sum\(\) > 0:`\): "
                       r"its forward takes a path that depends on the values in a tensor"),
-    (TwoOutputs(), "the model returns 2 values; a deployed model returns one tensor"),
+    (ListInput(), "the model's inputs must be tensors, each its own argument; the example gives 'pair' a list"),
 ])
 def test_a_model_that_cannot_be_deployed_whole_is_refused_with_the_reason(cluster4, net, expected):
+    example = [torch.randn(3, 4), torch.randn(3, 4)] if isinstance(net, ListInput) else torch.randn(3, 4)
     with pytest.raises(InvalidArgument, match=expected):
-        cluster4.deploy(net, example_input=torch.randn(3, 4))
+        cluster4.deploy(net, example_inputs=(example,))
     with pytest.raises(InvalidArgument, match="captured whole, from an example: pass example_input"):
-        cluster4.deploy(TwoOutputs())
+        cluster4.deploy(ListInput())

@@ -46,7 +46,7 @@ def test_layers_of_a_layer_list_carry_its_wiring():
 def test_other_modules_are_captured_whole():
     assert layer_tools.is_layered(nn.Sequential()) and layer_tools.is_layered(LayerList(TEST_RESIDUAL_SMALL))
     assert not layer_tools.is_layered(nn.Linear(2, 2))
-    layers = layer_tools.whole_model_layers(nn.Linear(2, 2), torch.randn(3, 2))
+    layers, _ = layer_tools.whole_model_layers(nn.Linear(2, 2), (torch.randn(3, 2),), {})
     assert [layer.name for layer in layers] == ["(model)"]  # no submodules: one part
 
 

@@ -44,7 +44,7 @@ def test_values_a_later_part_reads_travel_by_name_with_their_dtypes():
     torch.manual_seed(0)
     model = Tokens()
     tokens = torch.tensor([[1, 0, 3], [4, 5, 0]])
-    layers = whole_model_layers(model, tokens, {"tokens": {1: torch.export.Dim("seq", max=8)}})
+    layers, _ = whole_model_layers(model, (tokens,), {}, {"tokens": {1: torch.export.Dim("seq", max=8)}})
     assert [layer.name for layer in layers] == units.unit_names(model)
     # the first part saves the ids' mask for the head; the head reads it after the main input
     assert layers[0].wiring.out_variables == ("ne",)
@@ -65,7 +65,7 @@ class TiedHead(nn.Module):
 
 
 def test_a_tied_weight_keeps_each_parts_own_name():
-    layers = whole_model_layers(TiedHead(), torch.tensor([[1, 2], [3, 4]]))
+    layers, _ = whole_model_layers(TiedHead(), (torch.tensor([[1, 2], [3, 4]]),), {})
     keys = [[key for key, _ in layer.module.named_parameters()] for layer in layers]
     assert keys == [["embed.weight"], ["head.weight"]]
 
@@ -101,9 +101,16 @@ class Counter(nn.Module):
         return self.second(self.first(x))
 
 
-class TwoInputs(nn.Module):
-    def forward(self, x, y):
-        return x + y
+class Scored(nn.Module):
+    """Two inputs (one a keyword) and a dict of outputs, one of them a constant, one the target passed on."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x, target=None, weight=None):
+        y = self.second(self.first(x))
+        return {"y": y, "loss": ((y - target) ** 2).mean(), "rows": 3, "target": target}
 
 
 @pytest.mark.parametrize("model, expected", [
@@ -114,10 +121,37 @@ class TwoInputs(nn.Module):
 ])
 def test_state_the_shards_could_not_receive_is_refused(model, expected):
     with pytest.raises(InvalidArgument, match=expected):
-        whole_model_layers(model, torch.randn(3, 2))
+        whole_model_layers(model, (torch.randn(3, 2),), {})
 
 
-def test_more_than_one_input_is_refused():
-    program = torch.export.export(TwoInputs(), (torch.randn(2, 2), torch.randn(2, 2)))
-    with pytest.raises(InvalidArgument, match="takes 2 tensor inputs; a deployed model takes one"):
-        units.cut(program, TwoInputs())
+def test_several_inputs_and_outputs_travel_by_name():
+    torch.manual_seed(0)
+    model = Scored()
+    x, target = torch.randn(3, 2), torch.randn(3, 2)
+    layers, interface = whole_model_layers(model, (x,), {"target": target})
+    assert interface.inputs == ("x", "target") and interface.extra_inputs == ("target",)
+    assert layers[-1].wiring.dependencies == ("target",)  # read where the loss is computed
+    assert layers[-1].wiring.out_variables == interface.outputs == ("output.1", "output.2")  # the loss, the target
+    main_input, inputs = interface.bind((x,), {"target": target})
+    assert main_input is x and inputs == {"target": target}
+    adapters = [LayerAdapter(layer.module, layer.wiring.out_variables) for layer in layers]
+    saved = dict(inputs)
+    main = run_chain(adapters, [layer.wiring for layer in layers], x, saved)
+    result = interface.build(main, [saved[name] for name in interface.outputs])
+    expected = model(x, target=target)
+    assert result.keys() == expected.keys() and result["rows"] == 3 and torch.equal(result["target"], target)
+    assert torch.equal(result["y"], expected["y"]) and torch.equal(result["loss"], expected["loss"])
+
+
+@pytest.mark.parametrize("args, kwargs, expected", [
+    ((torch.randn(3, 2),), {}, r"the deployed model takes \['x', 'target'\], as its example had them; \['target'\] "
+                               "missing"),
+    ((torch.randn(3, 2), torch.randn(3, 2)), {"weight": torch.ones(3)}, "argument 'weight' was not given when the "
+                                                                        "model was deployed"),
+    ((torch.randn(3, 2),), {"target": 1.0}, "argument 'target' must be a tensor, got float"),
+    ((torch.randn(3, 2),), {"aim": 1.0}, "got an unexpected keyword argument 'aim'"),
+])
+def test_a_call_that_does_not_fit_the_deployed_arguments_is_refused(args, kwargs, expected):
+    _, interface = whole_model_layers(Scored(), (torch.randn(3, 2),), {"target": torch.randn(3, 2)})
+    with pytest.raises(InvalidArgument, match=expected):
+        interface.bind(args, kwargs)

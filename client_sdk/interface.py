@@ -1,0 +1,72 @@
+"""How a deployed model is called and what it returns: its forward's arguments, bound as the local model binds
+them, and its outputs rebuilt in the model's own structure (a tensor, a tuple, a dict)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardtrain.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The tensor arguments a deployment takes (the first travels as the main input, the others by name) and the
+    outputs it returns (the main output first, the others by name, rebuilt with `out_spec` around constants)."""
+
+    signature: inspect.Signature | None = None  # None: one tensor in, one out (a Sequential, a layer list)
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    leaves: tuple = ()  # per flat output: ("main", None), ("output", name) or ("constant", value)
+    out_spec: object = None
+
+    @property
+    def extra_inputs(self) -> tuple[str, ...]:
+        return self.inputs[1:]
+
+    @property
+    def is_plain(self) -> bool:
+        """One tensor in and one out (constants beside it aside): what train_step, replicas and the async API take;
+        train_step's loss reads that output."""
+        return len(self.inputs) <= 1 and not self.outputs
+
+    def bind(self, args: Sequence, kwargs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(main input, other inputs by name) from a call's arguments, as the model's forward would take them."""
+        if self.signature is None:
+            if len(args) != 1 or kwargs:
+                raise InvalidArgument(f"this model takes one tensor, got {len(args)} arguments and keywords "
+                                      f"{sorted(kwargs)}")
+            return _tensor(args[0], "the input"), {}
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise InvalidArgument(f"the model's forward{self.signature}: {error}") from None
+        bound.apply_defaults()
+        given = {name: value for name, value in bound.arguments.items() if value is not None}
+        for name in sorted(given.keys() - set(self.inputs)):
+            raise InvalidArgument(f"argument {name!r} was not given when the model was deployed, so its graph does "
+                                  f"not read it; deploy with it in the example inputs (deployed with {self.inputs})")
+        missing = [name for name in self.inputs if name not in given]
+        if missing:
+            raise InvalidArgument(f"the deployed model takes {list(self.inputs)}, as its example had them; "
+                                  f"{missing} missing")
+        values = {name: _tensor(given[name], f"argument {name!r}") for name in self.inputs}
+        return values[self.inputs[0]], {name: values[name] for name in self.extra_inputs}
+
+    def build(self, main: torch.Tensor, extras: Sequence[torch.Tensor]):
+        """The model's output from the main output and the others (in `outputs` order)."""
+        if self.out_spec is None:
+            return main
+        named = dict(zip(self.outputs, extras))
+        flat = [main if kind == "main" else named[value] if kind == "output" else value for kind, value in self.leaves]
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+
+def _tensor(value, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgument(f"{what} must be a tensor, got {type(value).__name__}")
+    return value
