@@ -175,7 +175,8 @@ class Cluster:
         shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
         distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
                                                 list(module.state_dict()), BALANCES[balance], interface))
-        distributed.load_state_dict(module.state_dict())
+        # A non-persistent buffer (a mask, a rotary cache) is not in the state dict, but its stages need its value.
+        distributed.load_state_dict({**module.state_dict(), **layer_tools.non_persistent_buffers(module)})
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
         distributed.train(module.training)
@@ -188,7 +189,8 @@ class Cluster:
         owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
-            owners.update({entry.model_key: stage.stage for layer in held for entry in layer.state})
+            for key in dict.fromkeys(entry.model_key for layer in held for entry in layer.state):
+                owners.setdefault(key, []).append(stage.stage)
             for entry in (entry for layer in held for entry in layer.state):  # a tied weight: on every stage using it
                 holders.setdefault(entry.tied_to or entry.model_key, set()).add(stage.stage)
             placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
@@ -201,9 +203,7 @@ class Cluster:
                                          response.deployment_secret))
         await asyncio.gather(*(clients.probe() for clients in replicas))
         trainer = PipelineTrainer(replicas)
-        held = list(dict.fromkeys(entry.model_key for layer in captured for entry in layer.state))
-        known = set(model_keys)  # state_dict() in the model's own order
-        key_order = [key for key in model_keys if key in set(held)] + [key for key in held if key not in known]
+        key_order = [key for key in model_keys if key in owners]  # state_dict(): the model's keys, in its order
         parameters = [RemoteParameter(name, shape, dtype, requires_grad, tuple(sorted(holders.get(name, ()))))
                       for name, (shape, dtype, requires_grad) in shapes.items()]
         return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer,

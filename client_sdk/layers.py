@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import traceback
@@ -183,6 +184,12 @@ def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Ten
         return profile.layer_times(layers, x, inputs or {})
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers the model's state_dict leaves out, by key."""
+    persistent = set(module.state_dict())
+    return {key: value for key, value in module.named_buffers(remove_duplicate=False) if key not in persistent}
+
+
 def tied_keys(module: torch.nn.Module) -> dict[str, str]:
     """Every state-dict key of a tensor that more than one key holds (tied weights), mapped to the first of them in
     the model's order (the one net.named_parameters() keeps)."""
@@ -196,13 +203,17 @@ def tied_keys(module: torch.nn.Module) -> dict[str, str]:
 
 
 def mark_state(captured: Sequence[shard_pb2.CapturedLayer], module: torch.nn.Module) -> None:
-    """Marks each captured weight tied to others with the first key of its tensor (StateEntry.tied_to), and each
-    parameter that takes no gradient as frozen."""
+    """Marks each captured weight tied to others with the first key of its tensor (StateEntry.tied_to), a weight
+    read by several layers under one key as tied to that key, and each parameter that takes no gradient as
+    frozen."""
     tied = tied_keys(module)
     frozen = {key for key, parameter in module.named_parameters(remove_duplicate=False) if not parameter.requires_grad}
+    layers_of_key = collections.Counter(entry.model_key for layer in captured for entry in layer.state)
     for layer in captured:
         for entry in layer.state:
-            entry.tied_to = tied.get(entry.model_key, "")
+            # a weight several layers read under one key is tied to itself: the same, should they land apart
+            shared = entry.model_key if layers_of_key[entry.model_key] > 1 else ""
+            entry.tied_to = tied.get(entry.model_key, shared)
             entry.frozen = entry.model_key in frozen
 
 
@@ -239,8 +250,9 @@ def _export(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[torch.T
         return capture_layer(adapter, args, layer.varying)
     except Exception as error:  # export reports unsupported code in many exception types
         mode = "training" if adapter.training else "eval"
-        raise InvalidArgument(f"layer {index} ({layer.description or type(layer.module).__name__}) cannot be captured with "
-                              f"torch.export in {mode} mode{_user_line(error)}: {_why(error)}") from None
+        what = layer.description or type(layer.module).__name__
+        raise InvalidArgument(f"layer {index} ({what}) cannot be captured with torch.export in {mode} "
+                              f"mode{_user_line(error)}: {_why(error)}") from None
 
 
 _DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "Data-dependent")

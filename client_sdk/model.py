@@ -72,7 +72,7 @@ class DistributedModel:
     """
 
     def __init__(self, io: IoLoop, trainer: PipelineTrainer, placements: Sequence[Placement],
-                 owners: dict[str, int], key_order: Sequence[str], parameter_keys: Sequence[str] = (),
+                 owners: dict[str, list[int]], key_order: Sequence[str], parameter_keys: Sequence[str] = (),
                  optimizer: shard_pb2.OptimizerSpec | None = None, holders: dict[str, list[int]] | None = None,
                  parameters: Sequence[RemoteParameter] = (), interface: Interface | None = None):
         self._io = io
@@ -81,7 +81,7 @@ class DistributedModel:
         self._loss_specs = LossSpecs(self._predict)
         self.placements = list(placements)
         self._owners = owners
-        self._holders = holders or {key: [stage] for key, stage in owners.items()}  # a tied weight: several stages
+        self._holders = holders or dict(owners)  # a tied weight: several stages
         self._parameters = list(parameters)
         self._interface = interface or Interface()  # the model's arguments and outputs
         self._key_order = list(key_order)
@@ -174,7 +174,8 @@ class DistributedModel:
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Pushes weights to the shards that own them."""
         self._check_open()
-        per_stage = split_state(state, self._owners, len(self.placements), strict)
+        left_out = set(self._owners) - set(self._key_order)  # by state_dict() too: non-persistent buffers
+        per_stage = split_state(state, self._owners, len(self.placements), strict, left_out)
         self._io.run(self._load_state(per_stage))
 
     def optimizer_state_dict(self) -> dict:

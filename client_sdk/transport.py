@@ -153,11 +153,12 @@ class StageClients:
             self._segments.close()
 
 
-def split_state(state: dict[str, torch.Tensor], owners: dict[str, int], num_stages: int,
-                strict: bool) -> list[dict[str, torch.Tensor]]:
-    """Groups a state dict by the stage that owns each key; InvalidArgument on unknown or (if strict) missing keys."""
+def split_state(state: dict[str, torch.Tensor], owners: dict[str, list[int]], num_stages: int,
+                strict: bool, optional: set[str] = frozenset()) -> list[dict[str, torch.Tensor]]:
+    """Groups a state dict by the stages that hold each key (every one of them: a weight several stages read goes
+    to each); InvalidArgument on unknown or (if strict) missing keys, `optional` ones aside."""
     unknown = sorted(set(state) - set(owners))
-    missing = sorted(set(owners) - set(state))
+    missing = sorted(set(owners) - set(state) - optional)
     if unknown or (strict and missing):
         raise InvalidArgument(f"state dict does not match the model: unexpected keys {unknown[:10]}, "
                               f"missing keys {missing[:10]}")
@@ -165,5 +166,6 @@ def split_state(state: dict[str, torch.Tensor], owners: dict[str, int], num_stag
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise InvalidArgument(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor")
-        per_stage[owners[key]][key] = value
+        for stage in owners[key]:
+            per_stage[stage][key] = value
     return per_stage

@@ -80,10 +80,6 @@ class _Cutter:
         nodes = {node.name: node for node in program.graph.nodes}
         for spec in signature.input_specs:
             if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                if spec.kind == InputKind.BUFFER and not spec.persistent:
-                    raise InvalidArgument(f"the model's buffer {spec.target!r} is not persistent (not in its "
-                                          "state_dict), so the shards could not be given its value; register it "
-                                          "with persistent=True")
                 self.state[spec.arg.name] = spec.target
             elif spec.kind == InputKind.USER_INPUT:
                 self.inputs.append(nodes[spec.arg.name])
@@ -263,8 +259,10 @@ class _UnitBuilder:
     def _weight(self, key: str) -> torch.fx.Node:
         self.read.add(key)
         here = self.cutter.key_in(key, self.unit)
-        _register(self.holder, here, self.cutter.program.state_dict[key],
-                  key in self.cutter.program.graph_signature.parameters)
+        program = self.cutter.program
+        # a non-persistent buffer's value is among the program's constants
+        value = program.state_dict[key] if key in program.state_dict else program.constants[key]
+        _register(self.holder, here, value, key in program.graph_signature.parameters)
         return self.graph.get_attr(here)
 
     def _size(self, arg: torch.fx.Node) -> torch.fx.Node:
@@ -288,7 +286,8 @@ _SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv,
 def _aliases(module: torch.nn.Module) -> dict[str, list[str]]:
     """Every state-dict key of a tensor held under several keys (tied weights), with all of its keys."""
     keys: dict[int, list[str]] = {}
-    for key, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for key, tensor in named:
         keys.setdefault(id(tensor), []).append(key)
     return {key: group for group in keys.values() if len(group) > 1 for key in group}
 

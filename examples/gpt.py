@@ -5,9 +5,10 @@ shards from a plain PyTorch loop, then asked to write.
 
 The model is handed to deploy whole: captured once with torch.export, with its targets, so that the loss is
 computed inside it on the last stage, and cut between its blocks. For sampling it is deployed again as it is
-called without targets, the sequence length free up to the block size. The LM head stays tied to the token embedding across stages, AdamW has two
-parameter groups (weight decay on matrices only), a cosine schedule drives the rate on every stage, and gradients
-are clipped to norm 1.0 over all stages. The text is five of Shakespeare's sonnets (public domain).
+called without targets, the sequence length free up to the block size. The LM head stays tied to the token
+embedding across stages, AdamW has two parameter groups (weight decay on matrices only), a cosine schedule drives
+the rate on every stage, and gradients are clipped to norm 1.0 over all stages. The text is five of Shakespeare's
+sonnets (public domain).
 """
 
 from __future__ import annotations

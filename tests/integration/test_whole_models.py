@@ -12,7 +12,7 @@ from torch import nn
 
 from examples.gpt import GPT, GPTConfig, generate, loss_of
 from shardtrain.errors import FailedPrecondition, InvalidArgument
-from tests.integration.training import largest_difference, train_side_by_side
+from tests.integration.training import largest_difference, regression_batches, train_side_by_side
 
 CONFIG = GPTConfig(vocab_size=13, block_size=12, n_layer=4, n_head=2, n_embd=16)
 SEQUENCE = {"idx": {1: torch.export.Dim("seq", max=CONFIG.block_size)}}
@@ -237,6 +237,33 @@ def test_a_model_of_several_inputs_returning_a_dict_trains_as_one_process(cluste
     assert all(torch.allclose(remote_outputs[key], local_outputs[key], atol=1e-6) for key in local_outputs)
     with pytest.raises(FailedPrecondition, match="train_step takes models of one tensor in and one out"):
         model.train_step(batches[0][0], batches[0][1])
+
+
+class SharedScale(nn.Module):
+    """A parameter read first and last (on two stages) and a non-persistent mask (not in the state dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((4,), 0.5))
+        self.first, self.middle, self.last = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0, 1.0]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.middle(self.first(x * self.scale))
+        return self.last(x) * self.scale * self.mask
+
+
+def test_a_weight_read_on_two_stages_stays_one_and_a_non_persistent_buffer_reaches_its_stage(cluster4):
+    torch.manual_seed(0)
+    local = SharedScale()
+    remote = copy.deepcopy(local)
+    batches = regression_batches(steps=4, batch=6, features=4, outputs=4)
+    model = cluster4.deploy(remote, optimizer=(torch.optim.SGD, {"lr": 0.1}), example_input=batches[0][0],
+                            num_stages=3)
+    assert [len(placement.layers) for placement in model.placements] == [1, 1, 1]
+    train_side_by_side(model, local, torch.optim.SGD(local.parameters(), lr=0.1), batches, nn.functional.mse_loss)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-6  # no "mask", as locally
+    model.load_state_dict(local.state_dict())  # without the mask, as the local state dict has it
 
 
 class DataDependent(nn.Module):

@@ -114,7 +114,6 @@ class Scored(nn.Module):
 
 
 @pytest.mark.parametrize("model, expected", [
-    (NotPersistent(), "buffer 'scale' is not persistent"),
     (Constant(), "holds a tensor 'scale' that is neither a parameter nor a buffer; register it with register_buffer"),
     (Counter(), "changes buffer 'rows' in 'second' and reads it in 'first'; a buffer must be changed and read within "
                 "one submodule"),
@@ -122,6 +121,11 @@ class Scored(nn.Module):
 def test_state_the_shards_could_not_receive_is_refused(model, expected):
     with pytest.raises(InvalidArgument, match=expected):
         whole_model_layers(model, (torch.randn(3, 2),), {})
+
+
+def test_a_non_persistent_buffer_is_a_weight_of_its_part():
+    layers, _ = whole_model_layers(NotPersistent(), (torch.randn(3, 2),), {})
+    assert [dict(layer.module.named_buffers()).keys() for layer in layers] == [{"scale"}]
 
 
 def test_several_inputs_and_outputs_travel_by_name():
