@@ -135,12 +135,14 @@ class Cluster:
         layered = layer_tools.is_layered(module)
         if layered:
             layers, interface = layer_tools.layers_of(module), Interface()
-            x, inputs = example_input, {}
+            x = example_input if example_input is not None else layer_tools.example_input(module, layers)
+            args, kwargs, inputs = (x,), {}, {}
         else:
             args = (example_input,) if isinstance(example_input, torch.Tensor) else tuple(example_inputs)
-            layers, interface = layer_tools.whole_model_layers(module, args, dict(example_kwargs or {}),
-                                                               dynamic_shapes)
-            x, inputs = interface.bind(args, dict(example_kwargs or {}))
+            kwargs = dict(example_kwargs or {})
+            layers, interface = layer_tools.whole_model_layers(module, args, kwargs, dynamic_shapes)
+            x, inputs = interface.bind(args, kwargs)
+        layer_tools.warn_frozen(module, args, kwargs)
         if replicas > 1 and not interface.is_plain:
             raise InvalidArgument("replicas train through train_step, which takes models of one tensor in and one "
                                   "out; this one takes or returns several")

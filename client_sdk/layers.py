@@ -6,12 +6,13 @@ import collections
 import inspect
 import os
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from client_sdk import profile, units
+from client_sdk import frozen, profile, units
 from client_sdk.interface import Interface
 from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
@@ -155,12 +156,14 @@ def split_indexes(layers: Sequence[Layer], split_points: Sequence) -> list[int]:
 
 
 def example_input(module: torch.nn.Module, layers: Sequence[Layer]) -> torch.Tensor:
-    """An input to trace with, when the user gave none: from the seed shapes or a first Linear."""
-    if isinstance(module, LayerList):
-        return module.example_input(EXAMPLE_BATCH)
+    """An input to trace with, when the user gave none: from the seed shapes or a first Linear (drawn without
+    moving torch's random stream)."""
     first = layers[0].module if layers else None
-    if isinstance(first, torch.nn.Linear):
-        return torch.randn(EXAMPLE_BATCH, first.in_features)
+    with torch.random.fork_rng(devices=[]):
+        if isinstance(module, LayerList):
+            return module.example_input(EXAMPLE_BATCH)
+        if isinstance(first, torch.nn.Linear):
+            return torch.randn(EXAMPLE_BATCH, first.in_features)
     raise InvalidArgument(f"cannot guess the input of a model starting with {type(first).__name__}; "
                           "pass example_input=<a tensor shaped like one batch>")
 
@@ -182,6 +185,20 @@ def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Ten
     with untouched(module):
         x = example if example is not None else example_input(module, layers)
         return profile.layer_times(layers, x, inputs or {})
+
+
+def warn_frozen(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Warns, naming them, of the Python values the model's forward reads that a capture fixes (one forward on the
+    example, leaving the model as it was)."""
+    with untouched(module), torch.no_grad():
+        module.train()
+        reads = frozen.frozen_reads(module, lambda: module(*(_rows(a) for a in args),
+                                                           **{k: _rows(v) for k, v in kwargs.items()}))
+    if reads:
+        warnings.warn(f"the deployment keeps the values these Python reads of the forward had at deploy: "
+                      f"{', '.join(reads[:8])}{' ...' if len(reads) > 8 else ''}; changing them later does not reach "
+                      "the shards (deploy again after changing them; draw randomness with torch instead)",
+                      stacklevel=3)
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -266,6 +266,39 @@ def test_a_weight_read_on_two_stages_stays_one_and_a_non_persistent_buffer_reach
     model.load_state_dict(local.state_dict())  # without the mask, as the local state dict has it
 
 
+class LSTMLanguageModel(nn.Module):
+    """An LSTM (a tuple of outputs and states) between an embedding and a head, reading a float attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 12)
+        self.temperature = 0.5
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(idx))
+        return self.head(out) / self.temperature
+
+
+def test_an_lstm_language_model_trains_as_one_process_and_its_frozen_python_value_is_named(cluster4):
+    torch.manual_seed(0)
+    local = LSTMLanguageModel()
+    remote = copy.deepcopy(local)
+    generator = torch.Generator().manual_seed(6)
+    batches = [(torch.randint(0, 12, (4, 7), generator=generator), torch.randint(0, 12, (4, 7), generator=generator))
+               for _ in range(3)]
+    with pytest.warns(UserWarning, match=r"LSTMLanguageModel.temperature = 0.5; changing them later does not reach"):
+        model = cluster4.deploy(remote, optimizer=(torch.optim.SGD, {"lr": 0.5}), example_input=batches[0][0],
+                                num_stages=3)
+    assert [placement.layers[0].split(" ")[0] for placement in model.placements] == ["embed", "lstm", "head"]
+
+    def sequence_loss(logits, targets):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    train_side_by_side(model, local, torch.optim.SGD(local.parameters(), lr=0.5), batches, sequence_loss)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()
