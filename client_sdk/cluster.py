@@ -19,7 +19,7 @@ from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
 from client_sdk.transport import StageClients
-from shardtrain import wire
+from shardtrain import optim, wire
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env
@@ -167,9 +167,15 @@ class Cluster:
         layer_tools.mark_state(request.layers, module)
         if split_points or layers_per_stage:
             balance = "parameters"  # nothing to balance: the costs shown are parameter counts
-        if balance == "time":
-            for layer, seconds in zip(request.layers, layer_tools.measure(module, layers, x, inputs)):
-                layer.cost = max(1, round(seconds * 1e6))
+        costs = layer_tools.measure(module, layers, x, inputs) if balance == "time" else None
+        state_tensors = optim.STATE_TENSORS[spec.name]
+        for index, (layer, captured) in enumerate(zip(layers, request.layers)):
+            # what the shard must hold: weights with their gradients and optimizer state, and (when measured) the
+            # activations of one example batch
+            captured.memory_bytes = layer_tools.weight_bytes(layer, state_tensors) + \
+                (costs[index].activation_bytes if costs else 0)
+            if costs:
+                captured.cost = max(1, round(costs[index].seconds * 1e6))
         response = self._io.run(self._coordinator.call("Deploy", request))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \

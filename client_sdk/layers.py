@@ -179,12 +179,22 @@ def capture_model(module: torch.nn.Module, layers: Sequence[Layer], example: tor
 
 
 def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Tensor | None,
-            inputs: dict[str, torch.Tensor] | None = None) -> list[float]:
-    """Each layer's forward plus backward seconds on `example` (or a guessed input) and the model's other inputs,
-    leaving the model as it was."""
+            inputs: dict[str, torch.Tensor] | None = None) -> list[profile.LayerCost]:
+    """Each layer's forward plus backward seconds and saved activations on `example` (or a guessed input) and the
+    model's other inputs, leaving the model as it was."""
     with untouched(module):
         x = example if example is not None else example_input(module, layers)
-        return profile.layer_times(layers, x, inputs or {})
+        return profile.layer_costs(layers, x, inputs or {})
+
+
+def weight_bytes(layer: Layer, state_tensors: int) -> int:
+    """What a layer's weights take on a shard while training: each trainable one with its gradient and
+    `state_tensors` optimizer tensors of its size, each other one (buffers, frozen weights) once."""
+    total = 0
+    for key, tensor in layer.module.state_dict(keep_vars=True).items():
+        trains = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
+        total += tensor.numel() * tensor.element_size() * (2 + state_tensors if trains else 1)
+    return total
 
 
 def warn_frozen(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -1,38 +1,63 @@
-"""Measured layer costs: each layer's forward and backward time on an example batch, for balancing stages by time."""
+"""Measured layer costs: each layer's forward and backward time and saved activations on an example batch, for
+balancing stages by time and keeping each within its shard's memory."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from shardtrain.capture import LayerAdapter
 
-REPEATS = 3  # timed runs per layer after one warm-up; the median is kept
+REPEATS = 3  # timed runs per layer after one warm-up (the run that counts saved bytes); the median is kept
 
 
-def layer_times(layers: Sequence, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None,
-                repeats: int = REPEATS) -> list[float]:
-    """Seconds of forward plus backward of each layer on the activations `x` (and the model's other `inputs`, by
-    name) produce on the way through.
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer took on the example: forward plus backward seconds, and the bytes autograd saved."""
+
+    seconds: float
+    activation_bytes: int
+
+
+def layer_costs(layers: Sequence, x: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None,
+                repeats: int = REPEATS) -> list[LayerCost]:
+    """Each layer's cost on the activations `x` (and the model's other `inputs`, by name) produce on the way through.
 
     Gradients are taken with torch.autograd.grad, so no parameter's .grad changes; the caller keeps the model's
     buffers and random stream (client_sdk.modes.untouched)."""
     saved = dict(inputs or {})
-    times = []
+    costs = []
     for layer in layers:
         adapter = LayerAdapter(layer.module, layer.wiring.out_variables).train()
         args = (x, *(saved[name] for name in layer.wiring.dependencies))
-        runs = [_forward_backward(adapter, args) for _ in range(repeats + 1)][1:]
-        times.append(statistics.median(runs))
+        activation_bytes = _saved_bytes(adapter, args)
+        runs = [_forward_backward(adapter, args) for _ in range(repeats)]
+        costs.append(LayerCost(statistics.median(runs), activation_bytes))
         with torch.no_grad():
             result = adapter(*args)
         outputs = result if isinstance(result, tuple) else (result,)
         x = outputs[0]
         saved.update(zip(layer.wiring.out_variables, outputs[1:]))
-    return times
+    return costs
+
+
+def _saved_bytes(adapter: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> int:
+    """Bytes of the tensors autograd saves for backward, weights aside (also a warm-up run)."""
+    weights = {t.untyped_storage().data_ptr() for t in adapter.state_dict().values()}
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if tensor.untyped_storage().data_ptr() not in weights:
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _forward_backward(adapter, args)
+    return total
 
 
 def _forward_backward(adapter: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> float:

@@ -29,14 +29,15 @@ class CoordinatorServicer:
 
     @boundary
     async def RegisterShard(self, request, context):
-        record = self.registry.register(request.address, request.device)
+        record = self.registry.register(request.address, request.device, request.memory_bytes)
         log.info("registered %s at %s (%s)", record.shard_id, record.address, record.device)
         return coordinator_pb2.RegisterShardResponse(shard_id=record.shard_id)
 
     @boundary
     async def ListShards(self, request, context):
         return coordinator_pb2.ListShardsResponse(shards=[
-            coordinator_pb2.ShardInfo(shard_id=s.shard_id, address=s.address, device=s.device)
+            coordinator_pb2.ShardInfo(shard_id=s.shard_id, address=s.address, device=s.device,
+                                      memory_bytes=s.memory_bytes)
             for s in self.registry.shards()])
 
     @boundary
@@ -52,8 +53,10 @@ class CoordinatorServicer:
             raise FailedPrecondition(f"{replicas} replicas need at least {replicas} shards; "
                                      f"{len(self.registry.shards())} have registered")
         # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
-        ranges = partition.plan([layer.cost for layer in layers], spec.num_stages or min(available, len(layers)),
-                                spec.split_points, spec.layers_per_stage)
+        num_stages = spec.num_stages or min(available, len(layers))
+        count = len(spec.split_points) + 1 if spec.split_points else len(spec.layers_per_stage) or num_stages
+        ranges = partition.plan([layer.cost for layer in layers], num_stages, spec.split_points, spec.layers_per_stage,
+                                [max(layer.memory_bytes, 0) for layer in layers], self._capacities(count, replicas))
         routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges,
                        request.inputs, request.outputs)
         shards = self.registry.take(len(ranges) * replicas)
@@ -68,6 +71,14 @@ class CoordinatorServicer:
             coordinator_pb2.StageAssignment(stage=p.stage, shard_id=p.shard.shard_id, shard_address=p.shard.address,
                                             first_layer=p.first_layer, end_layer=p.end_layer, replica=replica)
             for replica, pipeline in enumerate(pipelines) for p in pipeline])
+
+    def _capacities(self, count: int, replicas: int) -> list[int]:
+        """The memory of each of `count` stages' shards: the smallest over the replicas (replica r's stage i goes
+        to the (r x count + i)-th shard, as registry.take hands them out); none when too few have registered."""
+        registered = self.registry.shards()
+        if count * replicas > len(registered):
+            return []  # take() refuses the deploy, with the numbers
+        return [min(registered[r * count + i].memory_bytes for r in range(replicas)) for i in range(count)]
 
     async def _forget_silent_shards(self) -> None:
         """Drops every registered shard that does not answer now (it died, or its registration was never a

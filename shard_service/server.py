@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -50,6 +51,16 @@ async def keep_registered(settings: ShardSettings, address: str) -> None:
             log.warning("could not renew the registration with %s: %s", settings.coordinator, error)
 
 
+def device_memory(device: str) -> int:
+    """Bytes of the shard's device: a GPU's memory, or the host's physical memory (0 if unknown)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 async def register(settings: ShardSettings, address: str) -> str:
     """Registers with the coordinator, retrying until it answers or settings.timeouts.connect runs out."""
     coordinator = rpc.Peer(f"coordinator at {settings.coordinator}", settings.coordinator,
@@ -59,7 +70,9 @@ async def register(settings: ShardSettings, address: str) -> str:
     try:
         while True:
             try:
-                request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device)
+                request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
+                                                               memory_bytes=settings.memory_bytes or
+                                                               device_memory(settings.device))
                 return (await coordinator.call("RegisterShard", request)).shard_id
             except Unavailable:
                 if time.monotonic() > deadline:

@@ -25,6 +25,10 @@ def encode(optimizer: type | str, kwargs: dict | None = None) -> tuple[str, str]
         raise InvalidArgument(f"optimizer arguments must be JSON numbers, strings, lists: {error}") from None
 
 
+# Tensors of a parameter's size each optimizer keeps per parameter (momentum, moments, ...), for memory estimates.
+STATE_TENSORS = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adagrad": 1, "Adadelta": 2, "Adamax": 2, "RMSprop": 2, "NAdam": 2,
+                 "RAdam": 2, "Rprop": 2, "ASGD": 2}
+
 Groups = Sequence[tuple[Sequence[str], str]]  # param groups: (parameter keys, options as a JSON object), in order
 
 

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardtrain.errors import InvalidArgument
+from shardtrain.errors import InvalidArgument, ResourceExhausted
 
 Ranges = list[tuple[int, int]]  # (first layer, end layer exclusive) per stage
 
 
-def balanced(costs: Sequence[int], num_stages: int) -> Ranges:
-    """Contiguous stages minimising the largest stage cost; ties cut as early as possible."""
+def balanced(costs: Sequence[int], num_stages: int, memory: Sequence[int] = (),
+             capacities: Sequence[int] = ()) -> Ranges:
+    """Contiguous stages minimising the largest stage cost; ties cut as early as possible. With `memory` (per layer)
+    and `capacities` (per stage, 0: unlimited), only stages that fit their shard are considered."""
     _check_count(len(costs), num_stages)
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
+    prefix, held = _prefix(costs), _prefix(memory or [0] * len(costs))
+    limits = list(capacities) or [0] * num_stages
     # best[k][i]: the smallest possible largest-stage cost for layers[:i] in k stages.
     inf = float("inf")
     best = [[inf] * (len(costs) + 1) for _ in range(num_stages + 1)]
@@ -23,10 +24,41 @@ def balanced(costs: Sequence[int], num_stages: int) -> Ranges:
     for k in range(1, num_stages + 1):
         for i in range(k, len(costs) + 1):
             for j in range(k - 1, i):
+                if limits[k - 1] and held[i] - held[j] > limits[k - 1]:
+                    continue
                 candidate = max(best[k - 1][j], prefix[i] - prefix[j])
                 if candidate < best[k][i]:
                     best[k][i], cut[k][i] = candidate, j
+    if best[num_stages][len(costs)] == inf:
+        raise ResourceExhausted(_does_not_fit(memory, capacities))
     return _walk_back(cut, num_stages, len(costs))
+
+
+def _prefix(values: Sequence[int]) -> list[int]:
+    sums = [0]
+    for value in values:
+        sums.append(sums[-1] + value)
+    return sums
+
+
+def check_memory(ranges: Ranges, memory: Sequence[int], capacities: Sequence[int]) -> None:
+    """ResourceExhausted, with the numbers, if a stage of given ranges needs more memory than its shard has."""
+    for stage, ((start, end), limit) in enumerate(zip(ranges, capacities)):
+        need = sum(memory[start:end])
+        if limit and need > limit:
+            raise ResourceExhausted(f"stage {stage} (layers {start}-{end - 1}) needs {_gib(need)} and its shard has "
+                                    f"{_gib(limit)}; {_does_not_fit(memory, capacities)}")
+
+
+def _does_not_fit(memory: Sequence[int], capacities: Sequence[int]) -> str:
+    return (f"the model needs {_gib(sum(memory))} in all (weights, gradients, optimizer state and the example "
+            f"batch's activations; its largest layer {_gib(max(memory, default=0))}) and the {len(capacities)} "
+            f"shards have {', '.join(_gib(c) for c in capacities)}: use more shards, shards with more memory, or a "
+            "smaller batch")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.4g} GiB" if size >= 2**30 else f"{size / 2**20:.4g} MiB"
 
 
 def _walk_back(cut: list[list[int]], num_stages: int, num_layers: int) -> Ranges:
@@ -60,8 +92,9 @@ def by_counts(num_layers: int, layers_per_stage: Sequence[int]) -> Ranges:
 
 
 def plan(costs: Sequence[int], num_stages: int, split_points: Sequence[int] = (),
-         layers_per_stage: Sequence[int] = ()) -> Ranges:
-    """The stages a deploy asks for: explicit split points, explicit counts, or balanced costs."""
+         layers_per_stage: Sequence[int] = (), memory: Sequence[int] = (), capacities: Sequence[int] = ()) -> Ranges:
+    """The stages a deploy asks for: explicit split points, explicit counts, or balanced costs; each stage within
+    its shard's memory when `memory` (per layer) and `capacities` (per stage) are given."""
     if split_points and layers_per_stage:
         raise InvalidArgument("give split points or layers per stage, not both")
     if split_points:
@@ -69,9 +102,11 @@ def plan(costs: Sequence[int], num_stages: int, split_points: Sequence[int] = ()
     elif layers_per_stage:
         ranges = by_counts(len(costs), layers_per_stage)
     else:
-        return balanced(costs, num_stages)
+        return balanced(costs, num_stages, memory, capacities[:num_stages])
     if len(ranges) > num_stages:
         raise InvalidArgument(f"{len(ranges)} stages asked for but only {num_stages} shards are available")
+    if memory and capacities:
+        check_memory(ranges, memory, capacities)
     return ranges
 
 

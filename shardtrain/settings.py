@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class ShardSettings:
     tcp_links: bool = True      # peers on other hosts carry them on a TCP socket, unless the services use TLS
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
+    memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
     log_level: str = "info"
     log_format: str = "text"  # or "json": one JSON object a line
     security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
@@ -170,6 +172,17 @@ def add_log_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> No
                         help="text lines, or json: one object a line with time, level, logger and message")
 
 
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _size(text: str) -> int:
+    """Bytes from "12G", "512M", "1.5G" or a plain count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give bytes or a number with K, M, G or T")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
 def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ShardSettings:
     """Parses `shardtrain shard` flags, with environment variables as defaults."""
     env = os.environ if env is None else env
@@ -200,6 +213,9 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--simulate-compute-ms", type=float, default=_env(env, "SIMULATE_COMPUTE_MS", "0"),
                         help="add this much time to each pipelined forward and backward "
                              "(benchmarks: it stands for GPU work)")
+    parser.add_argument("--memory", type=_size, default=_env(env, "MEMORY", "0"),
+                        help="bytes a stage on this shard may use, e.g. 12G or 512M (default: the device's memory, "
+                             "a GPU's or the host's); deploy refuses a split that does not fit")
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     args = parser.parse_args(list(argv))
@@ -210,7 +226,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", tcp_links=args.tcp_links == "on",
                          flush_denormal=args.flush_denormal == "on",
-                         simulate_compute=args.simulate_compute_ms / 1e3, log_level=args.log_level,
+                         simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
+                         log_level=args.log_level,
                          log_format=args.log_format, security=security_from(args, role="shard"))
 
 

@@ -9,12 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterShardRequest(_message.Message):
-    __slots__ = ("address", "device")
+    __slots__ = ("address", "device", "memory_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterShardResponse(_message.Message):
     __slots__ = ("shard_id",)
@@ -23,14 +25,16 @@ class RegisterShardResponse(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard_id", "address", "device")
+    __slots__ = ("shard_id", "address", "device", "memory_bytes")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     address: str
     device: str
-    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ()

@@ -38,7 +38,7 @@ class ProbeSharedMemoryResponse(_message.Message):
     def __init__(self, token: _Optional[bytes] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class CapturedLayer(_message.Message):
-    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost", "eval_program")
+    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost", "eval_program", "memory_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class CapturedLayer(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     EVAL_PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     description: str
     program: bytes
@@ -55,7 +56,8 @@ class CapturedLayer(_message.Message):
     state: _containers.RepeatedCompositeFieldContainer[StateEntry]
     cost: int
     eval_program: bytes
-    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StateEntry(_message.Message):
     __slots__ = ("graph_key", "model_key", "tied_to", "frozen")

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from examples.gpt import GPT, GPTConfig, generate, loss_of
-from shardtrain.errors import FailedPrecondition, InvalidArgument
+from client_sdk import Cluster
+from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tests.integration.training import largest_difference, regression_batches, train_side_by_side
 
 CONFIG = GPTConfig(vocab_size=13, block_size=12, n_layer=4, n_head=2, n_embd=16)
@@ -330,3 +331,18 @@ def test_a_model_that_cannot_be_deployed_whole_is_refused_with_the_reason(cluste
         cluster4.deploy(net, example_inputs=(example,))
     with pytest.raises(InvalidArgument, match="captured whole, from an example: pass example_input"):
         cluster4.deploy(ListInput())
+
+
+def test_shards_register_their_memory_and_a_model_that_cannot_fit_is_refused_with_the_numbers(monkeypatch):
+    monkeypatch.setenv("SHARDTRAIN_MEMORY", "1M")  # each local shard says a stage may use 1 MiB
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64))
+    with Cluster.local(num_shards=3) as cluster:
+        assert {shard.memory_bytes for shard in cluster.shards()} == {2**20}
+        # Adam: each weight with its gradient and two moments, 16 bytes a parameter; the middle Linear (65,792
+        # parameters, 1.0 MiB with its state) fits no shard
+        with pytest.raises(ResourceExhausted, match=r"the model needs 1.509 MiB in all .* its largest layer 1.004 "
+                                                    r"MiB\) and the 3 shards have 1 MiB, 1 MiB, 1 MiB"):
+            cluster.deploy(net, optimizer=(torch.optim.Adam, {"lr": 1e-3}))
+        model = cluster.deploy(net, optimizer=(torch.optim.SGD, {"lr": 1e-3}))  # 12 bytes a parameter: it fits
+        assert model(torch.randn(4, 64)).shape == (4, 64)

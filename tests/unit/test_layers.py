@@ -151,8 +151,16 @@ def test_measured_layer_times_leave_gradients_buffers_and_randomness_alone():
     before = {key: value.clone() for key, value in model.state_dict().items()}
     x = torch.randn(8, 4)
     state = torch.random.get_rng_state()
-    times = layer_tools.measure(model, layer_tools.layers_of(model), x)
-    assert len(times) == 4 and all(seconds > 0 for seconds in times)
+    costs = layer_tools.measure(model, layer_tools.layers_of(model), x)
+    assert len(costs) == 4 and all(cost.seconds > 0 for cost in costs)
+    assert costs[0].activation_bytes == 8 * 4 * 4  # Linear saves its input: 8 rows of 4 float32
+    assert costs[1].activation_bytes > 0  # BatchNorm saves its input and statistics
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_weight_bytes_count_gradients_and_optimizer_state_of_what_trains():
+    layer = layer_tools.layers_of(nn.Sequential(nn.BatchNorm1d(4)))[0]
+    # weight and bias (4 floats each) with a gradient and 2 Adam moments; running mean, var (4 floats) and count once
+    assert layer_tools.weight_bytes(layer, 2) == 2 * 16 * 4 + 16 + 16 + 8

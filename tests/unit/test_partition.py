@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from shardtrain.errors import InvalidArgument
+from shardtrain.errors import InvalidArgument, ResourceExhausted
 from shardtrain.partition import at_split_points, balanced, by_counts, plan
 
 # Parameter counts of client_sdk.seed_models.TEST_RESIDUAL_SMALL, layer by layer.
@@ -150,3 +150,29 @@ def test_plan_passes_on_bad_split_points():
 def test_plan_passes_on_counts_that_do_not_add_up():
     with pytest.raises(InvalidArgument, match=r"layers per stage \[1, 1\] must be positive and add up to 4"):
         plan([1, 1, 1, 1], 4, layers_per_stage=[1, 1])
+
+
+# Memory: each stage within its shard's memory (0: unknown, unlimited).
+@pytest.mark.parametrize("costs, memory, capacities, expected", [
+    ([1, 1, 1, 1], [1, 1, 1, 1], [0, 0], [(0, 2), (2, 4)]),            # no limit: balanced by cost
+    ([1, 1, 1, 1], [1, 1, 1, 1], [1, 3], [(0, 1), (1, 4)]),            # a small first shard takes less
+    ([5, 1, 1, 1], [1, 1, 1, 4], [4, 4], [(0, 3), (3, 4)]),            # the heavy last layer alone on its shard
+    ([4, 1, 1, 1], [3, 3, 3, 3], [6, 6], [(0, 2), (2, 4)]),            # the best cost among cuts that fit
+])
+def test_balanced_keeps_every_stage_within_its_shards_memory(costs, memory, capacities, expected):
+    assert balanced(costs, len(capacities), memory, capacities) == expected
+
+
+def test_a_model_that_fits_no_way_is_refused_with_the_numbers():
+    mib = 2**20
+    with pytest.raises(ResourceExhausted, match=r"the model needs 12 MiB in all .* its largest layer 5 MiB\) and the "
+                                                r"2 shards have 4 MiB, 8 MiB: use more shards"):
+        balanced([1, 1, 1], 2, [5 * mib, 4 * mib, 3 * mib], [4 * mib, 8 * mib])
+
+
+def test_explicit_split_points_that_overfill_a_shard_are_refused():
+    mib = 2**20
+    with pytest.raises(ResourceExhausted, match=r"stage 1 \(layers 1-2\) needs 6 MiB and its shard has 4 MiB"):
+        plan([1, 1, 1], 2, split_points=[1], memory=[mib, 3 * mib, 3 * mib], capacities=[8 * mib, 4 * mib])
+    assert plan([1, 1, 1], 2, split_points=[2], memory=[mib, 3 * mib, 3 * mib],
+                capacities=[8 * mib, 4 * mib]) == [(0, 2), (2, 3)]

@@ -201,3 +201,16 @@ def test_role_tokens_come_from_files_or_variables_and_services_present_the_shard
 def test_security_env_carries_the_role_tokens_to_child_services():
     security = Security(token="t", shard_token="s", reader_token="r")
     assert security_from_env(security_env(security)) == security
+
+
+@pytest.mark.parametrize("given, expected", [("0", 0), ("1048576", 2**20), ("512M", 512 * 2**20), ("1.5G", 3 * 2**29),
+                                             ("12GiB", 12 * 2**30), ("2t", 2 * 2**40)])
+def test_shard_memory_takes_bytes_or_a_size_with_a_unit(given, expected):
+    assert shard_settings(["--coordinator", "h:1", "--memory", given], env={}).memory_bytes == expected
+    assert shard_settings(["--coordinator", "h:1"], env={"SHARDTRAIN_MEMORY": given}).memory_bytes == expected
+
+
+def test_shard_memory_that_is_not_a_size_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        shard_settings(["--coordinator", "h:1", "--memory", "lots"], env={})
+    assert "'lots' is not a size; give bytes or a number with K, M, G or T" in capsys.readouterr().err
