@@ -132,21 +132,14 @@ class Cluster:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
         self._close_models()  # shards hold one deployment at a time: finish the previous one first
         module = layer_tools.as_module(model)
-        layered = layer_tools.is_layered(module)
-        if layered:
-            layers, interface = layer_tools.layers_of(module), Interface()
-            x = example_input if example_input is not None else layer_tools.example_input(module, layers)
-            args, kwargs, inputs = (x,), {}, {}
-        else:
-            args = (example_input,) if isinstance(example_input, torch.Tensor) else tuple(example_inputs)
-            kwargs = dict(example_kwargs or {})
-            layers, interface = layer_tools.whole_model_layers(module, args, kwargs, dynamic_shapes)
-            x, inputs = interface.bind(args, kwargs)
-        layer_tools.warn_frozen(module, args, kwargs)
+        layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
+                                                     dynamic_shapes)
         if replicas > 1 and not interface.is_plain:
             raise InvalidArgument("replicas train through train_step, which takes models of one tensor in and one "
                                   "out; this one takes or returns several")
-        balance = balance or ("parameters" if layered else "time")
+        if split_points or layers_per_stage:
+            balance = "parameters"  # nothing to balance: the costs shown are parameter counts
+        balance = balance or ("parameters" if layer_tools.is_layered(module) else "time")
         if balance not in BALANCES:
             raise InvalidArgument(f"balance must be one of {list(BALANCES)}, got {balance!r}")
         mixed = modes.mixed_modes(module)
@@ -165,17 +158,8 @@ class Cluster:
                                                     layers_per_stage=layers_per_stage),
             replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs)
         layer_tools.mark_state(request.layers, module)
-        if split_points or layers_per_stage:
-            balance = "parameters"  # nothing to balance: the costs shown are parameter counts
         costs = layer_tools.measure(module, layers, x, inputs) if balance == "time" else None
-        state_tensors = optim.STATE_TENSORS[spec.name]
-        for index, (layer, captured) in enumerate(zip(layers, request.layers)):
-            # what the shard must hold: weights with their gradients and optimizer state, and (when measured) the
-            # activations of one example batch
-            captured.memory_bytes = layer_tools.weight_bytes(layer, state_tensors) + \
-                (costs[index].activation_bytes if costs else 0)
-            if costs:
-                captured.cost = max(1, round(costs[index].seconds * 1e6))
+        layer_tools.weigh(request.layers, layers, costs, optim.STATE_TENSORS[spec.name])
         response = self._io.run(self._coordinator.call("Deploy", request))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
@@ -190,6 +174,23 @@ class Cluster:
         distributed.train(module.training)
         self._models.append(distributed)
         return distributed
+
+    @staticmethod
+    def _split(module: torch.nn.Module, example_input, example_inputs: tuple, example_kwargs: dict | None,
+               dynamic_shapes) -> tuple:
+        """(layers, interface, (main example input, other example inputs by name)), warning of Python state the
+        capture fixes."""
+        if layer_tools.is_layered(module):
+            layers, interface = layer_tools.layers_of(module), Interface()
+            x = example_input if example_input is not None else layer_tools.example_input(module, layers)
+            args, kwargs, bound = (x,), {}, (x, {})
+        else:
+            args = (example_input,) if isinstance(example_input, torch.Tensor) else tuple(example_inputs)
+            kwargs = dict(example_kwargs or {})
+            layers, interface = layer_tools.whole_model_layers(module, args, kwargs, dynamic_shapes)
+            bound = interface.bind(args, kwargs)
+        layer_tools.warn_frozen(module, args, kwargs)
+        return layers, interface, bound
 
     async def _handle(self, response, captured, encodings, parameter_keys: list[str],
                       optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple],

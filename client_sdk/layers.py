@@ -187,6 +187,16 @@ def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Ten
         return profile.layer_costs(layers, x, inputs or {})
 
 
+def weigh(captured: Sequence[shard_pb2.CapturedLayer], layers: Sequence[Layer],
+          costs: Sequence[profile.LayerCost] | None, state_tensors: int) -> None:
+    """Sets what each captured layer needs on a shard (its weights with their gradients and optimizer state, and
+    the activations of the example batch when measured) and, when measured, its cost in microseconds."""
+    for index, (layer, entry) in enumerate(zip(layers, captured)):
+        entry.memory_bytes = weight_bytes(layer, state_tensors) + (costs[index].activation_bytes if costs else 0)
+        if costs:
+            entry.cost = max(1, round(costs[index].seconds * 1e6))
+
+
 def weight_bytes(layer: Layer, state_tensors: int) -> int:
     """What a layer's weights take on a shard while training: each trainable one with its gradient and
     `state_tensors` optimizer tensors of its size, each other one (buffers, frozen weights) once."""
@@ -208,7 +218,7 @@ def warn_frozen(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         warnings.warn(f"the deployment keeps the values these Python reads of the forward had at deploy: "
                       f"{', '.join(reads[:8])}{' ...' if len(reads) > 8 else ''}; changing them later does not reach "
                       "the shards (deploy again after changing them; draw randomness with torch instead)",
-                      stacklevel=3)
+                      stacklevel=4)
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
