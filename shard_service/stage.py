@@ -96,12 +96,13 @@ class Stage:
                                           f"{tensor.dtype} of shape {list(tensor.shape)}, but is a {spec.dtype} of "
                                           f"shape {list(spec.shape)}")
                 graph_state[spec.graph_key] = state[key] = tensor
-            layers.append(program.load(graph_state))
+            layers.append(program.load(graph_state, self.device))
             shape = one_row_batch_norm(layers[-1])
             if shape is not None and self._two_rows is None:
                 self._two_rows = (source.index, source.description, shape)
             inputs.append(program.input_specs())
-            eval_layers.append(_eval_layer(source, program, graph_state) if source.eval_program else layers[-1])
+            eval_layers.append(_eval_layer(source, program, graph_state, self.device) if source.eval_program
+                               else layers[-1])
         return layers, eval_layers, state, inputs
 
     @property
@@ -338,7 +339,8 @@ class Stage:
 
 
 
-def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor],
+                device: torch.device) -> torch.nn.Module:
     """The layer's eval-mode graph on the training graph's own weights (all of them, or those it uses: a branch
     taken only in training mode may be the only user of a weight); InvalidArgument if it wants others, or other
     inputs."""
@@ -354,7 +356,7 @@ def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict
     if eval_program.input_specs() != program.input_specs():
         raise InvalidArgument(f"layer {source.index}: the eval-mode graph takes other inputs than the training graph "
                               f"({eval_program.input_specs()} against {program.input_specs()})")
-    return eval_program.load(weights)
+    return eval_program.load(weights, device)
 
 
 class _SavedBytes:

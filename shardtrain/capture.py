@@ -211,14 +211,17 @@ class CapturedProgram:
                 specs.append(InputSpec(_dtype(meta), tuple(size.get("as_int") for size in meta["sizes"])))
         return specs
 
-    def load(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """Rebuilds the layer around the given weights (Parameters and buffers, used as they are)."""
+    def load(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> torch.nn.Module:
+        """Rebuilds the layer around the given weights (Parameters and buffers, used as they are), making the
+        tensors its operations create (an arange, a mask) on `device` rather than where it was captured."""
         try:
             serialized = export_serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
             exported = export_serde.ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
         except Exception as error:  # the deserializer raises many types; all mean a bad program
             raise InvalidArgument(f"captured program does not load: {type(error).__name__}: {error}") from None
         _check_targets(exported)
+        if device is not None:
+            _create_on(exported.graph_module, device)
         return _without_input_checks(exported.module())
 
 
@@ -242,6 +245,21 @@ def one_row_batch_norm(module: torch.nn.Module) -> list | None:
         if all(isinstance(size, int) and size == 1 for size in value.shape[2:]):
             return ["batch", *value.shape[1:]]
     return None
+
+
+def _create_on(graph_module: torch.fx.GraphModule, device: torch.device) -> None:
+    """Points every operation that names a device (factories' `device=`, `to(device)`) at `device`. Not
+    torch.export.passes.move_to_device_pass: it would wrap the stage's weights in new Parameters, and their
+    gradients would no longer reach the stage's optimizer."""
+    for module in graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if "device" in node.kwargs:
+                node.kwargs = {**node.kwargs, "device": device}
+            if node.op == "call_function" and node.target is torch.ops.aten.to.device:
+                node.args = (node.args[0], device, *node.args[2:])
+        module.recompile()
 
 
 def _without_input_checks(module: torch.nn.Module) -> torch.nn.Module:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from client_sdk import Cluster
+from examples.gpt import GPT, GPTConfig
 from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -46,3 +49,27 @@ def test_pipelined_train_step_on_cuda_shards_matches_one_process():
             model.train_step(x, y, "MSELoss", microbatches=4)
         trained = model.state_dict()
     assert largest_difference(trained, train_locally(net, batches, sgd)) <= 1e-4
+
+
+def test_a_gpt_computing_its_loss_on_cuda_shards_trains_as_one_process_and_registers_gpu_memory():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=13, block_size=12, n_layer=4, n_head=2, n_embd=16)
+    local = GPT(config)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 13, (8, 12), generator=generator), torch.randint(0, 13, (8, 12), generator=generator))
+               for _ in range(5)]
+    with Cluster.local(num_shards=3, device="cuda") as cluster:
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert all(shard.memory_bytes == total for shard in cluster.shards())
+        model = cluster.deploy(copy.deepcopy(local), optimizer=(torch.optim.SGD, {"lr": 0.1}),
+                               example_inputs=batches[0])
+        optimizer = torch.optim.SGD(local.parameters(), lr=0.1)
+        for x, y in batches:
+            model(x, y)[1].backward()
+            model.step()
+            model.zero_grad()
+            local(x, y)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        trained = model.state_dict()
+    assert largest_difference(trained, local.state_dict()) <= 1e-4

@@ -388,3 +388,21 @@ def test_shape_expression_with_an_exponent_tower_is_refused(tree):
     tree["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0]["as_expr"]["expr_str"] = "Integer(9)**9**9**9"
     with pytest.raises(InvalidArgument):
         CapturedProgram(dumps(tree))  # only the check: load() would hang
+
+
+class MadeHere(torch.nn.Module):
+    """Makes a tensor of its own (positions) on its input's device, as a GPT's forward does."""
+
+    def forward(self, x):
+        return x + torch.arange(x.shape[1], device=x.device)
+
+
+def devices(layer: torch.nn.Module) -> list:
+    return [node.kwargs["device"] for node in layer.graph.nodes if "device" in node.kwargs]
+
+
+def test_tensors_a_layer_makes_are_made_on_the_stage_device():
+    program = CapturedProgram(capture_layer(LayerAdapter(MadeHere()), (torch.zeros(2, 3),)))
+    assert devices(program.load({})) == [torch.device("cpu")]
+    assert devices(program.load({}, torch.device("meta"))) == [torch.device("meta")]
+    assert torch.equal(program.load({}, torch.device("cpu"))(torch.zeros(2, 3)), torch.arange(3.0).expand(2, 3))
