@@ -45,11 +45,12 @@ class Interface:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as error:
             raise InvalidArgument(f"the model's forward{self.signature}: {error}") from None
-        bound.apply_defaults()
+        # what the call passes (defaults were the graph's at deploy too); None stands for an argument left out
         given = {name: value for name, value in bound.arguments.items() if value is not None}
         for name in sorted(given.keys() - set(self.inputs)):
-            raise InvalidArgument(f"argument {name!r} was not given when the model was deployed, so its graph does "
-                                  f"not read it; deploy with it in the example inputs (deployed with {self.inputs})")
+            raise InvalidArgument(f"argument {name!r} was not given when the model was deployed, so its graph "
+                                  f"keeps its default; deploy with it in the example inputs (deployed with "
+                                  f"{list(self.inputs)})")
         missing = [name for name in self.inputs if name not in given]
         if missing:
             raise InvalidArgument(f"the deployed model takes {list(self.inputs)}, as its example had them; "

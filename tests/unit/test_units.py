@@ -108,7 +108,7 @@ class Scored(nn.Module):
         super().__init__()
         self.first, self.second = nn.Linear(2, 2), nn.Linear(2, 2)
 
-    def forward(self, x, target=None, weight=None):
+    def forward(self, x, target=None, weight=None, scale=1.0):
         y = self.second(self.first(x))
         return {"y": y, "loss": ((y - target) ** 2).mean(), "rows": 3, "target": target}
 
@@ -154,6 +154,8 @@ def test_several_inputs_and_outputs_travel_by_name():
                                                                         "model was deployed"),
     ((torch.randn(3, 2),), {"target": 1.0}, "argument 'target' must be a tensor, got float"),
     ((torch.randn(3, 2),), {"aim": 1.0}, "got an unexpected keyword argument 'aim'"),
+    ((torch.randn(3, 2), torch.randn(3, 2)), {"scale": 2.0}, "argument 'scale' was not given when the model was "
+                                                              "deployed, so its graph keeps its default"),
 ])
 def test_a_call_that_does_not_fit_the_deployed_arguments_is_refused(args, kwargs, expected):
     _, interface = whole_model_layers(Scored(), (torch.randn(3, 2),), {"target": torch.randn(3, 2)})
