@@ -18,7 +18,7 @@ from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
 from shardtrain.capture import LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument
-from shardtrain.residuals import Wiring
+from shardtrain.residuals import Wiring, passed_on
 from shardtrain.v1 import shard_pb2
 
 EXAMPLE_BATCH = 2  # a dynamic batch dimension needs an example of at least 2 rows (1 would be specialised)
@@ -84,28 +84,27 @@ def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
     args, kwargs = tuple(_rows(a) for a in bound.args), {k: _rows(v) for k, v in bound.kwargs.items()}
     spec = _with_batch(bound, dynamic_shapes)
     with untouched(module):
-        cuts = []
-        for training in (True, False):
-            module.train(training)
-            try:
-                program = units.export_model(module, args, kwargs, spec)
-            except InvalidArgument:
-                raise
-            except Exception as error:  # export reports unsupported code in many exception types
-                mode = "training" if training else "eval"
-                raise InvalidArgument(f"{type(module).__name__} cannot be captured with torch.export in {mode} "
-                                      f"mode{_user_line(error)}: {_why(error)}") from None
-            cuts.append(units.cut(program, module))
-    train, evaluation = cuts
+        train, evaluation = (_cut(module.train(training), args, kwargs, spec) for training in (True, False))
     shapes = lambda cut: [(len(w.dependencies), len(w.out_variables)) for w in cut.wirings]  # noqa: E731
     if train.names != evaluation.names or shapes(train) != shapes(evaluation) or train.inputs != evaluation.inputs:
         raise InvalidArgument(f"{type(module).__name__} passes different values between its parts in training and "
                               "eval mode, so one cut cannot serve both; deploy it as an nn.Sequential")
     layers = [Layer(m, w, "", name=n, description=d, eval_module=e, varying=v)
               for m, w, n, d, e, v in zip(train.modules, train.wirings, train.names, train.descriptions,
-                                          evaluation.modules, train.dynamic)]
+                                          evaluation.modules, train.varying)]
     return layers, Interface(signature, tuple(train.inputs), tuple(train.outputs), tuple(train.leaves),
                              train.out_spec)
+
+
+def _cut(module: torch.nn.Module, args: tuple, kwargs: dict, spec: dict) -> units.CutGraph:
+    """The module, in the mode it is in, captured whole and cut into units."""
+    try:
+        program = units.export_model(module, args, kwargs, spec)
+    except Exception as error:  # export reports unsupported code in many exception types
+        mode = "training" if module.training else "eval"
+        raise InvalidArgument(f"{type(module).__name__} cannot be captured with torch.export in {mode} "
+                              f"mode{_user_line(error)}: {_why(error)}") from None
+    return units.cut(program, module)
 
 
 def _rows(x):
@@ -230,13 +229,7 @@ def non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def tied_keys(module: torch.nn.Module) -> dict[str, str]:
     """Every state-dict key of a tensor that more than one key holds (tied weights), mapped to the first of them in
     the model's order (the one net.named_parameters() keeps)."""
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    first: dict[int, str] = {}
-    for key, tensor in named:
-        first.setdefault(id(tensor), key)
-    homes = {key: first[id(tensor)] for key, tensor in named}
-    shared = {home for key, home in homes.items() if key != home}
-    return {key: home for key, home in homes.items() if home in shared}
+    return {key: group[0] for group in units.shared_keys(module) for key in group}
 
 
 def mark_state(captured: Sequence[shard_pb2.CapturedLayer], module: torch.nn.Module) -> None:
@@ -244,14 +237,15 @@ def mark_state(captured: Sequence[shard_pb2.CapturedLayer], module: torch.nn.Mod
     read by several layers under one key as tied to that key, and each parameter that takes no gradient as
     frozen."""
     tied = tied_keys(module)
-    frozen = {key for key, parameter in module.named_parameters(remove_duplicate=False) if not parameter.requires_grad}
+    frozen_keys = {key for key, parameter in module.named_parameters(remove_duplicate=False)
+                   if not parameter.requires_grad}
     layers_of_key = collections.Counter(entry.model_key for layer in captured for entry in layer.state)
     for layer in captured:
         for entry in layer.state:
             # a weight several layers read under one key is tied to itself: the same, should they land apart
             shared = entry.model_key if layers_of_key[entry.model_key] > 1 else ""
             entry.tied_to = tied.get(entry.model_key, shared)
-            entry.frozen = entry.model_key in frozen
+            entry.frozen = entry.model_key in frozen_keys
 
 
 def capture(layers: Sequence[Layer], x: torch.Tensor,
@@ -277,8 +271,7 @@ def capture(layers: Sequence[Layer], x: torch.Tensor,
                 adapter.train()
             eval_program = b"" if eval_program == program else eval_program
             captured.append(_describe(index, layer, adapter, program, eval_program))
-            x = result[0] if layer.wiring.out_variables else result
-            saved.update(zip(layer.wiring.out_variables, result[1:] if layer.wiring.out_variables else ()))
+            x = passed_on(result, layer.wiring, saved)
     return captured
 
 

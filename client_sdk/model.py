@@ -311,8 +311,9 @@ class DistributedModel:
     def _check_plain(self, what: str) -> None:
         if not self._interface.is_plain:
             raise FailedPrecondition(f"{what} takes models of one tensor in and one out; this one takes "
-                                     f"{list(self._interface.inputs)} and returns several values: train it with "
-                                     "the loop (outputs = model(...); loss.backward(); model.step())")
+                                     f"{list(self._interface.inputs)} and returns {1 + len(self._interface.outputs)} "
+                                     "tensors: train it with the loop (outputs = model(...); loss.backward(); "
+                                     "model.step())")
 
     def _check_single_replica(self) -> None:
         if self.replicas > 1:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.capture import LayerAdapter
+from shardtrain.residuals import passed_on
+from shardtrain.saved import SavedBytes
 
 REPEATS = 3  # timed runs per layer after one warm-up (the run that counts saved bytes); the median is kept
 
@@ -38,26 +40,15 @@ def layer_costs(layers: Sequence, x: torch.Tensor, inputs: dict[str, torch.Tenso
         runs = [_forward_backward(adapter, args) for _ in range(repeats)]
         costs.append(LayerCost(statistics.median(runs), activation_bytes))
         with torch.no_grad():
-            result = adapter(*args)
-        outputs = result if isinstance(result, tuple) else (result,)
-        x = outputs[0]
-        saved.update(zip(layer.wiring.out_variables, outputs[1:]))
+            x = passed_on(adapter(*args), layer.wiring, saved)
     return costs
 
 
 def _saved_bytes(adapter: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> int:
     """Bytes of the tensors autograd saves for backward, weights aside (also a warm-up run)."""
-    weights = {t.untyped_storage().data_ptr() for t in adapter.state_dict().values()}
-    total = 0
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if tensor.untyped_storage().data_ptr() not in weights:
-            total += tensor.numel() * tensor.element_size()
-        return tensor
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedBytes(adapter.state_dict().values()) as counter:
         _forward_backward(adapter, args)
-    return total
+    return counter.total
 
 
 def _forward_backward(adapter: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> float:

@@ -29,7 +29,7 @@ class CutGraph:
     names: list[str]
     modules: list[torch.nn.Module]
     wirings: list[Wiring]
-    dynamic: list[tuple[tuple[int, ...], ...]]  # per unit, per input (main first), the dims that vary
+    varying: list[tuple[tuple[int, ...], ...]]  # per unit, per input (main first), the dims that vary
     descriptions: list[str]
     inputs: list[str]    # the model's tensor inputs by name, in order: the first is the main input
     outputs: list[str]   # the last unit's saved values that are the model's outputs after the first
@@ -72,7 +72,7 @@ class _Cutter:
         self.program = program
         self.module = module
         self.candidates = set(unit_names(module))
-        self.aliases = _aliases(module)
+        self.aliases = {key: group for group in shared_keys(module) for key in group}
         self.builders: list[_UnitBuilder] = []
         signature = program.graph_signature
         self.state: dict[str, str] = {}  # placeholder name -> state-dict key
@@ -143,7 +143,7 @@ class _Cutter:
                 consumers.setdefault(node, set()).add(count - 1)
         crossing = [node for node in self.program.graph.nodes if node in consumers]
         mains = self._mains(count, crossing, produced, consumers)
-        modules, wirings, dynamic = [], [], []
+        modules, wirings, varying = [], [], []
         for unit in range(count):
             main_in = mains[unit - 1] if unit else main_input
             incoming = [n for n in crossing if unit in consumers[n] and n is not main_in]
@@ -155,13 +155,13 @@ class _Cutter:
             modules.append(self._unit_module(unit, main_in, incoming, mains[unit], outgoing))
             saved = self.output_names if unit == count - 1 else tuple(n.name for n in outgoing)
             wirings.append(Wiring(tuple(n.name for n in incoming), saved))
-            dynamic.append(tuple(_varying(n) for n in (main_in, *incoming)))
+            varying.append(tuple(_varying(n) for n in (main_in, *incoming)))
         self._check_buffers()
         descriptions = [f"{name} ({self._type_name(name)})" for name in self.order]
         named = dict(zip(self.outputs[1:], self.output_names))
         leaves = [("main", None) if leaf is self.outputs[0] else ("output", named[leaf])
                   if isinstance(leaf, torch.fx.Node) else ("constant", leaf) for leaf in self.leaves]
-        return CutGraph(list(self.order), modules, wirings, dynamic, descriptions, [n.name for n in self.inputs],
+        return CutGraph(list(self.order), modules, wirings, varying, descriptions, [n.name for n in self.inputs],
                         list(self.output_names), leaves, self.program.call_spec.out_spec)
 
     def _mains(self, count: int, crossing: list, produced: dict, consumers: dict) -> list[torch.fx.Node]:
@@ -283,13 +283,13 @@ class _UnitBuilder:
 _SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv, torch.sym_max, torch.sym_min)
 
 
-def _aliases(module: torch.nn.Module) -> dict[str, list[str]]:
-    """Every state-dict key of a tensor held under several keys (tied weights), with all of its keys."""
+def shared_keys(module: torch.nn.Module) -> list[list[str]]:
+    """The state-dict keys of each tensor held under several keys (tied weights), in the model's order."""
     keys: dict[int, list[str]] = {}
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     for key, tensor in named:
         keys.setdefault(id(tensor), []).append(key)
-    return {key: group for group in keys.values() if len(group) > 1 for key in group}
+    return [group for group in keys.values() if len(group) > 1]
 
 
 def _register(holder: torch.nn.Module, key: str, tensor: torch.Tensor, is_parameter: bool) -> None:

@@ -13,6 +13,7 @@ from shardtrain import optim
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
+from shardtrain.saved import SavedBytes
 
 log = logging.getLogger("shardtrain.shard.stage")
 
@@ -61,8 +62,6 @@ class Stage:
         self._two_rows: tuple | None = None  # (layer index, description, input shape) of a layer that needs 2 rows
         self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
         self._unloaded = set(self._state)
-        # Weights are updated in place (load_state, the optimizer), so their storages never change.
-        self._weight_storages = {t.untyped_storage().data_ptr() for t in self._state.values()}
         named = {key: self._tensors[key] for key in self._parameter_keys()}
         # optimizer: (name, defaults as JSON[, param groups]), as optim.build takes them
         self._optimizer = optim.build(optimizer[0], optimizer[1], named, *optimizer[2:]) if named else None
@@ -190,8 +189,7 @@ class Stage:
         known = self._saved_bytes.get(signature)
         if known is not None:
             return self._run(layers, x, saved), known
-        counter = _SavedBytes(self._weight_storages)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+        with SavedBytes(self._state.values()) as counter:
             output = self._run(layers, x, saved)
         if len(self._saved_bytes) >= SIGNATURES_KEPT:  # batches of ever new sizes: nothing grows without bound
             self._saved_bytes.clear()
@@ -357,27 +355,6 @@ def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict
         raise InvalidArgument(f"layer {source.index}: the eval-mode graph takes other inputs than the training graph "
                               f"({eval_program.input_specs()} against {program.input_specs()})")
     return eval_program.load(weights, device)
-
-
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward (a saved-tensors hook that keeps the tensor as it is).
-
-    Weights that autograd saves (a Linear keeps its weight for the input's gradient) are not
-    activations: tensors on the storage of the stage's own weights are left out.
-    """
-
-    def __init__(self, weight_storages: set[int]):
-        self.total = 0
-        self._weights = weight_storages
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage().data_ptr() not in self._weights:
-            self.total += tensor.numel() * tensor.element_size()
-        return tensor
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def _leaf(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:

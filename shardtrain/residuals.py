@@ -85,10 +85,14 @@ def run_chain(layers: Sequence[torch.nn.Module], wirings: Sequence[Wiring], x: t
               saved: dict[str, torch.Tensor]) -> torch.Tensor:
     """Runs layers in order, passing dependencies from `saved` and adding what each layer saves to it."""
     for layer, wiring in zip(layers, wirings):
-        result = layer(x, *(saved[name] for name in wiring.dependencies))
-        if wiring.out_variables:
-            x, *extra = result
-            saved.update(zip(wiring.out_variables, extra))
-        else:
-            x = result
+        x = passed_on(layer(x, *(saved[name] for name in wiring.dependencies)), wiring, saved)
+    return x
+
+
+def passed_on(result, wiring: Wiring, saved: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A layer's main output, from what it returned; what it saves goes into `saved` under its names."""
+    if not wiring.out_variables:
+        return result
+    x, *extra = result
+    saved.update(zip(wiring.out_variables, extra))
     return x
