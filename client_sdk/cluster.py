@@ -134,9 +134,6 @@ class Cluster:
         module = layer_tools.as_module(model)
         layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
                                                      dynamic_shapes)
-        if replicas > 1 and not interface.is_plain:
-            raise InvalidArgument("replicas train through train_step, which takes models of one tensor in and one "
-                                  "out; this one takes or returns several")
         if split_points or layers_per_stage:
             balance = "parameters"  # nothing to balance: the costs shown are parameter counts
         balance = balance or ("parameters" if layer_tools.is_layered(module) else "time")

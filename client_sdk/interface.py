@@ -30,8 +30,7 @@ class Interface:
 
     @property
     def is_plain(self) -> bool:
-        """One tensor in and one out (constants beside it aside): what train_step, replicas and the async API take;
-        train_step's loss reads that output."""
+        """One tensor in and one out (constants beside it aside): what the explicit async API takes."""
         return len(self.inputs) <= 1 and not self.outputs
 
     def bind(self, args: Sequence, kwargs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -58,6 +57,27 @@ class Interface:
         values = {name: _tensor(given[name], f"argument {name!r}") for name in self.inputs}
         return values[self.inputs[0]], {name: values[name] for name in self.extra_inputs}
 
+    def output_name(self, which) -> str:
+        """The name the shards give output `which` (an index into the model's tuple or a key of its dict; 0 for a
+        model of one output): "output" for the main output, or one of `outputs`."""
+        if self.out_spec is None:
+            if which != 0:
+                raise InvalidArgument(f"this model returns one tensor: its loss output is 0, got {which!r}")
+            return "output"
+        positions = pytree.tree_unflatten(list(range(len(self.leaves))), self.out_spec)
+        try:
+            position = positions[which]
+        except (KeyError, IndexError, TypeError):
+            raise InvalidArgument(f"the model returns {_shape_of(positions)}: it has no output {which!r}") from None
+        if not isinstance(position, int):
+            raise InvalidArgument(f"output {which!r} of the model is {_shape_of(position)}, not one tensor")
+        kind, value = self.leaves[position]
+        if kind == "constant":
+            raise InvalidArgument(f"output {which!r} was the constant {value!r} when the model was deployed, not a "
+                                  "tensor: deploy with the example inputs that make the model compute its loss "
+                                  "(its targets)")
+        return "output" if kind == "main" else value
+
     def build(self, main: torch.Tensor, extras: Sequence[torch.Tensor]):
         """The model's output from the main output and the others (in `outputs` order)."""
         if self.out_spec is None:
@@ -71,3 +91,12 @@ def _tensor(value, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidArgument(f"{what} must be a tensor, got {type(value).__name__}")
     return value
+
+
+def _shape_of(positions) -> str:
+    """A model output's structure, for messages: tuple(2), dict('logits', 'loss'), ..."""
+    if isinstance(positions, dict):
+        return f"a dict of {list(positions)}"
+    if isinstance(positions, (tuple, list)):
+        return f"a {type(positions).__name__} of {len(positions)}"
+    return "one tensor"

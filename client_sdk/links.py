@@ -90,9 +90,7 @@ class SdkLinks:
         self._follows[step] = header.after_optimizer_step
         try:
             self._link(_ROLES.LINK_ROLE_OUTPUT)  # opened now: the last stage sends the output on it
-            for name, tensor in (inputs or {}).items():
-                item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=header.key, name=name))
-                await self._send(_ROLES.LINK_ROLE_INPUT, item, tensor, "residuals")
+            await self._send_inputs(header.key, inputs or {})
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
         except BaseException:
             self._outputs.pop(step, None)
@@ -103,6 +101,12 @@ class SdkLinks:
         finally:
             self._follows.pop(step, None)
             self._extras.pop(step, None)
+
+    async def _send_inputs(self, key: shard_pb2.StepKey, inputs: dict[str, torch.Tensor]) -> None:
+        """The model's inputs after the first, as residuals the SDK produces, ahead of the forward that reads them."""
+        for name, tensor in inputs.items():
+            item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
+            await self._send(_ROLES.LINK_ROLE_INPUT, item, tensor, "residuals")
 
     async def backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None,
                        output_grads: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor | None:
@@ -117,11 +121,12 @@ class SdkLinks:
         return await self._wait(self._backwards, step, future,
                                 f"the end of step {step}'s backward on {self._first.name}")
 
-    async def planned(self, forwards: list[tuple[shard_pb2.ForwardHeader, torch.Tensor]],
-                      targets: list[tuple[shard_pb2.LossTarget, torch.Tensor]],
+    async def planned(self, forwards: list[tuple[shard_pb2.ForwardHeader, torch.Tensor, dict[str, torch.Tensor]]],
+                      targets: list[tuple[shard_pb2.LossTarget, torch.Tensor | None]],
                       request: shard_pb2.StepRequest,
                       gradient_scale: asyncio.Future | None = None) -> tuple[float, asyncio.Future]:
-        """A planned step: the micro-batches into the first stage, their targets into the last, then the optimizer
+        """A planned step: the micro-batches (the model's other inputs ahead of each) into the first stage, their
+        targets (none where the model computes its loss) into the last, then the optimizer
         step and a Flush asking for every stage's figures. Returns the step's loss as soon as the last stage sent
         it, with a future that ends (with the stages' StageStats) once every stage settled the step, or fails with
         the step's failure: the backwards and the optimizer step go on meanwhile, as after the loop's step().
@@ -147,7 +152,8 @@ class SdkLinks:
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=flush))
 
         async def send_inputs() -> None:
-            for header, x in forwards:
+            for header, x, inputs in forwards:
+                await self._send_inputs(header.key, inputs)
                 await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(forward=header), x)
             if gradient_scale is None:
                 await send_step()

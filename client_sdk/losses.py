@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from client_sdk.pipeline import Batch
 from shardtrain import losses
 from shardtrain.capture import LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument
@@ -17,30 +18,31 @@ EXAMPLE_ROWS = 2
 class LossSpecs:
     """Turns the loss argument of train_step into a LossSpec; a custom module is captured once.
 
-    Capturing needs an example prediction: `predict` runs the deployed model (no grad) on a few rows.
+    Capturing needs an example prediction: `predict` runs the deployed model (no grad) on a few rows of its inputs.
     """
 
-    def __init__(self, predict: Callable[[torch.Tensor], Awaitable[torch.Tensor]]):
+    def __init__(self, predict: Callable[[torch.Tensor, dict[str, torch.Tensor]], Awaitable[torch.Tensor]]):
         self._predict = predict
         self._captured: dict[int, tuple[torch.nn.Module, shard_pb2.LossSpec]] = {}
 
-    async def __call__(self, loss, x: torch.Tensor, y: torch.Tensor) -> shard_pb2.LossSpec:
+    async def __call__(self, loss, batch: Batch) -> shard_pb2.LossSpec:
         """The LossSpec of `loss`: a name, a torch.nn loss class or instance, or a module of your own."""
         if isinstance(loss, torch.nn.Module) and type(loss).__name__ not in losses.ALLOWED:
-            return await self._custom(loss, x, y)
+            return await self._custom(loss, batch)
         name, kwargs_json = losses.encode(loss)
         losses.build(name, kwargs_json)  # refuse bad kwargs here, before any shard sees them
         return shard_pb2.LossSpec(name=name, kwargs_json=kwargs_json)
 
-    async def _custom(self, loss: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> shard_pb2.LossSpec:
+    async def _custom(self, loss: torch.nn.Module, batch: Batch) -> shard_pb2.LossSpec:
         if id(loss) in self._captured and self._captured[id(loss)][0] is loss:
             return self._captured[id(loss)][1]
         if any(True for _ in loss.parameters()) or any(True for _ in loss.buffers()):
             raise InvalidArgument(f"loss {type(loss).__name__} holds tensors; a shipped loss must be a pure "
                                   "function of (prediction, target)")
-        prediction = await self._predict(x[:EXAMPLE_ROWS].detach())
+        rows = lambda tensor: tensor[:EXAMPLE_ROWS].detach()  # noqa: E731 - a one-line helper
+        prediction = await self._predict(rows(batch.x), {name: rows(t) for name, t in batch.inputs.items()})
         try:
-            program = capture_layer(LayerAdapter(loss), (prediction, y[:EXAMPLE_ROWS].detach()))
+            program = capture_layer(LayerAdapter(loss), (prediction, rows(batch.y)))
         except Exception as error:  # export reports unsupported code in many exception types
             raise InvalidArgument(f"loss {type(loss).__name__} cannot be captured with torch.export: "
                                   f"{type(error).__name__}: {str(error)[:500]}") from None

@@ -17,7 +17,7 @@ from client_sdk.interface import Interface
 from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
-from client_sdk.pipeline import PipelineTrainer
+from client_sdk.pipeline import Batch, PipelineTrainer
 from client_sdk.transport import split_state
 from shardtrain import optim
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument
@@ -211,27 +211,40 @@ class DistributedModel:
         """How many copies of the pipeline train together (data parallel)."""
         return len(self._trainer.replicas)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn="MSELoss", microbatches: int = 1,
-                   schedule: str = "1f1b", clip_grad_norm: float | None = None) -> float:
+    def train_step(self, x, y: torch.Tensor | None = None, loss_fn="MSELoss", microbatches: int = 1,
+                   schedule: str = "1f1b", clip_grad_norm: float | None = None, *, loss_output=None) -> float:
         """One pipelined training step on the shards: zero_grad, forward and backward of every micro-batch,
         the replicas' gradient all-reduce, and the optimizer step. Returns the batch's loss as soon as the
         last stage computed it; the backwards and the optimizer step go on meanwhile, and a failure of
         theirs is raised by the next call into the model, as after the loop's step().
 
-        The batch is split over the replicas, then into `microbatches` pieces (uneven sizes are fine);
-        stage i works on micro-batch k+1 while stage i+1 works on k, under `schedule` "1f1b" (stage s
-        holds at most p - s micro-batches between forward and backward) or "gpipe" (all forwards, then all
-        backwards). It runs on the same Links as the loop; no call is opened per step. The loss
-        is computed on the last stage: a torch.nn loss by name ("MSELoss"), class or instance from
-        the allow-list, or a loss module of your own (captured like a layer). Mean-reducing losses
-        weigh each micro-batch by its share of the batch, so the result equals one full-batch step.
-        clip_grad_norm: clip the gradients by their global norm before the step, as clip_grad_norm_ does (the optimizer
-        step then waits for the stages' norms; model.grad_norm() gives the total norm).
+        x: the model's input, or the arguments of a model that takes several: a tuple (positional) or a dict
+        (keywords), as model(*x) or model(**x) takes them. Every input is split by its rows (dim 0) over the
+        replicas, then into `microbatches` pieces (uneven sizes are fine); stage i works on micro-batch k+1
+        while stage i+1 works on k, under `schedule` "1f1b" (stage s holds at most p - s micro-batches between
+        forward and backward) or "gpipe" (all forwards, then all backwards). It runs on the same Links as the
+        loop; no call is opened per step.
+
+        The loss is computed on the last stage: `loss_fn(output, y)` on the model's (first) output, with a
+        torch.nn loss by name ("MSELoss"), class or instance from the allow-list, or a loss module of your own
+        (captured like a layer); or, for a model that computes its loss itself (logits, loss = model(idx,
+        targets)), the output that `loss_output` names: its index in the model's tuple or its key in the dict
+        (0 for a model that returns only its loss), with no y. Mean-reducing losses (the model's own is taken as a
+        mean over the rows) weigh each micro-batch by its share of the batch, so the result equals one full-batch
+        step. clip_grad_norm: clip the gradients by their global norm before the step, as clip_grad_norm_ does
+        (the optimizer step then waits for the stages' norms; model.grad_norm() gives the total norm).
         """
         self._check_open()
-        self._check_plain("train_step")
+        main, inputs = self._interface.bind(*_arguments(x))
+        if loss_output is None and y is None:
+            raise InvalidArgument("train_step needs the target y of loss_fn, or loss_output= naming the model's "
+                                  "output that is its own loss")
+        if loss_output is not None and y is not None:
+            raise InvalidArgument("with loss_output the model computes its loss itself: pass its targets among its "
+                                  "inputs (x), not as y")
+        batch = Batch(main, inputs, y)
         clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
-        return self._io.run(self._train_step(x, y, loss_fn, microbatches, schedule, clip))
+        return self._io.run(self._train_step(batch, loss_fn, loss_output, microbatches, schedule, clip))
 
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm of the last train_step that clipped (None before one did), once it settled."""
@@ -276,11 +289,15 @@ class DistributedModel:
         return await self._io.wrap(self._read_state())
 
     # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
-    async def _train_step(self, x, y, loss_fn, microbatches: int, schedule: str, clip=None) -> float:
+    async def _train_step(self, batch: Batch, loss_fn, loss_output, microbatches: int, schedule: str,
+                          clip=None) -> float:
         self._inflight.raise_failures()
         if self._backward_steps:
             await self._synchronize()  # a loop backward still running would add to the step's fresh gradients
-        spec = await self._loss_specs(loss_fn, x, y)
+        if loss_output is not None:
+            spec = shard_pb2.LossSpec(model_output=self._interface.output_name(loss_output))
+        else:
+            spec = await self._loss_specs(loss_fn, batch)
         # One step ahead of the shards at most, as the loop. No output confirms a loop step before this one: ask.
         await self._clients.flush(wait=False)
         await self._inflight.drain_previous()
@@ -292,7 +309,7 @@ class DistributedModel:
         self._optimizer_steps += 1
         self._settle_before_forward = self._optimizer_steps
         try:
-            loss, settled = await self._trainer.run(step, x, y, spec, microbatches, schedule, after,
+            loss, settled = await self._trainer.run(step, batch, spec, microbatches, schedule, after,
                                                     self._optimizer_steps, eval_mode=not self.training,
                                                     hyperparameters=self._hyperparameters.changes(), clip=clip)
             self.optimizer._opt_called = True  # what torch's lr schedulers check: an optimizer step ran
@@ -303,17 +320,17 @@ class DistributedModel:
         self._inflight.next_iteration()
         return loss
 
-    async def _predict(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output for `x` without autograd (an example for capturing a loss), in eval mode: it must
-        not move a BatchNorm's running statistics."""
-        return (await self._forward(self._begin_step(), x, requires_grad=False, training=False))[0]
+    async def _predict(self, x: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's (first) output for its inputs, without autograd (an example for capturing a loss), in eval
+        mode: it must not move a BatchNorm's running statistics."""
+        return (await self._forward(self._begin_step(), x, requires_grad=False, training=False, inputs=inputs))[0]
 
     def _check_plain(self, what: str) -> None:
         if not self._interface.is_plain:
             raise FailedPrecondition(f"{what} takes models of one tensor in and one out; this one takes "
                                      f"{list(self._interface.inputs)} and returns {1 + len(self._interface.outputs)} "
                                      "tensors: train it with the loop (outputs = model(...); loss.backward(); "
-                                     "model.step())")
+                                     "model.step()) or with model.train_step")
 
     def _check_single_replica(self) -> None:
         if self.replicas > 1:
@@ -477,3 +494,12 @@ class DistributedModel:
         stages = ", ".join(f"stage {p.stage}@{p.shard_address}: layers {p.first_layer}-{p.end_layer - 1}"
                            for p in self.placements)
         return f"DistributedModel({self.deployment_id}; {stages})"
+
+
+def _arguments(x) -> tuple[tuple, dict]:
+    """train_step's x as a call's (args, kwargs): a tuple holds the positional arguments, a dict the keywords."""
+    if isinstance(x, tuple):
+        return x, {}
+    if isinstance(x, dict):
+        return (), x
+    return (x,), {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,19 +15,51 @@ from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
 
 
-def split_batch(x: torch.Tensor, y: torch.Tensor, replicas: int, microbatches: int) -> list[list[tuple]]:
-    """Per replica, its micro-batches as (input, target) pairs; the last ones may be a row shorter."""
-    if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
-        raise InvalidArgument(f"inputs and targets need the same batch dimension, got {list(x.shape)} and "
-                              f"{list(y.shape)}")
+def split_batch(batch: dict[str, torch.Tensor], replicas: int, microbatches: int) -> list[list[dict]]:
+    """Per replica, its micro-batches: every tensor of `batch` (the model's inputs, the target) split by rows, the
+    same rows of each together; the last micro-batches may be a row shorter."""
+    rows = {name: tensor.shape[0] if tensor.dim() else None for name, tensor in batch.items()}
+    if None in rows.values() or len(set(rows.values())) != 1:
+        shapes = ", ".join(f"{name} {list(tensor.shape)}" for name, tensor in batch.items())
+        raise InvalidArgument(f"the inputs and the target need the same batch dimension (dim 0), got {shapes}")
     if not isinstance(microbatches, int) or not 1 <= microbatches <= schedules.MAX_MICROBATCHES:
         raise InvalidArgument(f"microbatches must be an integer in 1..{schedules.MAX_MICROBATCHES}, "
                               f"got {microbatches!r}")
-    if x.shape[0] < replicas * microbatches:
-        raise InvalidArgument(f"a batch of {x.shape[0]} rows cannot feed {replicas} replica(s) x {microbatches} "
+    count = next(iter(rows.values()))
+    if count < replicas * microbatches:
+        raise InvalidArgument(f"a batch of {count} rows cannot feed {replicas} replica(s) x {microbatches} "
                               "micro-batches: each needs at least one row")
-    return [list(zip(torch.tensor_split(xr, microbatches), torch.tensor_split(yr, microbatches)))
-            for xr, yr in zip(torch.tensor_split(x, replicas), torch.tensor_split(y, replicas))]
+    pieces = {name: [torch.tensor_split(share, microbatches) for share in torch.tensor_split(tensor, replicas)]
+              for name, tensor in batch.items()}
+    return [[{name: pieces[name][r][k] for name in batch} for k in range(microbatches)] for r in range(replicas)]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a planned step trains on: the main input, the model's other inputs by name, the loss's target (None
+    when the model computes its loss itself)."""
+
+    x: torch.Tensor
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    y: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0] if self.x.dim() else 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {MAIN: self.x, **self.inputs}
+        if self.y is not None:
+            named[TARGET] = self.y
+        return {name: tensor.detach() for name, tensor in named.items()}
+
+    @staticmethod
+    def piece(named: dict[str, torch.Tensor]) -> Batch:
+        inputs = {name: tensor for name, tensor in named.items() if name not in (MAIN, TARGET)}
+        return Batch(named[MAIN], inputs, named.get(TARGET))
+
+
+MAIN, TARGET = "the first input", "the target"  # how split_batch's errors name them (never an argument's name)
 
 
 class PipelineTrainer:
@@ -38,11 +71,12 @@ class PipelineTrainer:
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's total gradient norm
         self._clipping: asyncio.Future | None = None
 
-    async def run(self, step: int, x: torch.Tensor, y: torch.Tensor, loss: shard_pb2.LossSpec, microbatches: int,
+    async def run(self, step: int, batch: Batch, loss: shard_pb2.LossSpec, microbatches: int,
                   schedule: str, after_optimizer_step: int, optimizer_step: int,
                   eval_mode: bool = False, hyperparameters: str = "",
                   clip: tuple[float, float] | None = None) -> tuple[float, asyncio.Future]:
-        """One training step (on the layers' eval-mode graphs with `eval_mode`) as optimizer step `optimizer_step`.
+        """One training step on `batch` (on the layers' eval-mode graphs with `eval_mode`) as optimizer step
+        `optimizer_step`.
         Returns the batch's loss (the mean loss for averaging losses) as soon as every replica's last stage sent
         it, and a future that ends once every stage of every replica settled the step (then `stats` holds its
         figures), or fails with the step's failure. With `clip` (max_norm, norm_type), the gradients are clipped
@@ -50,13 +84,14 @@ class PipelineTrainer:
         if schedule not in schedules.SCHEDULES:
             raise InvalidArgument(f"unknown schedule {schedule!r}; choose one of {schedules.SCHEDULES}")
         plan = shard_pb2.StepPlan(microbatches=microbatches, schedule=schedule)
-        shares = split_batch(x.detach(), y.detach(), len(self.replicas), microbatches)
+        shares = [[batch.piece(part) for part in share]
+                  for share in split_batch(batch.tensors(), len(self.replicas), microbatches)]
         scale = None
         if clip is not None:
             scale = asyncio.get_running_loop().create_future()
             self._clipping = asyncio.ensure_future(self._clip(scale, step, optimizer_step, *clip))
         results = await _all_or_nothing([
-            clients.planned_step(step, share, x.shape[0], loss, plan, after_optimizer_step, optimizer_step, eval_mode,
+            clients.planned_step(step, share, batch.rows, loss, plan, after_optimizer_step, optimizer_step, eval_mode,
                                  hyperparameters, scale)
             for clients, share in zip(self.replicas, shares)])
         return sum(value for value, _ in results), asyncio.ensure_future(self._settled([o for _, o in results]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts
 from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2, tensor_pb2
+
+if TYPE_CHECKING:
+    from client_sdk.pipeline import Batch
 
 
 class StageClients:
@@ -48,19 +52,19 @@ class StageClients:
         """The wire key of a step of this deployment."""
         return shard_pb2.StepKey(deployment_id=self.deployment_id, step=step, microbatch=microbatch)
 
-    async def planned_step(self, step: int, share: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_rows: int,
+    async def planned_step(self, step: int, share: Sequence[Batch], batch_rows: int,
                            loss: shard_pb2.LossSpec, plan: shard_pb2.StepPlan, after_optimizer_step: int,
                            optimizer_step: int, eval_mode: bool, hyperparameters: str = "",
                            gradient_scale: asyncio.Future | None = None) -> tuple[float, asyncio.Future]:
-        """One planned step over this pipeline's Links: each (input, target) micro-batch of `share` forward and
-        backward on every stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's
-        loss once the last stage computed it, and a future of every stage's StageStats once the step settled."""
+        """One planned step over this pipeline's Links: each micro-batch of `share` forward and backward on every
+        stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's loss once the last
+        stage computed it, and a future of every stage's StageStats once the step settled."""
         forwards = [(shard_pb2.ForwardHeader(key=self.key(step, k), requires_grad=True, zero_grad=k == 0,
                                              after_optimizer_step=after_optimizer_step, eval_mode=eval_mode,
-                                             plan=plan), x.detach())
-                    for k, (x, _) in enumerate(share)]
-        targets = [(shard_pb2.LossTarget(key=self.key(step, k), loss=loss, rows=len(y), batch_rows=batch_rows),
-                    y.detach()) for k, (_, y) in enumerate(share)]
+                                             plan=plan), piece.x, piece.inputs)
+                    for k, piece in enumerate(share)]
+        targets = [(shard_pb2.LossTarget(key=self.key(step, k), loss=loss, rows=piece.rows, batch_rows=batch_rows),
+                    piece.y) for k, piece in enumerate(share)]
         request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, optimizer_step=optimizer_step,
                                         backward_steps=[step], hyperparameters_json=hyperparameters)
         return await self._links.planned(forwards, targets, request, gradient_scale)

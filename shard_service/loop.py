@@ -445,8 +445,9 @@ class LinkedLoop:
         try:
             if end is not self._output:
                 raise errors.InvalidArgument("loss targets come from the SDK's output link to the last stage")
-            if tensor is None:
-                raise errors.InvalidArgument("a target item carries the target tensor")
+            if (tensor is None) != bool(target.loss.model_output):
+                raise errors.InvalidArgument("a target item carries the target tensor, unless its loss is the model's "
+                                             "own output (LossSpec.model_output), and then none")
             self._check_room(tensor)
             self._targets.put((key.step, key.microbatch), (target, tensor))
             self._target_bytes += tensor_bytes(tensor)
@@ -492,7 +493,9 @@ class LinkedLoop:
             averager_arm=shard.averager_arm, incoming_residuals=lambda key: self._incoming_residuals(stage, key),
             after_optimizer_step=lambda number: shard.order.after_optimizer_step(number, wait),
             target=self._target, loss=shard.loss, send_loss=self._send_loss, send_activation=self._send_activation,
-            send_residuals=self._send_residuals, residual_gradients=lambda key: shard.residual_gradients(stage, key),
+            send_residuals=lambda key, outgoing: self._send_residuals(key, outgoing, to_client=False),
+            no_client_gradients=lambda key: self._no_client_gradients(stage, key),
+            residual_gradients=lambda key: shard.residual_gradients(stage, key),
             send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients)
 
     async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
@@ -555,18 +558,27 @@ class LinkedLoop:
         await self._send(self._down(header.key.step), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)),
                          result)
 
-    async def _send_residuals(self, key: shard_pb2.StepKey, outgoing: dict[str, torch.Tensor]) -> None:
-        """Each residual this stage produced, straight to every stage that consumes it."""
+    async def _send_residuals(self, key: shard_pb2.StepKey, outgoing: dict[str, torch.Tensor],
+                              to_client: bool = True) -> None:
+        """Each residual this stage produced, straight to every stage that consumes it, and with `to_client` the
+        model's other outputs to the SDK (a planned step returns only its loss)."""
         for name, tensor in outgoing.items():
             sink = next(r for r in self._runtime.plan.outgoing_residuals if r.name == name)
             for consumer, address in zip(sink.consumer_stages, sink.consumer_addresses):
                 item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
                 if consumer != CLIENT:
                     await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
-                elif key.step not in self._by_call:  # a model output after the first (the per-call RPCs have none)
+                elif to_client and key.step not in self._by_call:  # per-call RPCs carry no output after the first
                     if self._down(key.step) is None:
                         await self._sdk_output()
                     await self._send(self._down(key.step), item, tensor, "activations")
+
+    async def _no_client_gradients(self, stage, key: shard_pb2.StepKey) -> None:
+        """In a planned step the SDK sends no gradient for the model's outputs (the loss is taken on the last
+        stage): each output's share from the SDK counts as none."""
+        for name, consumers in stage.residuals.outgoing.items():
+            if CLIENT in consumers:
+                await self._runtime.accumulate(key, name, None)
 
     async def _sdk_output(self) -> None:
         """Waits (up to the peer-wait deadline) for the SDK's output link, opened at the same time as the input."""

@@ -123,14 +123,16 @@ class PlannedRun:
         self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, ports.stage.in_flight_bytes)
         if ports.is_last:
             target, y = await ports.target(header.key)
-            loss_fn, sums = ports.loss(target.loss)
+            loss_fn, sums = ports.loss(target.loss) if not target.loss.model_output else (None, False)
             loss, seconds = await self._timed(ports.stage.attach_loss, (self.step, k), loss_fn, y,
-                                              _weight(target, sums), simulated=False)  # within the simulated time
+                                              _weight(target, sums), target.loss.model_output,
+                                              simulated=False)  # within the simulated time
             self.figures.forward_seconds += seconds
             await ports.send_loss(header.key, loss)
         else:
             await ports.send_activation(header, output)
         await ports.send_residuals(header.key, outgoing)
+        await ports.no_client_gradients(header.key)
 
     async def _backward(self, k: int) -> None:
         ports = self.ports
@@ -142,9 +144,7 @@ class PlannedRun:
         (grad_input, incoming_grads), seconds = await self._timed(ports.stage.backward, (self.step, k), grad,
                                                                   residual_grads)
         self.figures.backward_seconds += seconds
-        if ports.index > 0:
-            if grad_input is None:
-                raise errors.InvalidArgument(f"stage {ports.index}: micro-batch {k} produced no input gradient")
+        if ports.index > 0:  # None when the loss does not depend on this stage's input (the stage before skips it)
             await ports.send_input_gradient(key, grad_input)
         await ports.send_residual_gradients(key, incoming_grads)
 
@@ -167,7 +167,8 @@ class StagePorts:
                  simulate_compute: float, run: Callable[..., Awaitable], in_flight: Callable[[], int],
                  averager: Callable[[str], Awaitable], averager_arm: Callable[[bool], None],
                  incoming_residuals, after_optimizer_step, target, loss, send_loss, send_activation,
-                 send_residuals, residual_gradients, send_input_gradient, send_residual_gradients):
+                 send_residuals, no_client_gradients, residual_gradients, send_input_gradient,
+                 send_residual_gradients):
         self.stage, self.index, self.num_stages = stage, index, num_stages
         self.is_last = index == num_stages - 1
         self.deployment_id, self.timeout, self.simulate_compute = deployment_id, timeout, simulate_compute
@@ -175,6 +176,7 @@ class StagePorts:
         self.incoming_residuals, self.after_optimizer_step = incoming_residuals, after_optimizer_step
         self.target, self.loss, self.send_loss = target, loss, send_loss
         self.send_activation, self.send_residuals = send_activation, send_residuals
+        self.no_client_gradients = no_client_gradients
         self.residual_gradients = residual_gradients
         self.send_input_gradient, self.send_residual_gradients = send_input_gradient, send_residual_gradients
 

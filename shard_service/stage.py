@@ -124,19 +124,34 @@ class Stage:
         """Bytes autograd holds for the steps in flight (each saved tensor counted once per save)."""
         return sum(state.saved_bytes for state in self._in_flight.values())
 
-    def attach_loss(self, key: StepKey, loss_fn, target: torch.Tensor, weight: float) -> float:
-        """Computes `weight * loss_fn(output, target)` of an in-flight step; its backward then starts there."""
+    def attach_loss(self, key: StepKey, loss_fn, target: torch.Tensor | None, weight: float,
+                    model_output: str = "") -> float:
+        """Computes `weight * loss_fn(output, target)` of an in-flight step, or with `model_output` takes the loss
+        the model computed itself: `weight *` that output ("output" for the main one). Its backward starts there."""
         state = self._in_flight_state(key)
-        with torch.enable_grad():
-            try:
-                loss = loss_fn(state.output, target.to(self.device)) * weight
-            except Exception as error:  # a target that does not fit the output, a loss that fails on its data
-                raise InvalidArgument(f"stage {self.index}: the loss failed on micro-batch {key[1]}: "
-                                      f"{type(error).__name__}: {error}") from None
+        if model_output:
+            loss = self._model_loss(state, model_output, key) * weight
+        else:
+            with torch.enable_grad():
+                try:
+                    loss = loss_fn(state.output, target.to(self.device)) * weight
+                except Exception as error:  # a target that does not fit the output, a loss that fails on its data
+                    raise InvalidArgument(f"stage {self.index}: the loss failed on micro-batch {key[1]}: "
+                                          f"{type(error).__name__}: {error}") from None
         if loss.dim() != 0:
             raise InvalidArgument(f"stage {self.index}: the loss must be a scalar, got shape {list(loss.shape)}")
         state.output, state.is_loss = loss, True
         return loss.item()
+
+    def _model_loss(self, state: InFlight, name: str, key: StepKey) -> torch.Tensor:
+        if name != "output" and name not in state.outgoing:
+            raise InvalidArgument(f"stage {self.index}: the model's output {name!r}, named as its loss, is not "
+                                  f"computed here (this last stage computes 'output' and {sorted(state.outgoing)})")
+        value = state.output if name == "output" else state.outgoing[name]
+        if not value.requires_grad:
+            raise InvalidArgument(f"stage {self.index}: the model's output {name!r}, named as its loss, does not "
+                                  f"depend on any weight on micro-batch {key[1]}: nothing to train from it")
+        return value
 
     def check_input(self, x: torch.Tensor) -> None:
         """InvalidArgument unless `x` fits the first layer's main input."""

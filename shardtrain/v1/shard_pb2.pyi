@@ -390,16 +390,18 @@ class DescribeResponse(_message.Message):
     def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ...) -> None: ...
 
 class LossSpec(_message.Message):
-    __slots__ = ("name", "kwargs_json", "program", "sums")
+    __slots__ = ("name", "kwargs_json", "program", "sums", "model_output")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     SUMS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kwargs_json: str
     program: CapturedLayer
     sums: bool
-    def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., program: _Optional[_Union[CapturedLayer, _Mapping]] = ..., sums: _Optional[bool] = ...) -> None: ...
+    model_output: str
+    def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., program: _Optional[_Union[CapturedLayer, _Mapping]] = ..., sums: _Optional[bool] = ..., model_output: _Optional[str] = ...) -> None: ...
 
 class PipelineAction(_message.Message):
     __slots__ = ("backward", "microbatch")

@@ -12,7 +12,7 @@ from torch import nn
 
 from examples.gpt import GPT, GPTConfig, generate, loss_of
 from client_sdk import Cluster
-from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from shardtrain.errors import InvalidArgument, ResourceExhausted
 from tests.integration.training import largest_difference, regression_batches, train_side_by_side
 
 CONFIG = GPTConfig(vocab_size=13, block_size=12, n_layer=4, n_head=2, n_embd=16)
@@ -67,22 +67,50 @@ def test_a_gpt_computing_its_loss_trains_as_one_process_with_tied_weights_groups
     assert largest_difference(state, local.state_dict()) < 1e-5
 
 
-def test_a_gpt_trains_with_train_step_1f1b_as_one_process(cluster4):
-    local, batches = gpt(), token_batches(steps=6)
+def test_a_gpt_computing_its_loss_trains_with_train_step_1f1b_as_one_process(cluster4):
+    local, batches = gpt(), token_batches(steps=8)
+    remote = copy.deepcopy(local)
+    model = cluster4.deploy(remote, optimizer=remote.configure_optimizers(0.1, 3e-3), example_inputs=batches[0],
+                            num_stages=3)
+    optimizer = local.configure_optimizers(0.1, 3e-3)
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=len(batches)) for o in (model.optimizer,
+                                                                                           optimizer)]
+    for x, y in batches:
+        remote_loss = model.train_step((x, y), loss_output=1, microbatches=4, schedule="1f1b", clip_grad_norm=1.0)
+        local_loss = local(x, y)[1]
+        local_loss.backward()
+        local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        for schedule in schedules:
+            schedule.step()
+        assert remote_loss == pytest.approx(local_loss.item(), rel=1e-5)
+        assert model.grad_norm().item() == pytest.approx(local_norm.item(), rel=1e-5)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
+    with pytest.raises(InvalidArgument, match="with loss_output the model computes its loss itself"):
+        model.train_step(batches[0], batches[0][1], loss_output=1)
+    with pytest.raises(InvalidArgument, match=r"the model returns a tuple of 2: it has no output 'loss'"):
+        model.train_step(batches[0], loss_output="loss")
+    with pytest.raises(InvalidArgument, match=r"needs the target y of loss_fn, or loss_output="):
+        model.train_step(batches[0])
+
+
+def test_a_gpt_trains_with_train_step_on_two_replicas_and_a_loss_of_its_logits(cluster4):
+    local, batches = gpt(), token_batches(steps=4)
     remote = copy.deepcopy(local)
     model = cluster4.deploy(remote, optimizer=(torch.optim.AdamW, {"lr": 3e-3}), example_input=batches[0][0],
-                            num_stages=3)
+                            num_stages=2, replicas=2)
     optimizer = torch.optim.AdamW(local.parameters(), lr=3e-3)
     for x, y in batches:
-        remote_loss = model.train_step(x, y, loss_fn=SequenceLoss(), microbatches=4, schedule="1f1b",
-                                       clip_grad_norm=1.0)
+        remote_loss = model.train_step(x, y, loss_fn=SequenceLoss(), microbatches=2, schedule="gpipe")
         local_loss = loss_of(local(x)[0], y)
         local_loss.backward()
-        torch.nn.utils.clip_grad_norm_(local.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         assert remote_loss == pytest.approx(local_loss.item(), rel=1e-5)
     assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
+    with pytest.raises(InvalidArgument, match=r"output 1 was the constant None when the model was deployed"):
+        model.train_step(batches[0][0], loss_output=1)
 
 
 def test_a_gpt_generates_from_prompts_shorter_than_its_example_and_splits_where_named(cluster4):
@@ -236,8 +264,21 @@ def test_a_model_of_several_inputs_returning_a_dict_trains_as_one_process(cluste
     with torch.no_grad():
         remote_outputs, local_outputs = model(*batches[0]), local(*batches[0])
     assert all(torch.allclose(remote_outputs[key], local_outputs[key], atol=1e-6) for key in local_outputs)
-    with pytest.raises(FailedPrecondition, match="train_step takes models of one tensor in and one out"):
-        model.train_step(batches[0][0], batches[0][1])
+    # train_step takes the inputs as keywords (or a tuple); its loss reads the first output, the logits.
+    tokens, mask = batches[1]
+    target = torch.randn(4, 6, 3, generator=generator)
+    remote_loss = model.train_step({"tokens": tokens, "attention_mask": mask}, target, "MSELoss", microbatches=2)
+    local_loss = torch.nn.functional.mse_loss(local(tokens, attention_mask=mask)["logits"], target)
+    local_loss.backward()
+    optimizer.step()
+    assert remote_loss == pytest.approx(local_loss.item(), rel=1e-5)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-5
+    with pytest.raises(InvalidArgument, match=r"the model's forward\(tokens.*missing a required argument: "
+                                              "'attention_mask'"):
+        model.train_step((tokens,), target)
+    with pytest.raises(InvalidArgument, match=r"same batch dimension \(dim 0\), got the first input \[4, 6\], "
+                                              r"attention_mask \[3, 6\]"):
+        model.train_step((tokens, mask[:3]), target)
 
 
 class SharedScale(nn.Module):
@@ -346,3 +387,33 @@ def test_shards_register_their_memory_and_a_model_that_cannot_fit_is_refused_wit
             cluster.deploy(net, optimizer=(torch.optim.Adam, {"lr": 1e-3}))
         model = cluster.deploy(net, optimizer=(torch.optim.SGD, {"lr": 1e-3}))  # 12 bytes a parameter: it fits
         assert model(torch.randn(4, 64)).shape == (4, 64)
+
+
+class AuxiliaryLoss(nn.Module):
+    """Returns an output and a loss computed on its first part."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor):
+        hidden = self.first(x)
+        auxiliary = hidden.square().mean()  # computed in the first unit, so on the first stage
+        return self.second(hidden), auxiliary
+
+
+def test_a_loss_computed_on_the_first_stage_trains_through_the_last_as_one_process(cluster4):
+    torch.manual_seed(0)
+    local = AuxiliaryLoss()
+    model = cluster4.deploy(copy.deepcopy(local), optimizer=(torch.optim.SGD, {"lr": 0.1}),
+                            example_input=torch.randn(4, 3), num_stages=2)
+    optimizer = torch.optim.SGD(local.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(6, 3)
+        remote_loss = model.train_step(x, loss_output=1, microbatches=3)
+        local_loss = local(x)[1]
+        local_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert remote_loss == pytest.approx(local_loss.item(), rel=1e-5)
+    assert largest_difference(model.state_dict(), local.state_dict()) < 1e-6

@@ -76,7 +76,7 @@ class Pipeline:
             stage=stage, index=index, num_stages=count, deployment_id="d", timeout=5.0, simulate_compute=0.0,
             run=run, in_flight=lambda: len(stage.in_flight_steps), averager=nothing, averager_arm=lambda last: None,
             incoming_residuals=nothing, after_optimizer_step=nothing, target=target, loss=lambda spec: loss_fn,
-            send_loss=send_loss, send_activation=send_activation, send_residuals=nothing,
+            send_loss=send_loss, send_activation=send_activation, send_residuals=nothing, no_client_gradients=nothing,
             residual_gradients=nothing, send_input_gradient=send_input_gradient, send_residual_gradients=nothing)
 
     async def execute(self, inputs: list[torch.Tensor]) -> list:
