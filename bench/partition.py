@@ -5,8 +5,9 @@
 The GPT of examples/gpt.py with a large vocabulary, so that its token embedding (a lookup: many parameters,
 little time) and its LM head (a large matrix product) weigh very differently in parameters and in time, and
 both differ from a block. Each balance deploys it over the same shards and runs `train_step` (1F1B, 4
-micro-batches). Printed per balance: which units each stage holds, each stage's busy time (forward + backward,
-as the shard measured it, last step), the slowest stage's over the mean (1.00 is perfect balance), and the
+micro-batches, the loss computed inside the model). Balancing by time, each shard measures every layer on a
+micro-batch of the example before the cut is chosen. Printed per balance: which units each stage holds, each
+stage's busy time (forward + backward, as the shard measured it, last step), the slowest stage's over the mean (1.00 is perfect balance), and the
 median step time. All stages share this machine's cores, so a stage's time includes waiting for them.
 """
 
@@ -20,20 +21,11 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 from client_sdk import Cluster  # noqa: E402
-from examples.gpt import GPT, GPTConfig, loss_of  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=64, n_layer=6, n_head=4, n_embd=128)
 BATCH, MICROBATCHES = 32, 4
-
-
-class SequenceLoss(nn.Module):
-    """Cross entropy over every position, computed on the last stage."""
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_of(logits, targets)
 
 
 def run(cluster: Cluster, balance: str, stages: int, steps: int) -> tuple[float, float]:
@@ -41,14 +33,14 @@ def run(cluster: Cluster, balance: str, stages: int, steps: int) -> tuple[float,
     gpt = GPT(CONFIG)
     x = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
     y = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
-    model = cluster.deploy(gpt, optimizer=(torch.optim.AdamW, {"lr": 1e-3}), example_input=x[:BATCH // MICROBATCHES],
+    rows = BATCH // MICROBATCHES  # the shards measure each layer on a micro-batch
+    model = cluster.deploy(gpt, optimizer=(torch.optim.AdamW, {"lr": 1e-3}), example_inputs=(x[:rows], y[:rows]),
                            num_stages=stages, balance=balance)
-    loss = SequenceLoss()
-    model.train_step(x, y, loss, microbatches=MICROBATCHES, schedule="1f1b")  # warm-up
+    model.train_step((x, y), loss_output=1, microbatches=MICROBATCHES, schedule="1f1b")  # warm-up
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        model.train_step(x, y, loss, microbatches=MICROBATCHES, schedule="1f1b")
+        model.train_step((x, y), loss_output=1, microbatches=MICROBATCHES, schedule="1f1b")
         times.append(time.perf_counter() - start)
     busy = [s["forward_s"] + s["backward_s"] for s in sorted(model.stats(), key=lambda s: s["stage"])]
     print(f"balance={balance}")

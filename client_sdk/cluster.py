@@ -26,7 +26,7 @@ from shardtrain.settings import Security, Timeouts, security_env, security_from_
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 
-BALANCES = {"time": "us of forward and backward", "parameters": "parameters"}  # balance -> what a cost counts
+BALANCES = ("time", "parameters")  # measured on the shards, or parameter counts
 
 
 class Cluster:
@@ -114,10 +114,12 @@ class Cluster:
         the model's parameters (its state, if it stepped, comes along). Each shard steps the same class over the
         weights it holds; model.optimizer stands for it here (bind lr schedulers to it).
         Partitioning: over `num_stages` (default: every shard), contiguous stages balanced by `balance`: "time"
-        (each layer's forward and backward measured on `example_input`, here, before shipping: the default for a
-        model captured whole; give an example the size of a micro-batch) or "parameters" (the default for an
-        nn.Sequential or a layer list), unless split_points (where stages start: layer indexes, or submodule
-        names such as "transformer.h.2") or layers_per_stage say otherwise.
+        (each layer's forward and backward measured by the shards the stages go to, on their own devices, with
+        inputs shaped as the example's: the default for a model captured whole; give an example the size of a
+        micro-batch) or "parameters" (the default for an nn.Sequential or a layer list), within each shard's
+        memory, unless split_points (where stages start: layer indexes, or submodule names such as
+        "transformer.h.2") or layers_per_stage say otherwise. model.placements says what went where, and the
+        costs the partitioner balanced.
         compression: the wire encoding of the tensors that move between shards and this client:
         "none" (exact, the default), "fp16", "bf16" (half the bytes of float32) or "int8" (blockwise,
         about a quarter), for every kind, or a dict by kind: {"activations": ..., "gradients": ...,
@@ -152,18 +154,20 @@ class Cluster:
             optimizer=spec,
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages,
                                                     split_points=layer_tools.split_indexes(layers, split_points),
-                                                    layers_per_stage=layers_per_stage),
+                                                    layers_per_stage=layers_per_stage,
+                                                    balance_by_time=balance == "time"),
             replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs)
         layer_tools.mark_state(request.layers, module)
-        costs = layer_tools.measure(module, layers, x, inputs) if balance == "time" else None
-        layer_tools.weigh(request.layers, layers, costs, optim.STATE_TENSORS[spec.name])
+        if balance == "time":
+            layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
+        layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
         response = self._io.run(self._coordinator.call("Deploy", request))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
             [name for name, _ in module.named_parameters()]
         shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
         distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
-                                                list(module.state_dict()), BALANCES[balance], interface))
+                                                list(module.state_dict()), interface))
         # A non-persistent buffer (a mask, a rotary cache) is not in the state dict, but its stages need its value.
         distributed.load_state_dict({**module.state_dict(), **layer_tools.non_persistent_buffers(module)})
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
@@ -191,7 +195,7 @@ class Cluster:
 
     async def _handle(self, response, captured, encodings, parameter_keys: list[str],
                       optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple],
-                      model_keys: list[str], cost_unit: str, interface: Interface) -> DistributedModel:
+                      model_keys: list[str], interface: Interface) -> DistributedModel:
         owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
@@ -201,7 +205,7 @@ class Cluster:
                 holders.setdefault(entry.tied_to or entry.model_key, set()).add(stage.stage)
             placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
                                         tuple(layer.description for layer in held),
-                                        sum(layer.cost for layer in held), cost_unit))
+                                        stage.cost, response.cost_unit, tuple(stage.layer_costs)))
         replicas = []
         for replica in range(max(s.replica for s in response.stages) + 1):
             addresses = [s.shard_address for s in response.stages if s.replica == replica]

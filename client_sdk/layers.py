@@ -177,23 +177,21 @@ def capture_model(module: torch.nn.Module, layers: Sequence[Layer], example: tor
         return capture(layers, example if example is not None else example_input(module, layers), inputs or {})
 
 
-def measure(module: torch.nn.Module, layers: Sequence[Layer], example: torch.Tensor | None,
-            inputs: dict[str, torch.Tensor] | None = None) -> list[profile.LayerCost]:
-    """Each layer's forward plus backward seconds and saved activations on `example` (or a guessed input) and the
-    model's other inputs, leaving the model as it was."""
+def describe_inputs(module: torch.nn.Module, layers: Sequence[Layer], captured: Sequence[shard_pb2.CapturedLayer],
+                    example: torch.Tensor | None, inputs: dict[str, torch.Tensor] | None = None) -> None:
+    """Sets each captured layer's example_inputs (what the shards measure it on) from one forward on `example` (or a
+    guessed input) and the model's other inputs, leaving the model as it was."""
     with untouched(module):
         x = example if example is not None else example_input(module, layers)
-        return profile.layer_costs(layers, x, inputs or {})
+        for entry, specs in zip(captured, profile.example_inputs(layers, x, inputs or {})):
+            entry.example_inputs.extend(specs)
 
 
-def weigh(captured: Sequence[shard_pb2.CapturedLayer], layers: Sequence[Layer],
-          costs: Sequence[profile.LayerCost] | None, state_tensors: int) -> None:
-    """Sets what each captured layer needs on a shard (its weights with their gradients and optimizer state, and
-    the activations of the example batch when measured) and, when measured, its cost in microseconds."""
-    for index, (layer, entry) in enumerate(zip(layers, captured)):
-        entry.memory_bytes = weight_bytes(layer, state_tensors) + (costs[index].activation_bytes if costs else 0)
-        if costs:
-            entry.cost = max(1, round(costs[index].seconds * 1e6))
+def weigh(captured: Sequence[shard_pb2.CapturedLayer], layers: Sequence[Layer], state_tensors: int) -> None:
+    """Sets what each captured layer's weights need on a shard: with their gradients and optimizer state (the
+    shards that measure a layer add the activations it saves)."""
+    for layer, entry in zip(layers, captured):
+        entry.memory_bytes = weight_bytes(layer, state_tensors)
 
 
 def weight_bytes(layer: Layer, state_tensors: int) -> int:

@@ -54,8 +54,9 @@ class Placement:
     first_layer: int
     end_layer: int
     layers: tuple[str, ...]
-    cost: int = 0  # what the partitioner balanced: the stage's measured time or its parameter count
+    cost: int = 0  # what the partitioner balanced: the stage's time as its shard measured it, or its parameters
     cost_unit: str = "parameters"
+    layer_costs: tuple[int, ...] = ()  # the same per layer
 
 
 class DistributedModel:

@@ -7,7 +7,7 @@ import logging
 import uuid
 
 from coordinator.placement import StagePlacement, place, tied_stages
-from coordinator.registry import ShardRegistry
+from coordinator.registry import ShardRecord, ShardRegistry
 from shardtrain import auth, optim, partition, schedule
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ShardtrainError
 from shardtrain.residuals import Wiring, route
@@ -55,8 +55,13 @@ class CoordinatorServicer:
         # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
         num_stages = spec.num_stages or min(available, len(layers))
         count = len(spec.split_points) + 1 if spec.split_points else len(spec.layers_per_stage) or num_stages
-        ranges = partition.plan([layer.cost for layer in layers], num_stages, spec.split_points, spec.layers_per_stage,
-                                [max(layer.memory_bytes, 0) for layer in layers], self._capacities(count, replicas))
+        costs, memory, unit = [layer.cost for layer in layers], [max(layer.memory_bytes, 0) for layer in layers], \
+            PARAMETERS
+        measured = spec.balance_by_time and not (spec.split_points or spec.layers_per_stage)
+        if measured and count * replicas <= len(self.registry.shards()):
+            costs, memory, unit = *await self._measure(layers, count, replicas), MEASURED
+        ranges = partition.plan(costs, num_stages, spec.split_points, spec.layers_per_stage, memory,
+                                self._capacities(count, replicas))
         routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges,
                        request.inputs, request.outputs)
         shards = self.registry.take(len(ranges) * replicas)
@@ -67,10 +72,40 @@ class CoordinatorServicer:
         await self._ship_all((deployment_id, secret), pipelines, layers, request)
         log.info("deployed %s: %s", deployment_id,
                  [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines])
-        return coordinator_pb2.DeployResponse(deployment_id=deployment_id, deployment_secret=secret, stages=[
+        stage_costs = [row[first:end] for row, (first, end) in zip(partition.rows(costs, len(ranges)), ranges)]
+        return coordinator_pb2.DeployResponse(deployment_id=deployment_id, deployment_secret=secret, cost_unit=unit,
+                                              stages=[
             coordinator_pb2.StageAssignment(stage=p.stage, shard_id=p.shard.shard_id, shard_address=p.shard.address,
-                                            first_layer=p.first_layer, end_layer=p.end_layer, replica=replica)
+                                            first_layer=p.first_layer, end_layer=p.end_layer, replica=replica,
+                                            cost=sum(stage_costs[p.stage]), layer_costs=stage_costs[p.stage])
             for replica, pipeline in enumerate(pipelines) for p in pipeline])
+
+    async def _measure(self, layers, count: int, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Per stage, each layer's measured microseconds and memory (its weights, and the activations it saved)
+        on that stage's shards, the slowest replica's. Shards on one host measure one after another, so that they
+        do not slow each other; hosts measure at once."""
+        registered = self.registry.shards()
+        shards = [registered[r * count + i] for r in range(replicas) for i in range(count)]
+        request = shard_pb2.ProfileLayersRequest(layers=layers, repeats=PROFILE_REPEATS)
+        by_host: dict[str, list] = {}
+        for shard in shards:
+            by_host.setdefault(shard.address.rpartition(":")[0], []).append(shard)
+
+        async def measure_host(host_shards) -> dict[str, list]:
+            return {shard.address: list((await self._call(shard, "ProfileLayers", request)).layers)
+                    for shard in host_shards}
+        measured = {}
+        for answers in await asyncio.gather(*(measure_host(host_shards) for host_shards in by_host.values())):
+            measured.update(answers)
+        costs, memory = [], []
+        for stage in range(count):
+            profiles = [measured[shards[r * count + stage].address] for r in range(replicas)]
+            costs.append([max(p[i].microseconds for p in profiles) for i in range(len(layers))])
+            memory.append([max(layer.memory_bytes, 0) + max(p[i].activation_bytes for p in profiles)
+                           for i, layer in enumerate(layers)])
+        log.info("measured %d layers on %d shards: %s us per stage's shard", len(layers), len(shards),
+                 [sum(row) for row in costs])
+        return costs, memory
 
     def _capacities(self, count: int, replicas: int) -> list[int]:
         """The memory of each of `count` stages' shards: the smallest over the replicas (replica r's stage i goes
@@ -138,13 +173,19 @@ class CoordinatorServicer:
                                              optimizer=deploy.optimizer,
                                              layers=layers[placement.first_layer:placement.end_layer],
                                              encodings=deploy.encodings)
-        shard = Peer(f"shard {placement.shard.shard_id} at {placement.shard.address}", placement.shard.address,
-                     SHARD_SERVICE, self.settings.security, self.settings.timeouts.control)
-        try:
-            return await shard.call("LoadStage", request)
-        finally:
-            await shard.close()
+        return await self._call(placement.shard, "LoadStage", request)
 
+    async def _call(self, shard: ShardRecord, method: str, request):
+        peer = Peer(f"shard {shard.shard_id} at {shard.address}", shard.address, SHARD_SERVICE,
+                    self.settings.security, self.settings.timeouts.control)
+        try:
+            return await peer.call(method, request)
+        finally:
+            await peer.close()
+
+
+MEASURED, PARAMETERS = "us of forward and backward", "parameters"  # what a deploy's costs count
+PROFILE_REPEATS = 3  # timed runs of each layer on each shard, after a warm-up; the median counts
 
 MAX_LAYERS = 10_000  # layers in one deploy; each is checked and shipped, so the count bounds the work
 

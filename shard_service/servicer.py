@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from shard_service.loop import LinkedLoop
 from shard_service.peers import Peers
+from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
 from shardtrain import auth, carrier, link, optim, shm, wire
@@ -64,6 +67,14 @@ class ShardServicer:
         await self.loop.reset(request.deployment_id)
         await self.peers.adopt(request.plan, request.encodings, request.deployment_secret)
         return response
+
+    @boundary
+    async def ProfileLayers(self, request, context):
+        if len(request.layers) > MAX_LAYERS:
+            raise InvalidArgument(f"{len(request.layers)} layers to measure; at most {MAX_LAYERS} at once")
+        device = torch.device(self.settings.device)
+        layers = await self.runtime.run(profile_layers, list(request.layers), request.repeats or REPEATS, device)
+        return shard_pb2.ProfileLayersResponse(layers=layers, device=str(device))
 
     @boundary
     async def LoadState(self, request_iterator, context):

@@ -29,6 +29,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "CoordinatorService/Deploy": frozenset({CLIENT}),
     "CoordinatorService/PlanSchedule": frozenset({CLIENT}),
     "ShardService/LoadStage": frozenset({SHARD}),
+    "ShardService/ProfileLayers": frozenset({SHARD}),
     "ShardService/LoadState": frozenset({CLIENT}),
     "ShardService/LoadOptimizerState": frozenset({CLIENT}),
     "ShardService/ReadState": _READING,

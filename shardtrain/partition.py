@@ -9,29 +9,51 @@ from shardtrain.errors import InvalidArgument, ResourceExhausted
 Ranges = list[tuple[int, int]]  # (first layer, end layer exclusive) per stage
 
 
-def balanced(costs: Sequence[int], num_stages: int, memory: Sequence[int] = (),
-             capacities: Sequence[int] = ()) -> Ranges:
-    """Contiguous stages minimising the largest stage cost; ties cut as early as possible. With `memory` (per layer)
-    and `capacities` (per stage, 0: unlimited), only stages that fit their shard are considered."""
-    _check_count(len(costs), num_stages)
-    prefix, held = _prefix(costs), _prefix(memory or [0] * len(costs))
+def balanced(costs: Sequence, num_stages: int, memory: Sequence = (), capacities: Sequence[int] = ()) -> Ranges:
+    """Contiguous stages minimising the largest stage cost; ties cut as early as possible. `costs` (and `memory`)
+    hold one value per layer, or one row of them per stage: what each layer costs on that stage's shard. With
+    `memory` and `capacities` (per stage, 0: unlimited), only stages that fit their shard are considered."""
+    layers = len(costs[0]) if _per_stage(costs) else len(costs)
+    _check_count(layers, num_stages)
+    prices = [_prefix(row) for row in rows(costs, num_stages)]
+    held = [_prefix(row) for row in rows(memory or [0] * layers, num_stages)]
     limits = list(capacities) or [0] * num_stages
     # best[k][i]: the smallest possible largest-stage cost for layers[:i] in k stages.
     inf = float("inf")
-    best = [[inf] * (len(costs) + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (len(costs) + 1) for _ in range(num_stages + 1)]
+    best = [[inf] * (layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (layers + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for k in range(1, num_stages + 1):
-        for i in range(k, len(costs) + 1):
+        price, hold, limit = prices[k - 1], held[k - 1], limits[k - 1]
+        for i in range(k, layers + 1):
             for j in range(k - 1, i):
-                if limits[k - 1] and held[i] - held[j] > limits[k - 1]:
+                if limit and hold[i] - hold[j] > limit:
                     continue
-                candidate = max(best[k - 1][j], prefix[i] - prefix[j])
+                candidate = max(best[k - 1][j], price[i] - price[j])
                 if candidate < best[k][i]:
                     best[k][i], cut[k][i] = candidate, j
-    if best[num_stages][len(costs)] == inf:
-        raise ResourceExhausted(_does_not_fit(memory, capacities))
-    return _walk_back(cut, num_stages, len(costs))
+    if best[num_stages][layers] == inf:
+        raise ResourceExhausted(_does_not_fit(_largest(memory, num_stages), capacities))
+    return _walk_back(cut, num_stages, layers)
+
+
+def _per_stage(values: Sequence) -> bool:
+    return bool(values) and isinstance(values[0], (list, tuple))
+
+
+def rows(values: Sequence, num_stages: int) -> list[Sequence[int]]:
+    """One row of per-layer values per stage (the same row for each when `values` is one)."""
+    if not _per_stage(values):
+        return [values] * num_stages
+    if len(values) != num_stages:
+        raise InvalidArgument(f"{len(values)} rows of layer costs for {num_stages} stages")
+    return list(values)
+
+
+def _largest(memory: Sequence, num_stages: int) -> list[int]:
+    """Each layer's memory on the shard where it needs the most."""
+    per_stage = rows(memory, num_stages) if memory else []
+    return [max(column) for column in zip(*per_stage)] if per_stage else []
 
 
 def _prefix(values: Sequence[int]) -> list[int]:
@@ -41,13 +63,15 @@ def _prefix(values: Sequence[int]) -> list[int]:
     return sums
 
 
-def check_memory(ranges: Ranges, memory: Sequence[int], capacities: Sequence[int]) -> None:
-    """ResourceExhausted, with the numbers, if a stage of given ranges needs more memory than its shard has."""
+def check_memory(ranges: Ranges, memory: Sequence, capacities: Sequence[int]) -> None:
+    """ResourceExhausted, with the numbers, if a stage of given ranges needs more memory than its shard has
+    (`memory`: per layer, or a row per stage)."""
+    per_stage = rows(memory, len(ranges))
     for stage, ((start, end), limit) in enumerate(zip(ranges, capacities)):
-        need = sum(memory[start:end])
+        need = sum(per_stage[stage][start:end])
         if limit and need > limit:
             raise ResourceExhausted(f"stage {stage} (layers {start}-{end - 1}) needs {_gib(need)} and its shard has "
-                                    f"{_gib(limit)}; {_does_not_fit(memory, capacities)}")
+                                    f"{_gib(limit)}; {_does_not_fit(_largest(memory, len(ranges)), capacities)}")
 
 
 def _does_not_fit(memory: Sequence[int], capacities: Sequence[int]) -> str:
@@ -91,16 +115,18 @@ def by_counts(num_layers: int, layers_per_stage: Sequence[int]) -> Ranges:
     return at_split_points(num_layers, points)
 
 
-def plan(costs: Sequence[int], num_stages: int, split_points: Sequence[int] = (),
-         layers_per_stage: Sequence[int] = (), memory: Sequence[int] = (), capacities: Sequence[int] = ()) -> Ranges:
+def plan(costs: Sequence, num_stages: int, split_points: Sequence[int] = (),
+         layers_per_stage: Sequence[int] = (), memory: Sequence = (), capacities: Sequence[int] = ()) -> Ranges:
     """The stages a deploy asks for: explicit split points, explicit counts, or balanced costs; each stage within
-    its shard's memory when `memory` (per layer) and `capacities` (per stage) are given."""
+    its shard's memory when `memory` and `capacities` (per stage) are given. `costs` and `memory` hold a value per
+    layer, or a row of them per stage (see balanced)."""
     if split_points and layers_per_stage:
         raise InvalidArgument("give split points or layers per stage, not both")
+    layers = len(costs[0]) if _per_stage(costs) else len(costs)
     if split_points:
-        ranges = at_split_points(len(costs), split_points)
+        ranges = at_split_points(layers, split_points)
     elif layers_per_stage:
-        ranges = by_counts(len(costs), layers_per_stage)
+        ranges = by_counts(layers, layers_per_stage)
     else:
         return balanced(costs, num_stages, memory, capacities[:num_stages])
     if len(ranges) > num_stages:

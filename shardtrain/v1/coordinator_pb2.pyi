@@ -47,14 +47,16 @@ class ListShardsResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
 
 class PartitionSpec(_message.Message):
-    __slots__ = ("num_stages", "split_points", "layers_per_stage")
+    __slots__ = ("num_stages", "split_points", "layers_per_stage", "balance_by_time")
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     SPLIT_POINTS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_PER_STAGE_FIELD_NUMBER: _ClassVar[int]
+    BALANCE_BY_TIME_FIELD_NUMBER: _ClassVar[int]
     num_stages: int
     split_points: _containers.RepeatedScalarFieldContainer[int]
     layers_per_stage: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ...) -> None: ...
+    balance_by_time: bool
+    def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ..., balance_by_time: _Optional[bool] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
     __slots__ = ("layers", "optimizer", "partition", "encodings", "replicas", "inputs", "outputs")
@@ -75,30 +77,36 @@ class DeployRequest(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., replicas: _Optional[int] = ..., inputs: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
-    __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer", "replica")
+    __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer", "replica", "cost", "layer_costs")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COSTS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     shard_id: str
     shard_address: str
     first_layer: int
     end_layer: int
     replica: int
-    def __init__(self, stage: _Optional[int] = ..., shard_id: _Optional[str] = ..., shard_address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
+    cost: int
+    layer_costs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stage: _Optional[int] = ..., shard_id: _Optional[str] = ..., shard_address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., replica: _Optional[int] = ..., cost: _Optional[int] = ..., layer_costs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeployResponse(_message.Message):
-    __slots__ = ("deployment_id", "stages", "deployment_secret")
+    __slots__ = ("deployment_id", "stages", "deployment_secret", "cost_unit")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_SECRET_FIELD_NUMBER: _ClassVar[int]
+    COST_UNIT_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
     deployment_secret: str
-    def __init__(self, deployment_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., deployment_secret: _Optional[str] = ...) -> None: ...
+    cost_unit: str
+    def __init__(self, deployment_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., deployment_secret: _Optional[str] = ..., cost_unit: _Optional[str] = ...) -> None: ...
 
 class PlanScheduleRequest(_message.Message):
     __slots__ = ("num_stages", "microbatches", "schedule")

@@ -38,7 +38,7 @@ class ProbeSharedMemoryResponse(_message.Message):
     def __init__(self, token: _Optional[bytes] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class CapturedLayer(_message.Message):
-    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost", "eval_program", "memory_bytes")
+    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost", "eval_program", "memory_bytes", "example_inputs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class CapturedLayer(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     EVAL_PROGRAM_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_INPUTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     description: str
     program: bytes
@@ -57,7 +58,40 @@ class CapturedLayer(_message.Message):
     cost: int
     eval_program: bytes
     memory_bytes: int
-    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    example_inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., example_inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("dtype", "shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: _tensor_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProfileLayersRequest(_message.Message):
+    __slots__ = ("layers", "repeats")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[CapturedLayer]
+    repeats: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., repeats: _Optional[int] = ...) -> None: ...
+
+class LayerProfile(_message.Message):
+    __slots__ = ("microseconds", "activation_bytes")
+    MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    microseconds: int
+    activation_bytes: int
+    def __init__(self, microseconds: _Optional[int] = ..., activation_bytes: _Optional[int] = ...) -> None: ...
+
+class ProfileLayersResponse(_message.Message):
+    __slots__ = ("layers", "device")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerProfile]
+    device: str
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerProfile, _Mapping]]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class StateEntry(_message.Message):
     __slots__ = ("graph_key", "model_key", "tied_to", "frozen")

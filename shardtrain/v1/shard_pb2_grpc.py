@@ -40,6 +40,11 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadStageRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadStageResponse.FromString,
                 _registered_method=True)
+        self.ProfileLayers = channel.unary_unary(
+                '/shardtrain.v1.ShardService/ProfileLayers',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.ProfileLayersRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProfileLayersResponse.FromString,
+                _registered_method=True)
         self.LoadState = channel.stream_unary(
                 '/shardtrain.v1.ShardService/LoadState',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadStateRequest.SerializeToString,
@@ -112,6 +117,14 @@ class ShardServiceServicer:
 
     def LoadStage(self, request, context):
         """Installs a stage (captured layers, optimizer, neighbours). Sent by the coordinator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProfileLayers(self, request, context):
+        """From the coordinator, for a deploy balanced by time: each layer's forward and backward time and saved
+        activations on this shard's device. Changes nothing on the shard.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -224,6 +237,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadStageRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadStageResponse.SerializeToString,
             ),
+            'ProfileLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileLayers,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProfileLayersRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.ProfileLayersResponse.SerializeToString,
+            ),
             'LoadState': grpc.stream_unary_rpc_method_handler(
                     servicer.LoadState,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadStateRequest.FromString,
@@ -317,6 +335,33 @@ class ShardService:
             '/shardtrain.v1.ShardService/LoadStage',
             shardtrain_dot_v1_dot_shard__pb2.LoadStageRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.LoadStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/ProfileLayers',
+            shardtrain_dot_v1_dot_shard__pb2.ProfileLayersRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.ProfileLayersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,8 @@ whose cuts carry token ids and a boolean mask."""
 from __future__ import annotations
 
 import copy
+import secrets
+import statistics
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ from torch import nn
 
 from examples.gpt import GPT, GPTConfig, generate, loss_of
 from client_sdk import Cluster
+from client_sdk.processes import LocalServices
 from shardtrain.errors import InvalidArgument, ResourceExhausted
+from shardtrain.settings import Security, security_env
 from tests.integration.training import largest_difference, regression_batches, train_side_by_side
 
 CONFIG = GPTConfig(vocab_size=13, block_size=12, n_layer=4, n_head=2, n_embd=16)
@@ -417,3 +421,27 @@ def test_a_loss_computed_on_the_first_stage_trains_through_the_last_as_one_proce
         optimizer.zero_grad()
         assert remote_loss == pytest.approx(local_loss.item(), rel=1e-5)
     assert largest_difference(model.state_dict(), local.state_dict()) < 1e-6
+
+
+def test_stages_balanced_by_time_give_a_faster_shard_more_layers_as_its_own_measurements_say():
+    """Two shards on this host, one computing on two cores and one on one: each measures every layer itself (one
+    after the other, so neither slows the other), and the faster one takes more of eight equal layers."""
+    security = Security(token=secrets.token_urlsafe(16))
+    services = LocalServices(0, env=security_env(security))
+    services.add_shard(["--threads", "2"])
+    services.add_shard(["--threads", "1"])
+    with Cluster(services.coordinator_address, security=security, services=services) as cluster:
+        cluster.wait_for_shards(2)
+        torch.manual_seed(0)
+        net = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))  # large enough for two cores to pay
+        model = cluster.deploy(net, example_input=torch.randn(512, 1024), balance="time")
+        fast, slow = model.placements
+        assert {fast.cost_unit, slow.cost_unit} == {"us of forward and backward"}
+        assert len(fast.layer_costs) == fast.end_layer - fast.first_layer >= 5
+        assert statistics.median(fast.layer_costs) < statistics.median(slow.layer_costs)
+        assert fast.cost == sum(fast.layer_costs) and slow.cost == sum(slow.layer_costs)
+        x = torch.randn(4, 1024)
+        assert torch.allclose(model(x), net(x), atol=1e-5)
+        model = cluster.deploy(net, example_input=x)  # a Sequential: by parameters unless asked
+        assert [(p.first_layer, p.end_layer, p.cost_unit) for p in model.placements] == [(0, 4, "parameters"),
+                                                                                         (4, 8, "parameters")]

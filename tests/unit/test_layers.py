@@ -11,6 +11,7 @@ from torch import nn
 from client_sdk import layers as layer_tools
 from client_sdk.layer_list import LayerList
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL, wrapped_linear
+from shardtrain import wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import Wiring
@@ -146,16 +147,16 @@ def test_capture_model_leaves_buffers_modes_and_the_random_stream_as_they_were()
     assert [m.training for m in model.modules()] == [True, True, False, True, True]
 
 
-def test_measured_layer_times_leave_gradients_buffers_and_randomness_alone():
+def test_example_inputs_give_each_layers_input_shapes_and_leave_the_model_alone():
     model = nn.Sequential(nn.Linear(4, 64), nn.BatchNorm1d(64), nn.Dropout(0.5), nn.Linear(64, 4))
     before = {key: value.clone() for key, value in model.state_dict().items()}
-    x = torch.randn(8, 4)
+    layers = layer_tools.layers_of(model)
+    captured, x = layer_tools.capture_model(model, layers), torch.randn(8, 4)
     state = torch.random.get_rng_state()
-    costs = layer_tools.measure(model, layer_tools.layers_of(model), x)
-    assert len(costs) == 4 and all(cost.seconds > 0 for cost in costs)
-    assert costs[0].activation_bytes == 8 * 4 * 4  # Linear saves its input: 8 rows of 4 float32
-    assert costs[1].activation_bytes > 0  # BatchNorm saves its input and statistics
-    assert all(p.grad is None for p in model.parameters())
+    layer_tools.describe_inputs(model, layers, captured, x)
+    assert [[list(spec.shape) for spec in layer.example_inputs] for layer in captured] == [[[8, 4]], [[8, 64]],
+                                                                                            [[8, 64]], [[8, 64]]]
+    assert {spec.dtype for layer in captured for spec in layer.example_inputs} == {wire.dtype_code(torch.float32)}
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
     assert torch.equal(torch.random.get_rng_state(), state)
 

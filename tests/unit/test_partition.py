@@ -176,3 +176,24 @@ def test_explicit_split_points_that_overfill_a_shard_are_refused():
         plan([1, 1, 1], 2, split_points=[1], memory=[mib, 3 * mib, 3 * mib], capacities=[8 * mib, 4 * mib])
     assert plan([1, 1, 1], 2, split_points=[2], memory=[mib, 3 * mib, 3 * mib],
                 capacities=[8 * mib, 4 * mib]) == [(0, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("costs, expected", [
+    # Eight equal layers: a shard twice as fast takes more of them; the same speed everywhere splits them evenly.
+    ([[1] * 8, [2] * 8], [(0, 5), (5, 8)]),
+    ([[2] * 8, [2] * 8], [(0, 4), (4, 8)]),
+    ([[4] * 9, [2] * 9], [(0, 3), (3, 9)]),
+    # A layer that is slow on the second shard only (an operation its device lacks) stays on the first.
+    ([[1, 1, 1, 1], [1, 1, 1, 9]], [(0, 3), (3, 4)]),
+])
+def test_balanced_weighs_each_stage_by_what_its_own_shard_measured(costs, expected):
+    assert balanced(costs, 2) == expected
+
+
+def test_per_stage_memory_keeps_each_stage_within_its_own_shard():
+    # The second shard saves twice the activations per layer (another device's kernels) and has room for 2 layers.
+    assert balanced([[1] * 6, [1] * 6], 2, [[10] * 6, [20] * 6], [0, 40]) == [(0, 4), (4, 6)]
+    with pytest.raises(ResourceExhausted, match=r"needs 0.0001144 MiB in all .*its largest layer 1.907e-05 MiB"):
+        balanced([[1] * 6, [1] * 6], 2, [[10] * 6, [20] * 6], [30, 40])
+    with pytest.raises(InvalidArgument, match="3 rows of layer costs for 2 stages"):
+        balanced([[1] * 6] * 3, 2)
