@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils import _pytree as pytree
@@ -23,6 +23,7 @@ class Interface:
     outputs: tuple[str, ...] = ()
     leaves: tuple = ()  # per flat output: ("main", None), ("output", name) or ("constant", value)
     out_spec: object = None
+    limits: dict = field(default_factory=dict)  # per input, {dim: the largest size the deployment takes}
 
     @property
     def extra_inputs(self) -> tuple[str, ...]:
@@ -55,6 +56,13 @@ class Interface:
             raise InvalidArgument(f"the deployed model takes {list(self.inputs)}, as its example had them; "
                                   f"{missing} missing")
         values = {name: _tensor(given[name], f"argument {name!r}") for name in self.inputs}
+        for name, limits in self.limits.items():
+            for dim, largest in limits.items():
+                size = values[name].shape[dim] if dim < values[name].dim() else 0
+                if size > largest:
+                    raise InvalidArgument(f"argument {name!r} has size {size} in dim {dim}; the deployed model takes at "
+                                          f"most {largest} there (the model's dynamic_shapes, or a check in its forward, "
+                                          "when it was deployed)")
         return values[self.inputs[0]], {name: values[name] for name in self.extra_inputs}
 
     def output_name(self, which) -> str:

@@ -93,7 +93,7 @@ def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
               for m, w, n, d, e, v in zip(train.modules, train.wirings, train.names, train.descriptions,
                                           evaluation.modules, train.varying)]
     return layers, Interface(signature, tuple(train.inputs), tuple(train.outputs), tuple(train.leaves),
-                             train.out_spec)
+                             train.out_spec, train.limits)
 
 
 def _cut(module: torch.nn.Module, args: tuple, kwargs: dict, spec: dict) -> units.CutGraph:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import sympy
 
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
@@ -35,6 +37,7 @@ class CutGraph:
     outputs: list[str]   # the last unit's saved values that are the model's outputs after the first
     leaves: list         # the model's flat outputs: ("main", None), ("output", name) or ("constant", value)
     out_spec: object     # the pytree spec the flat outputs rebuild into (a tuple, a dict, one tensor)
+    limits: dict[str, dict[int, int]] = field(default_factory=dict)  # per input, dims with a largest size
 
 
 def unit_names(module: torch.nn.Module) -> list[str]:
@@ -162,7 +165,19 @@ class _Cutter:
         leaves = [("main", None) if leaf is self.outputs[0] else ("output", named[leaf])
                   if isinstance(leaf, torch.fx.Node) else ("constant", leaf) for leaf in self.leaves]
         return CutGraph(list(self.order), modules, wirings, varying, descriptions, [n.name for n in self.inputs],
-                        list(self.output_names), leaves, self.program.call_spec.out_spec)
+                        list(self.output_names), leaves, self.program.call_spec.out_spec,
+                        {node.name: self._limits(node) for node in self.inputs})
+
+    def _limits(self, node: torch.fx.Node) -> dict[int, int]:
+        """The dims of a model input that may not grow past a size (a sequence length's max in dynamic_shapes, or
+        what the forward asserted): the shards' graphs no longer check it."""
+        limits = {}
+        for dim, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and size.node.expr in self.program.range_constraints:
+                upper = self.program.range_constraints[size.node.expr].upper
+                if isinstance(upper, sympy.Integer):
+                    limits[dim] = int(upper)
+        return limits
 
     def _mains(self, count: int, crossing: list, produced: dict, consumers: dict) -> list[torch.fx.Node]:
         """Per unit, the value it hands the next unit as the main input: one the next unit reads, floating-point

@@ -108,6 +108,8 @@ class GPT(nn.Module):
         """Logits of the next token at every position of `idx` (batch, time), and their loss against `targets`
         (None without targets)."""
         t = idx.size(1)
+        assert t <= self.config.block_size, f"Cannot forward sequence of length {t}, block size is only " \
+                                            f"{self.config.block_size}"
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:

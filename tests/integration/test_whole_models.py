@@ -130,6 +130,12 @@ def test_a_gpt_generates_from_prompts_shorter_than_its_example_and_splits_where_
         remote_text = generate(model, prompt, 14, CONFIG.block_size, generator=torch.Generator().manual_seed(2))
         local_text = generate(local, prompt, 14, CONFIG.block_size, generator=torch.Generator().manual_seed(2))
         assert torch.equal(remote_text, local_text)
+    too_long = torch.zeros(1, CONFIG.block_size + 1, dtype=torch.long)
+    with pytest.raises(AssertionError, match="Cannot forward sequence of length 13"):
+        local(too_long)
+    with pytest.raises(InvalidArgument, match=r"argument 'idx' has size 13 in dim 1; the deployed model takes at most "
+                                              "12 there"):
+        model(too_long)
     with pytest.raises(InvalidArgument, match="split point 'transformer.h.9'.*transformer.wte"):
         cluster4.deploy(copy.deepcopy(local), example_input=token_batches(1)[0][0], split_points=["transformer.h.9"])
     with pytest.raises(InvalidArgument, match=r"balance must be one of \['time', 'parameters'\], got 'speed'"):
