@@ -47,9 +47,11 @@ class Service:
         self.port = 0      # the port it listens on, from the same line
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
+        # A session of its own: Ctrl-C in a terminal and a notebook's interrupt signal the caller's whole process
+        # group, and must interrupt the call, not stop the services that hold the trained weights. The service
+        # still ends with this process (SHARDTRAIN_PARENT_PID) or at close().
         self.process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
-                                        stdin=subprocess.DEVNULL,
-                                        env=_child_env(env))
+                                        stdin=subprocess.DEVNULL, env=_child_env(env), start_new_session=True)
 
     def wait_ready(self, timeout: float) -> dict:
         """The ready line's fields; Unavailable (with the log's tail) if the process dies or stays silent."""

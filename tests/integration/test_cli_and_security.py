@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -193,6 +194,54 @@ def test_services_die_with_the_client_that_started_them(tmp_path):
         time.sleep(0.2)
     shutil.rmtree(logs, ignore_errors=True)
     assert not [pid for pid in pids if alive(pid)], "services outlived the client that started them"
+
+
+INTERRUPTED_SCRIPT = """
+import json
+import torch
+from torch import nn
+from client_sdk import Cluster
+with Cluster.local(num_shards=2) as cluster:
+    torch.manual_seed(0)
+    model = cluster.deploy(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
+    x, y = torch.randn(256, 64), torch.randn(256, 1)
+    print("training", flush=True)
+    steps = 0
+    try:
+        while True:  # until Ctrl-C
+            nn.functional.mse_loss(model(x), y).backward()
+            model.step()
+            model.zero_grad()
+            steps += 1
+    except KeyboardInterrupt:
+        pass
+    state = model.state_dict()  # the services outlived the interrupt, weights and all
+    nn.functional.mse_loss(model(x), y).backward()
+    model.step()
+    print(json.dumps({"steps": steps, "keys": sorted(state), "pids": cluster._services.pids}), flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_the_call_and_leaves_the_local_services_and_their_weights(tmp_path):
+    """Ctrl-C in a terminal (and a notebook's interrupt) signals the script's whole process group."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED_SCRIPT)
+    client = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)  # a group of its own, as a terminal's foreground job
+    try:
+        assert client.stdout.readline() == "training\n"
+        time.sleep(1.0)
+        os.killpg(client.pid, signal.SIGINT)
+        result = json.loads(client.stdout.readline())
+        assert client.wait(60) == 0
+    finally:
+        client.kill()
+        client.wait()
+    assert result["steps"] > 0 and result["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    deadline = time.monotonic() + 30  # and they still end with the script
+    while time.monotonic() < deadline and any(alive(pid) for pid in result["pids"]):
+        time.sleep(0.2)
+    assert not [pid for pid in result["pids"] if alive(pid)]
 
 
 def alive(pid: int) -> bool:
