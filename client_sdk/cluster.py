@@ -22,7 +22,7 @@ from client_sdk.transport import StageClients
 from shardtrain import optim, wire
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
-from shardtrain.settings import Security, Timeouts, security_env, security_from_env
+from shardtrain.settings import Security, Timeouts, security_env, security_from_env, timeouts_env
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 
@@ -48,7 +48,8 @@ class Cluster:
 
     @classmethod
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
-              startup_timeout: float = 120.0, flush_denormal: bool = False) -> Cluster:
+              startup_timeout: float = 120.0, flush_denormal: bool = False,
+              timeouts: Timeouts | None = None) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike. Without a token
@@ -56,15 +57,18 @@ class Cluster:
         `cluster.security` carries it, for another client: Cluster.connect(address, cluster.security).
         `flush_denormal`: the shards' CPU arithmetic treats denormal floats as zero, as
         torch.set_flush_denormal(True) does in one process (`shardtrain shard --flush-denormal on`).
+        `timeouts`: the deadlines of this client and of the services (`--timeout-*`), e.g.
+        Timeouts(rpc=30, peer_wait=20) to hear of a stopped shard within half a minute.
         """
         security = security or Security()
         if not security.token:
             security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
         flags = ["--flush-denormal", "on"] if flush_denormal else []
-        services = LocalServices(num_shards, device, env=security_env(security), startup_timeout=startup_timeout,
-                                 shard_flags=flags)
+        timeouts = timeouts or Timeouts()
+        services = LocalServices(num_shards, device, env={**security_env(security), **timeouts_env(timeouts)},
+                                 startup_timeout=startup_timeout, shard_flags=flags)
         try:
-            cluster = cls(services.coordinator_address, security=security, services=services)
+            cluster = cls(services.coordinator_address, security=security, timeouts=timeouts, services=services)
             cluster.wait_for_shards(num_shards, startup_timeout)
             return cluster
         except BaseException:

@@ -13,7 +13,7 @@ while the first stage went on to its optimizer step, on the same core as a rule 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -29,12 +29,14 @@ class SdkLinks:
     """Sends the loop's items and matches what comes back to the step (or optimizer step) that waits for it."""
 
     def __init__(self, deployment_id: str, first: Peer, last: Peer,
-                 options: Callable[[Peer, str], wire.SendOptions], timeout: float, tcp: bool = False):
+                 options: Callable[[Peer, str], wire.SendOptions], timeout: float, tcp: bool = False,
+                 diagnose: Callable[[], Awaitable[str]] | None = None):
         self._deployment_id = deployment_id
         self._first, self._last = first, last
         self._options = options
         self._timeout = timeout
         self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (not under TLS)
+        self._diagnose = diagnose  # what a wait that ran out adds to its message: which stages do not answer
         self._links: dict[int, link.ClientLink] = {}
         self._outputs: dict[int, asyncio.Future] = {}    # step -> (the model's output, its other outputs by name)
         self._extras: dict[int, dict] = {}               # step -> the other outputs come so far, ahead of the output
@@ -75,7 +77,8 @@ class SdkLinks:
     async def _wait(self, pending: dict, key: int, future: asyncio.Future, what: str):
         try:
             if not await settled_within(future, self._timeout):
-                raise errors.DeadlineExceeded(f"{what} did not arrive within {self._timeout:g} s")
+                why = await self._diagnose() if self._diagnose is not None else ""
+                raise errors.DeadlineExceeded(f"{what} did not arrive within {self._timeout:g} s{why}")
             return future.result()
         finally:
             if pending.get(key) is future:
@@ -230,8 +233,9 @@ class SdkLinks:
             await asyncio.wait_for(asyncio.gather(*(asyncio.shield(self._settles[n]) for n in pending
                                                     if n in self._settles), return_exceptions=True), self._timeout)
         except TimeoutError:
+            why = await self._diagnose() if self._diagnose is not None else ""
             raise errors.DeadlineExceeded(f"optimizer step {number} was not confirmed by every stage within "
-                                          f"{self._timeout:g} s") from None
+                                          f"{self._timeout:g} s{why}") from None
 
     def _settled(self, up_to: int) -> None:
         for number in [n for n in self._settles if n <= up_to]:

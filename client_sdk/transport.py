@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from client_sdk.links import SdkLinks
-from shardtrain import auth, optim, shm, wire
+from shardtrain import auth, errors, optim, shm, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts
@@ -33,8 +33,9 @@ class StageClients:
             peer.metadata = auth.with_deployment(peer.metadata, secret)
         self._encodings = encodings or tensor_pb2.WireEncodings()
         self._segments: shm.SegmentPool | None = None
+        self._probe_timeout = timeouts.probe
         self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc,
-                               tcp=not security.tls_ca)
+                               tcp=not security.tls_ca, diagnose=self.silent_stages)
 
     async def probe(self) -> None:
         """Finds which stages share this host: tensors to and from them go through shared memory."""
@@ -148,6 +149,21 @@ class StageClients:
     async def describe(self) -> list[shard_pb2.DescribeResponse]:
         """What each stage's shard reports about itself."""
         return list(await asyncio.gather(*(s.call("Describe", shard_pb2.DescribeRequest()) for s in self.stages)))
+
+    async def silent_stages(self) -> str:
+        """Which stages do not answer a Describe within the probe deadline (stopped, hung or gone), for the message
+        of a wait that ran out: the stage a step waits on is often not the one that stopped."""
+        async def answers(stage: Peer) -> bool:
+            try:
+                await stage.call("Describe", shard_pb2.DescribeRequest(), timeout=self._probe_timeout)
+                return True
+            except errors.ShardtrainError:
+                return False
+        answered = await asyncio.gather(*(answers(stage) for stage in self.stages))
+        silent = [stage.name for stage, ok in zip(self.stages, answered) if not ok]
+        if not silent:
+            return "; every stage answers, so it is still working on it or an item was lost"
+        return f"; {', '.join(silent)} did not answer within {self._probe_timeout:g} s (stopped, hung or gone)"
 
     async def close(self) -> None:
         """Closes every channel."""

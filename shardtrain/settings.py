@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import pathlib
@@ -164,6 +165,48 @@ def _coordinator_default(env: Mapping[str, str]) -> str:
     return _env(env, "COORDINATOR")
 
 
+def add_timeout_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """--timeout-<name> SECONDS for every deadline of Timeouts, with SHARDTRAIN_TIMEOUT_<NAME> defaults."""
+    for item in dataclasses.fields(Timeouts):
+        flag = item.name.replace("_", "-")
+        parser.add_argument(f"--timeout-{flag}", type=_seconds, dest=f"timeout_{item.name}",
+                            default=_env(env, f"TIMEOUT_{item.name.upper()}", str(item.default)),
+                            help=f"seconds (default {item.default:g}): {_TIMEOUT_HELP[item.name]}")
+
+
+_TIMEOUT_HELP = {
+    "rpc": "one data-plane call or wait (a forward's output, a backward, a step)",
+    "control": "one control-plane call (register, deploy, describe)",
+    "peer_wait": "waiting for a peer's item (a residual, a gradient, a micro-batch): a stopped peer is reported "
+                 "after this long",
+    "connect": "a shard retrying registration until the coordinator answers",
+    "heartbeat": "how often a shard registers again, to say it is alive",
+    "expiry": "how long the coordinator remembers a shard it has not heard from",
+    "probe": "a quick check that a peer answers",
+}
+
+
+def timeouts_from(args: argparse.Namespace) -> Timeouts:
+    """The Timeouts that add_timeout_flags' flags describe."""
+    return Timeouts(**{item.name: getattr(args, f"timeout_{item.name}") for item in dataclasses.fields(Timeouts)})
+
+
+def timeouts_env(timeouts: Timeouts) -> dict[str, str]:
+    """The SHARDTRAIN_TIMEOUT_* variables that give a child service `timeouts`."""
+    return {f"{ENV_PREFIX}TIMEOUT_{item.name.upper()}": repr(getattr(timeouts, item.name))
+            for item in dataclasses.fields(Timeouts) if getattr(timeouts, item.name) != item.default}
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: a deadline is more than 0 and at most 86400 seconds")
+    return value
+
+
 def add_log_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """--log-level and --log-format, shared by the services."""
     parser.add_argument("--log-level", choices=logs.LEVELS, default=_env(env, "LOG_LEVEL", "info"),
@@ -218,6 +261,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                              "a GPU's or the host's); deploy refuses a split that does not fit")
     add_log_flags(parser, env)
     add_security_flags(parser, env)
+    add_timeout_flags(parser, env)
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
@@ -228,7 +272,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
                          log_level=args.log_level,
-                         log_format=args.log_format, security=security_from(args, role="shard"))
+                         log_format=args.log_format, security=security_from(args, role="shard"),
+                         timeouts=timeouts_from(args))
 
 
 def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:
@@ -240,6 +285,8 @@ def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = No
                         help="exit when this process dies")
     add_log_flags(parser, env)
     add_security_flags(parser, env)
+    add_timeout_flags(parser, env)
     args = parser.parse_args(list(argv))
     return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, log_level=args.log_level,
-                               log_format=args.log_format, security=security_from(args, role="shard"))
+                               log_format=args.log_format, security=security_from(args, role="shard"),
+                               timeouts=timeouts_from(args))

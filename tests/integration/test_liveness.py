@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
+import torch
+from torch import nn
 
+from client_sdk import Cluster
 from coordinator.server import build_server
 from shard_service.server import keep_registered
+from shardtrain import errors
 from shardtrain.settings import CoordinatorSettings, Security, ShardSettings, Timeouts
 from shardtrain.v1 import coordinator_pb2
 from tests.integration.training import trains_like_one_process
@@ -43,3 +50,29 @@ def test_a_shard_registers_again_at_every_heartbeat():
         return heard
     heard = asyncio.run(scenario())
     assert heard[0] > 0 and all(later > earlier for earlier, later in zip(heard, heard[1:])), heard
+
+
+def test_a_stopped_shard_is_named_when_a_call_runs_out_of_its_deadline_and_training_goes_on_once_it_resumes():
+    """SIGSTOP on the middle stage: the output the client waits for is the last stage's, but the message names the
+    stage that does not answer, after the deadline the user set rather than two minutes."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with Cluster.local(num_shards=3, timeouts=Timeouts(rpc=4.0, peer_wait=4.0, probe=1.0)) as cluster:
+        model = cluster.deploy(net, num_stages=3)
+        x = torch.randn(8, 4)
+        with torch.no_grad():
+            model(x)
+        middle = next(s for s in cluster._services.services if s.address == model.placements[1].shard_address)
+        os.kill(middle.process.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(errors.DeadlineExceeded, match=rf"did not arrive within 4 s; shard at "
+                                                              rf"{middle.address} \(stage 1\) did not answer within "
+                                                              r"1 s \(stopped, hung or gone\)"):
+                with torch.no_grad():
+                    model(x)
+            assert time.monotonic() - start < 15
+        finally:
+            os.kill(middle.process.pid, signal.SIGCONT)
+        with torch.no_grad():
+            assert torch.allclose(model(x), net(x), atol=1e-6)

@@ -6,7 +6,7 @@ import pytest
 
 from shardtrain.settings import (
     CoordinatorSettings, Security, ShardSettings, Timeouts, coordinator_settings, security_env, security_from_env,
-    shard_settings,
+    shard_settings, timeouts_env,
 )
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
@@ -214,3 +214,20 @@ def test_shard_memory_that_is_not_a_size_is_refused(capsys):
     with pytest.raises(SystemExit):
         shard_settings(["--coordinator", "h:1", "--memory", "lots"], env={})
     assert "'lots' is not a size; give bytes or a number with K, M, G or T" in capsys.readouterr().err
+
+
+def test_every_deadline_is_a_flag_and_a_variable_and_a_local_cluster_passes_them_on():
+    shard = shard_settings(["--coordinator", "c:1", "--timeout-peer-wait", "7.5"], {"SHARDTRAIN_TIMEOUT_RPC": "30"})
+    assert (shard.timeouts.peer_wait, shard.timeouts.rpc, shard.timeouts.control) == (7.5, 30.0, Timeouts().control)
+    coordinator = coordinator_settings(["--timeout-probe", "2"], {"SHARDTRAIN_TIMEOUT_EXPIRY": "90"})
+    assert (coordinator.timeouts.probe, coordinator.timeouts.expiry) == (2.0, 90.0)
+    assert timeouts_env(Timeouts(peer_wait=7.5)) == {"SHARDTRAIN_TIMEOUT_PEER_WAIT": "7.5"}
+    assert shard_settings(["--coordinator", "c:1"], timeouts_env(Timeouts(rpc=3, heartbeat=2))).timeouts == \
+        Timeouts(rpc=3, heartbeat=2)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "100000"])
+def test_a_deadline_that_is_not_a_positive_number_of_seconds_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        shard_settings(["--coordinator", "c:1", "--timeout-rpc", value])
+    assert "--timeout-rpc" in capsys.readouterr().err
