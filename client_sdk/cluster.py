@@ -165,7 +165,8 @@ class Cluster:
         if balance == "time":
             layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
         layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
-        response = self._io.run(self._coordinator.call("Deploy", request))
+        # A data-plane deadline: the coordinator has the shards measure the layers and load their stages.
+        response = self._io.run(self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
             [name for name, _ in module.named_parameters()]

@@ -92,7 +92,8 @@ class CoordinatorServicer:
             by_host.setdefault(shard.address.rpartition(":")[0], []).append(shard)
 
         async def measure_host(host_shards) -> dict[str, list]:
-            return {shard.address: list((await self._call(shard, "ProfileLayers", request)).layers)
+            return {shard.address: list((await self._call(shard, "ProfileLayers", request,
+                                                          self.settings.timeouts.rpc)).layers)
                     for shard in host_shards}
         measured = {}
         for answers in await asyncio.gather(*(measure_host(host_shards) for host_shards in by_host.values())):
@@ -175,9 +176,9 @@ class CoordinatorServicer:
                                              encodings=deploy.encodings)
         return await self._call(placement.shard, "LoadStage", request)
 
-    async def _call(self, shard: ShardRecord, method: str, request):
+    async def _call(self, shard: ShardRecord, method: str, request, timeout: float = 0.0):
         peer = Peer(f"shard {shard.shard_id} at {shard.address}", shard.address, SHARD_SERVICE,
-                    self.settings.security, self.settings.timeouts.control)
+                    self.settings.security, timeout or self.settings.timeouts.control)
         try:
             return await peer.call(method, request)
         finally:

@@ -118,9 +118,10 @@ async def _stream(requests: list[bytes]):
 
 
 def misreported_by_the_client(method, requests: list[bytes], code: grpc.StatusCode, details: str) -> bool:
-    """grpc's asyncio client reports a bidirectional call the server ended while the client was still writing
-    as INTERNAL "Internal error from Core", in place of the status the server sent (a known grpcio bug)."""
-    return (method.client_streaming and method.server_streaming and len(requests) > 1
+    """grpc's asyncio client reports a streaming call the server ended while the client was still writing as
+    INTERNAL "Internal error from Core", in place of the status the server sent (a known grpcio bug): it depends on
+    timing, and no server of ours words an error so."""
+    return (method.client_streaming and len(requests) > 1
             and code == grpc.StatusCode.INTERNAL and details == "Internal error from Core")
 
 
