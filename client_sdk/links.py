@@ -36,7 +36,7 @@ class SdkLinks:
         self._options = options
         self._timeout = timeout
         self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (not under TLS)
-        self._diagnose = diagnose  # what a wait that ran out adds to its message: which stages do not answer
+        self._diagnose = diagnose or _nothing  # what a wait that ran out adds to its message: the silent stages
         self._links: dict[int, link.ClientLink] = {}
         self._outputs: dict[int, asyncio.Future] = {}    # step -> (the model's output, its other outputs by name)
         self._extras: dict[int, dict] = {}               # step -> the other outputs come so far, ahead of the output
@@ -77,7 +77,7 @@ class SdkLinks:
     async def _wait(self, pending: dict, key: int, future: asyncio.Future, what: str):
         try:
             if not await settled_within(future, self._timeout):
-                why = await self._diagnose() if self._diagnose is not None else ""
+                why = await self._diagnose()
                 raise errors.DeadlineExceeded(f"{what} did not arrive within {self._timeout:g} s{why}")
             return future.result()
         finally:
@@ -233,7 +233,7 @@ class SdkLinks:
             await asyncio.wait_for(asyncio.gather(*(asyncio.shield(self._settles[n]) for n in pending
                                                     if n in self._settles), return_exceptions=True), self._timeout)
         except TimeoutError:
-            why = await self._diagnose() if self._diagnose is not None else ""
+            why = await self._diagnose()
             raise errors.DeadlineExceeded(f"optimizer step {number} was not confirmed by every stage within "
                                           f"{self._timeout:g} s{why}") from None
 
@@ -333,3 +333,6 @@ def _resolve(future: asyncio.Future | None, value, error: BaseException | None =
         future.set_exception(error)
         future.exception()  # retrieved: the step may be waited on by nobody
 
+
+async def _nothing() -> str:
+    return ""

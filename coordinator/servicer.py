@@ -57,11 +57,11 @@ class CoordinatorServicer:
         count = len(spec.split_points) + 1 if spec.split_points else len(spec.layers_per_stage) or num_stages
         costs, memory, unit = [layer.cost for layer in layers], [max(layer.memory_bytes, 0) for layer in layers], \
             PARAMETERS
-        measured = spec.balance_by_time and not (spec.split_points or spec.layers_per_stage)
-        if measured and count * replicas <= len(self.registry.shards()):
-            costs, memory, unit = *await self._measure(layers, count, replicas), MEASURED
-        ranges = partition.plan(costs, num_stages, spec.split_points, spec.layers_per_stage, memory,
-                                self._capacities(count, replicas))
+        candidates = self._stage_shards(count, replicas)
+        if spec.balance_by_time and not (spec.split_points or spec.layers_per_stage) and candidates:
+            costs, memory, unit = *await self._measure(layers, candidates), MEASURED
+        capacities = [min(shard.memory_bytes for shard in shards) for shards in candidates]
+        ranges = partition.plan(costs, num_stages, spec.split_points, spec.layers_per_stage, memory, capacities)
         routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges,
                        request.inputs, request.outputs)
         shards = self.registry.take(len(ranges) * replicas)
@@ -80,12 +80,11 @@ class CoordinatorServicer:
                                             cost=sum(stage_costs[p.stage]), layer_costs=stage_costs[p.stage])
             for replica, pipeline in enumerate(pipelines) for p in pipeline])
 
-    async def _measure(self, layers, count: int, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
+    async def _measure(self, layers, candidates: list[list[ShardRecord]]) -> tuple[list[list[int]], list[list[int]]]:
         """Per stage, each layer's measured microseconds and memory (its weights, and the activations it saved)
-        on that stage's shards, the slowest replica's. Shards on one host measure one after another, so that they
-        do not slow each other; hosts measure at once."""
-        registered = self.registry.shards()
-        shards = [registered[r * count + i] for r in range(replicas) for i in range(count)]
+        on that stage's shards (`candidates`), the slowest replica's. Shards on one host measure one after another,
+        so that they do not slow each other; hosts measure at once."""
+        shards = [shard for stage_shards in candidates for shard in stage_shards]
         request = shard_pb2.ProfileLayersRequest(layers=layers, repeats=PROFILE_REPEATS)
         by_host: dict[str, list] = {}
         for shard in shards:
@@ -99,8 +98,8 @@ class CoordinatorServicer:
         for answers in await asyncio.gather(*(measure_host(host_shards) for host_shards in by_host.values())):
             measured.update(answers)
         costs, memory = [], []
-        for stage in range(count):
-            profiles = [measured[shards[r * count + stage].address] for r in range(replicas)]
+        for stage_shards in candidates:
+            profiles = [measured[shard.address] for shard in stage_shards]
             costs.append([max(p[i].microseconds for p in profiles) for i in range(len(layers))])
             memory.append([max(layer.memory_bytes, 0) + max(p[i].activation_bytes for p in profiles)
                            for i, layer in enumerate(layers)])
@@ -108,13 +107,13 @@ class CoordinatorServicer:
                  [sum(row) for row in costs])
         return costs, memory
 
-    def _capacities(self, count: int, replicas: int) -> list[int]:
-        """The memory of each of `count` stages' shards: the smallest over the replicas (replica r's stage i goes
-        to the (r x count + i)-th shard, as registry.take hands them out); none when too few have registered."""
+    def _stage_shards(self, count: int, replicas: int) -> list[list[ShardRecord]]:
+        """Per stage of `count`, the shards its replicas will run on (replica r's stage i goes to the
+        (r x count + i)-th shard, as registry.take hands them out); none when too few have registered."""
         registered = self.registry.shards()
         if count * replicas > len(registered):
             return []  # take() refuses the deploy, with the numbers
-        return [min(registered[r * count + i].memory_bytes for r in range(replicas)) for i in range(count)]
+        return [[registered[r * count + i] for r in range(replicas)] for i in range(count)]
 
     async def _forget_silent_shards(self) -> None:
         """Drops every registered shard that does not answer now (it died, or its registration was never a
