@@ -134,4 +134,5 @@ def _stats_dict(stats: shard_pb2.StageStats) -> dict:
             "optimizer_s": stats.optimizer_seconds, "step_s": stats.step_seconds,
             "busy_fraction": (stats.forward_seconds + stats.backward_seconds) / stats.step_seconds
             if stats.step_seconds else 0.0,
-            "peak_activation_bytes": stats.peak_activation_bytes, "peak_in_flight": stats.peak_in_flight}
+            "peak_activation_bytes": stats.peak_activation_bytes, "peak_in_flight": stats.peak_in_flight,
+            "allreduce_backend": stats.allreduce_backend}

@@ -29,13 +29,15 @@ class Figures:
         self.started = time.perf_counter()
         self.forward_seconds = self.backward_seconds = self.allreduce_seconds = 0.0
         self.peak_activation_bytes = self.peak_in_flight = 0
+        self.allreduce_backend = ""
 
     def stats(self, stage: int, replica: int, optimizer_seconds: float) -> shard_pb2.StageStats:
         return shard_pb2.StageStats(
             stage=stage, replica=replica, forward_seconds=self.forward_seconds,
             backward_seconds=self.backward_seconds, allreduce_wait_seconds=self.allreduce_seconds,
             optimizer_seconds=optimizer_seconds, step_seconds=time.perf_counter() - self.started,
-            peak_activation_bytes=self.peak_activation_bytes, peak_in_flight=self.peak_in_flight)
+            peak_activation_bytes=self.peak_activation_bytes, peak_in_flight=self.peak_in_flight,
+            allreduce_backend=self.allreduce_backend)
 
 
 class PlannedRun:
@@ -92,7 +94,7 @@ class PlannedRun:
     async def execute(self) -> None:
         """Runs every action in order, then the replicas' all-reduce; raises what failed."""
         ports = self.ports
-        await ports.averager("connect")
+        self.figures.allreduce_backend = await ports.averager("connect") or ""
         for action in self.actions:
             if action.op == schedule.FORWARD:
                 await self._forward(action.microbatch)

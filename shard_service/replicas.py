@@ -1,4 +1,4 @@
-"""Data parallelism for one stage: its replicas sum their gradients with gloo, bucket by bucket, during backward.
+"""Data parallelism for one stage: its replicas sum their gradients, bucket by bucket, during backward.
 
 Every replica's loss is already weighted by its share of the whole batch, so the sum of the
 replicas' gradients is the full batch's gradient, and replicas that step on it stay identical.
@@ -6,12 +6,16 @@ Buckets are launched while backward still runs (as DistributedDataParallel does)
 post-accumulate-grad hook marks it ready on the last micro-batch's backward, and a bucket goes out
 as soon as it and every bucket before it are ready, so all replicas issue the same collectives in
 the same order. Every wait has a deadline: a replica that dies makes the others' step fail.
+
+The collectives run on NCCL when the stage is on CUDA and every replica has a GPU of its own (NCCL
+refuses two ranks on one GPU), and on gloo otherwise; gloo takes CUDA tensors too, through host memory.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 
 import torch
@@ -45,6 +49,8 @@ class GradientAverager:
             self._store = dist.TCPStore(store_host, int(port), size, False, self._timeout)
             self.hosted = ""
         self._group = None
+        self._device = parameters[0].device if parameters else torch.device("cpu")
+        self.backend = ""  # nccl or gloo, chosen with the other replicas on the first connect
         self._buckets = _buckets(parameters)
         self._lock = threading.Lock()
         self._armed = False
@@ -52,19 +58,39 @@ class GradientAverager:
         self._works: list = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in parameters]
 
-    def connect(self) -> None:
-        """Joins the replicas' gloo group (once; every replica must call it within the timeout)."""
+    def connect(self) -> str:
+        """Joins the replicas' group (once; every replica must call it within the timeout); answers its backend."""
         if self._group is not None:
-            return
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = self._timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]
+            return self.backend
         try:
-            self._group = dist.ProcessGroupGloo(dist.PrefixStore("gradients", self._store), self.rank, self.size,
-                                                options)
-        except RuntimeError as error:
+            self.backend = self.backend or self._agree_on_backend()
+            store = dist.PrefixStore("gradients", self._store)
+            if self.backend == "nccl":
+                # A timed-out collective aborts its communicator instead of ending the process: the shard keeps serving.
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self._timeout
+                self._group = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+            else:
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = self._timeout
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]
+                self._group = dist.ProcessGroupGloo(store, self.rank, self.size, options)
+        except RuntimeError as error:  # DistStoreError (a replica missing from the store) is one too
             raise DeadlineExceeded(f"replica {self.rank}: the other {self.size - 1} replicas of this stage did not "
                                    f"join within {self._timeout.total_seconds():g} s: {error}") from None
+        log.info("replica %d of %d: gradients are summed with %s", self.rank, self.size, self.backend)
+        return self.backend
+
+    def _agree_on_backend(self) -> str:
+        """nccl when every replica's parameters are on a CUDA device no other replica uses, else gloo;
+        every replica publishes its GPU's UUID and reads the others', so all of them choose alike."""
+        mine = "cpu"
+        if self._device.type == "cuda" and dist.is_nccl_available():
+            mine = str(torch.cuda.get_device_properties(self._device).uuid)
+        self._store.set(f"device/{self.rank}", mine)
+        devices = [self._store.get(f"device/{rank}").decode() for rank in range(self.size)]
+        return "nccl" if "cpu" not in devices and len(set(devices)) == self.size else "gloo"
 
     def arm(self, last_microbatch: bool) -> None:
         """Called before each backward: only the last micro-batch's gradients are final."""

@@ -204,10 +204,12 @@ class ShardRuntime:
                 raise InvalidArgument("a planned step's last stage needs a loss: a name or a captured program")
         return self._losses[cache_key]
 
-    async def averager_call(self, name: str) -> None:
-        """Runs the replicas' averager's `name` ("connect" before a planned step, "finish" after its backwards)."""
+    async def averager_call(self, name: str):
+        """Runs the replicas' averager's `name` ("connect" before a planned step, which answers the collectives'
+        backend, "finish" after its backwards)."""
         if self._averager is not None:
-            await self.run(getattr(self._averager, name))
+            return await self.run(getattr(self._averager, name))
+        return None
 
     def averager_arm(self, last_microbatch: bool) -> None:
         """Before a backward: on the last micro-batch, gradients are final and all-reduce as they appear."""

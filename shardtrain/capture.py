@@ -95,8 +95,11 @@ def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
     if len(example_args) > 1:  # export wants the varargs key only when varargs were given
         dynamic["dependencies"] = tuple(per_input[1:])
     program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
-    artifact = export_serde.serialize(program, serialize_state_dict=False, serialize_constants=False,
-                                      serialize_example_inputs=False)
+    try:
+        artifact = export_serde.serialize(program, serialize_state_dict=False, serialize_constants=False,
+                                          serialize_example_inputs=False)
+    except TypeError:  # an older torch (a GPU image's own build) serializes the weights too; they are dropped here
+        artifact = export_serde.serialize(program)
     return artifact.exported_program
 
 

@@ -446,7 +446,7 @@ class PipelineAction(_message.Message):
     def __init__(self, backward: _Optional[bool] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("stage", "replica", "forward_seconds", "backward_seconds", "allreduce_wait_seconds", "optimizer_seconds", "step_seconds", "peak_activation_bytes", "peak_in_flight")
+    __slots__ = ("stage", "replica", "forward_seconds", "backward_seconds", "allreduce_wait_seconds", "optimizer_seconds", "step_seconds", "peak_activation_bytes", "peak_in_flight", "allreduce_backend")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,7 @@ class StageStats(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     stage: int
     replica: int
     forward_seconds: float
@@ -465,7 +466,8 @@ class StageStats(_message.Message):
     step_seconds: float
     peak_activation_bytes: int
     peak_in_flight: int
-    def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., allreduce_wait_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peak_in_flight: _Optional[int] = ...) -> None: ...
+    allreduce_backend: str
+    def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., allreduce_wait_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., allreduce_backend: _Optional[str] = ...) -> None: ...
 
 class LinkOpen(_message.Message):
     __slots__ = ("deployment_id", "role", "from_stage", "shared_memory", "local_carrier", "local_address", "local_token", "tcp_carrier")

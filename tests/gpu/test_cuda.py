@@ -10,6 +10,8 @@ from torch import nn
 
 from client_sdk import Cluster
 from examples.gpt import GPT, GPTConfig
+from shard_service.replicas import GradientAverager
+from tests.integration.test_pipeline import train_full_batch
 from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -73,3 +75,56 @@ def test_a_gpt_computing_its_loss_on_cuda_shards_trains_as_one_process_and_regis
             optimizer.zero_grad()
         trained = model.state_dict()
     assert largest_difference(trained, local.state_dict()) <= 1e-4
+
+
+@pytest.mark.parametrize("tcp", ["on", "off"])
+def test_between_hosts_paths_carry_cuda_tensors_and_training_matches_one_process(monkeypatch, tcp):
+    """Shared memory off, as on separate machines: CUDA activations and gradients go through pinned staging
+    onto the Links' TCP sockets (or their gRPC streams with --tcp-links off)."""
+    monkeypatch.setenv("SHARDTRAIN_SHARED_MEMORY", "off")
+    monkeypatch.setenv("SHARDTRAIN_TCP_LINKS", tcp)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    batches = regression_batches(steps=6, batch=4096, features=8)  # 4 MiB activations: several chunks
+    adam = (torch.optim.Adam, {"lr": 1e-3})
+    expected, expected_losses = train_full_batch(net, batches, adam)
+    with Cluster.local(num_shards=3, device="cuda") as cluster:
+        model = cluster.deploy(net, optimizer=adam, num_stages=3)
+        losses = [model.train_step(x, y, "MSELoss", microbatches=4) for x, y in batches]
+        trained = model.state_dict()
+    assert losses == pytest.approx(expected_losses, rel=1e-4)
+    assert largest_difference(trained, expected) <= 1e-4
+
+
+def test_two_replicas_on_one_gpu_sum_gradients_through_gloo_and_match_one_process():
+    """NCCL refuses two ranks on one GPU, so replicas that share a GPU fall back to gloo on CUDA tensors."""
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    batches = regression_batches(steps=6, batch=22, features=4)
+    adam = (torch.optim.Adam, {"lr": 3e-3})
+    expected, expected_losses = train_full_batch(net, batches, adam)
+    with Cluster.local(num_shards=4, device="cuda") as cluster:
+        model = cluster.deploy(net, optimizer=adam, num_stages=2, replicas=2)
+        losses = [model.train_step(x, y, "MSELoss", microbatches=2) for x, y in batches]
+        assert {s["allreduce_backend"] for s in model.stats()} == {"gloo"}
+        trained = model.state_dict()
+    assert losses == pytest.approx(expected_losses, rel=1e-4)
+    assert largest_difference(trained, expected) <= 1e-4
+
+
+def test_a_stage_whose_replicas_each_have_a_gpu_sums_gradients_with_nccl():
+    """The NCCL path of the averager, at the one replica a one-GPU machine can give it: the group forms
+    through the store, buckets go out from the gradient hooks during backward, and the sums are written back."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(512, 2048), nn.Linear(2048, 1024)).cuda()  # 12 MiB of gradients: 3 buckets
+    parameters = list(layer.parameters())
+    averager = GradientAverager(0, 1, "", "127.0.0.1", parameters, timeout=60.0)
+    try:
+        assert averager.connect() == "nccl"
+        averager.arm(True)
+        layer(torch.randn(16, 512, device="cuda")).square().mean().backward()
+        expected = [p.grad.clone() for p in parameters]
+        averager.finish()
+        assert all(torch.equal(p.grad, e) for p, e in zip(parameters, expected))
+    finally:
+        averager.close()

@@ -123,8 +123,8 @@ def test_two_replicas_equal_full_batch_training(cluster4, stages):
     losses = train_pipelined(model, batches, microbatches=2)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert largest_difference(model.state_dict(), expected) <= PIPELINE_TOLERANCE
-    assert sorted((s["replica"], s["stage"]) for s in model.stats()) == [
-        (r, s) for r in range(2) for s in range(stages)]
+    assert sorted((s["replica"], s["stage"], s["allreduce_backend"]) for s in model.stats()) == [
+        (r, s, "gloo") for r in range(2) for s in range(stages)]
 
 
 def test_a_replicated_model_refuses_the_unsynchronised_loop(cluster4):
