@@ -12,7 +12,7 @@ from client_sdk.links import SdkLinks
 from shardtrain import auth, errors, optim, shm, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.rpc import SHARD_SERVICE, Peer
-from shardtrain.settings import Security, Timeouts
+from shardtrain.settings import Security, Timeouts, checksums_from_env
 from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
@@ -33,6 +33,7 @@ class StageClients:
             peer.metadata = auth.with_deployment(peer.metadata, secret)
         self._encodings = encodings or tensor_pb2.WireEncodings()
         self._segments: shm.SegmentPool | None = None
+        self._checksums = checksums_from_env()
         self._probe_timeout = timeouts.probe
         self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc,
                                tcp=not security.tls_ca, diagnose=self.silent_stages)
@@ -47,7 +48,7 @@ class StageClients:
 
     def _options(self, stage: Peer, kind: str) -> wire.SendOptions:
         segments = self._segments if stage.same_host else None
-        return wire.SendOptions(encoding=getattr(self._encodings, kind), segments=segments)
+        return wire.SendOptions(encoding=getattr(self._encodings, kind), segments=segments, checksum=self._checksums)
 
     def key(self, step: int, microbatch: int = 0) -> shard_pb2.StepKey:
         """The wire key of a step of this deployment."""

@@ -38,7 +38,7 @@ class Peers:
         bit for bit: a tied weight's gradient) to a peer."""
         segments = self.segments if same_host else None
         encoding = tensor_pb2.ENCODING_NONE if kind == "exact" else getattr(self.encodings, kind)
-        return wire.SendOptions(self.settings.chunk_bytes, encoding, segments)
+        return wire.SendOptions(self.settings.chunk_bytes, encoding, segments, self.settings.checksums)
 
     async def adopt(self, plan: shard_pb2.StagePlan, encodings: tensor_pb2.WireEncodings, secret: str) -> None:
         """Takes a new stage's plan and its deployment's secret; learns which of the peers it sends to share this

@@ -87,7 +87,7 @@ class ShardServicer:
     async def ReadState(self, request, context):
         stage = self._owned(context, request.deployment_id)
         for name, tensor in (await self.runtime.run(stage.state)).items():
-            for frame in wire.tensor_frames(tensor, name, wire.SendOptions(self.settings.chunk_bytes)):
+            for frame in wire.tensor_frames(tensor, name, wire.SendOptions(self.settings.chunk_bytes, checksum=self.settings.checksums)):
                 yield frame  # weights always travel exact
 
     @boundary
@@ -96,7 +96,7 @@ class ShardServicer:
         state = await self.runtime.run(stage.optimizer_state)
         header = shard_pb2.OptimizerStateHeader(deployment_id=request.deployment_id, layout=state.layout())
         for frame in wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors,
-                                 wire.SendOptions(self.settings.chunk_bytes)):
+                                 wire.SendOptions(self.settings.chunk_bytes, checksum=self.settings.checksums)):
             yield frame  # exact, as weights
 
     @boundary

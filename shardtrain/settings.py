@@ -73,6 +73,7 @@ class ShardSettings:
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     tcp_links: bool = True      # peers on other hosts carry them on a TCP socket, unless the services use TLS
+    checksums: bool = False     # tensor chunks this shard sends carry a CRC-32 of their data
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
     memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
@@ -191,6 +192,11 @@ def timeouts_from(args: argparse.Namespace) -> Timeouts:
     return Timeouts(**{item.name: getattr(args, f"timeout_{item.name}") for item in dataclasses.fields(Timeouts)})
 
 
+def checksums_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the SDK's tensor chunks carry a CRC-32 (SHARDTRAIN_CHECKSUMS=on, as shards' --checksums)."""
+    return _env(os.environ if env is None else env, "CHECKSUMS", "off") == "on"
+
+
 def timeouts_env(timeouts: Timeouts) -> dict[str, str]:
     """The SHARDTRAIN_TIMEOUT_* variables that give a child service `timeouts`."""
     return {f"{ENV_PREFIX}TIMEOUT_{item.name.upper()}": repr(getattr(timeouts, item.name))
@@ -249,6 +255,10 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     parser.add_argument("--tcp-links", choices=("on", "off"), default=_env(env, "TCP_LINKS", "on"),
                         help="Links with peers on other hosts carry their items on a TCP socket instead of the "
                              "gRPC stream (default on; never with TLS, whose items stay on gRPC)")
+    parser.add_argument("--checksums", choices=("on", "off"), default=_env(env, "CHECKSUMS", "off"),
+                        help="tensor chunks this shard sends carry a CRC-32 of their data, which the receiver "
+                             "checks (default off: TCP checksums every segment and TLS authenticates every record; "
+                             "a CRC pass costs about as much as moving the bytes)")
     parser.add_argument("--flush-denormal", choices=("on", "off"), default=_env(env, "FLUSH_DENORMAL", "off"),
                         help="CPU arithmetic treats denormal floats as zero, as torch.set_flush_denormal(True) "
                              "does in one process: long CPU runs whose optimizer state decays toward zero "
@@ -269,6 +279,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", tcp_links=args.tcp_links == "on",
+                         checksums=args.checksums == "on",
                          flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
                          log_level=args.log_level,

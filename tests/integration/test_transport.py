@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from client_sdk import Cluster
 from shardtrain import errors, rpc, shm
 from shardtrain.codec import Frame
 from shardtrain.settings import Security
@@ -44,6 +45,20 @@ def test_a_corrupted_chunk_is_data_loss_and_the_shard_serves_on(cluster4):
     with pytest.raises(errors.DataLoss, match=r"'activation'.*CRC-32"):
         model._io.run(shard.call("Forward", iter([request])))
     train_remotely(model, regression_batches(steps=2, batch=4, features=8))  # the next steps work
+
+
+@pytest.mark.parametrize("shared_memory", ["on", "off"])
+def test_with_checksums_on_every_path_checks_its_chunks_and_training_matches(monkeypatch, shared_memory):
+    """SHARDTRAIN_CHECKSUMS=on: the SDK's chunks and the shards' (--checksums on) carry a CRC-32 that each receiver
+    checks, on the same-host and the between-hosts paths."""
+    monkeypatch.setenv("SHARDTRAIN_CHECKSUMS", "on")
+    monkeypatch.setenv("SHARDTRAIN_SHARED_MEMORY", shared_memory)
+    batches = regression_batches(steps=4, batch=16, features=8)
+    with Cluster.local(num_shards=2) as cluster:
+        model = cluster.deploy(small_net(), optimizer=ADAM, num_stages=2)
+        assert model._clients._checksums
+        train_remotely(model, batches)
+        assert largest_difference(model.state_dict(), train_locally(small_net(), batches, ADAM)) < 1e-5
 
 
 def test_a_broken_fetch_stream_resumes_from_the_last_good_offset():

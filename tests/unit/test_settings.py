@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardtrain.settings import (
-    CoordinatorSettings, Security, ShardSettings, Timeouts, coordinator_settings, security_env, security_from_env,
-    shard_settings, timeouts_env,
+    CoordinatorSettings, Security, ShardSettings, Timeouts, checksums_from_env, coordinator_settings, security_env,
+    security_from_env, shard_settings, timeouts_env,
 )
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
@@ -173,6 +173,13 @@ def test_local_links_can_be_turned_off_by_flag_or_variable():
     assert shard_settings(["--coordinator", "c:1"], env={}).local_links
     assert not shard_settings(["--coordinator", "c:1", "--local-links", "off"], env={}).local_links
     assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_LOCAL_LINKS": "off"}).local_links
+
+
+def test_checksums_are_off_unless_a_flag_or_variable_turns_them_on():
+    assert not shard_settings(["--coordinator", "c:1"], env={}).checksums
+    assert shard_settings(["--coordinator", "c:1", "--checksums", "on"], env={}).checksums
+    assert shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_CHECKSUMS": "on"}).checksums
+    assert checksums_from_env({"SHARDTRAIN_CHECKSUMS": "on"}) and not checksums_from_env({})
 
 
 def test_tcp_links_can_be_turned_off_by_flag_or_variable():

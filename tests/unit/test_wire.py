@@ -47,9 +47,10 @@ def sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
 CHUNK_CODEC = Codec(tensor_pb2.TensorChunk)
 
 
-def tensor_frames(tensor: torch.Tensor, name: str = "", chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> list[Frame]:
+def tensor_frames(tensor: torch.Tensor, name: str = "", chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
+                  checksum: bool = False) -> list[Frame]:
     """The frames of a tensor as a receiver sees them: serialized and parsed by the codec, as on the wire."""
-    sent = wire.tensor_frames(tensor, name, wire.SendOptions(chunk_bytes))
+    sent = wire.tensor_frames(tensor, name, wire.SendOptions(chunk_bytes, checksum=checksum))
     return [CHUNK_CODEC.deserialize(CHUNK_CODEC.serialize(frame)) for frame in sent]
 
 
@@ -304,13 +305,23 @@ def test_collect_reports_a_truncated_stream():
         asyncio.run(wire.collect(as_stream(chunks[:1])))
 
 
-# Integrity: every chunk carries its offset and CRC-32.
+# Integrity: every chunk carries its offset, and its CRC-32 when the sender adds checksums.
 
 def test_a_corrupted_chunk_is_data_loss_not_a_wrong_tensor():
-    frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64)
+    frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64, checksum=True)
+    assert all(frame.chunk.HasField("crc32") for frame in frames)
     corrupted = bytearray(frames[1].data)
     corrupted[5] ^= 0x01
     frames[1] = Frame(frames[1].message, bytes(corrupted))
+    with pytest.raises(DataLoss, match=r"'t'.*offset 64.*CRC-32"):
+        list(wire.read_tensors(frames))
+
+
+def test_chunks_carry_no_checksum_unless_asked_and_a_zero_checksum_is_still_checked():
+    frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64)
+    assert not any(frame.chunk.HasField("crc32") for frame in frames)
+    assert torch.equal(next(wire.read_tensors(frames))[1], torch.arange(64, dtype=torch.float32))
+    frames[1].chunk.crc32 = 0  # present, and wrong: a sender that asks for checking gets it
     with pytest.raises(DataLoss, match=r"'t'.*offset 64.*CRC-32"):
         list(wire.read_tensors(frames))
 
