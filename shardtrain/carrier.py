@@ -15,8 +15,9 @@ answer to the open item, with a random token that only the (authenticated) opene
 lives in a directory only this user can enter. The opener first writes the token. Then each frame
 is its length (4 bytes, little-endian), the length of its message (4 bytes), the LinkMessage's
 protobuf bytes, and the data of the message's TensorChunk, if any, which the message leaves out
-(its `data` field stays empty). The receiver parses the message alone and takes the data as a view
-of what it read: no field walk to find it.
+(its `data` field stays empty). The receiver parses the message alone, then asks its consumer where
+the data goes (`place`): a chunk of a tensor being assembled is received straight into that tensor's
+memory, so a byte is copied from the socket once. Other data is taken as a view of what was read.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import struct
 import tempfile
 from collections.abc import Callable
 
+import numpy
 from google.protobuf.message import DecodeError
 
 from shardtrain import errors, shm
@@ -48,6 +50,7 @@ _SCRATCH_BYTES = 1 << 18  # what one read takes in at most, unless it goes into 
 CONNECT_SECONDS = 10.0     # an opener that offered to connect has this long to do it
 TCP_SCHEME = "tcp://"      # an offered address of this form is a TCP socket (openers on other hosts)
 _DIRECTORY = re.compile(r"shardtrain-link-(\d+)-\w+")
+Placer = Callable[[shard_pb2.LinkMessage, int], "memoryview | None"]  # where a frame's data of that size goes
 
 
 def encode(frame: Frame) -> tuple[bytes, object]:
@@ -59,16 +62,28 @@ def encode(frame: Frame) -> tuple[bytes, object]:
 
 def decode(body: memoryview) -> Frame:
     """The Frame whose bytes (after the frame's length) are `body`; its data stays a view of `body`."""
-    if len(body) < _PREFIX.size:
-        raise errors.DataLoss(f"local link: a frame of {len(body)} bytes is too short to hold its message's length")
+    message, head_end = _head(body, len(body))
+    return _checked(Frame(message, body[head_end:]))
+
+
+def _head(body: memoryview, frame_size: int) -> tuple[shard_pb2.LinkMessage, int]:
+    """The message at the start of a frame of `frame_size` bytes, of which `body` holds the first ones, and
+    where its data starts."""
+    if frame_size < _PREFIX.size:
+        raise errors.DataLoss(f"local link: a frame of {frame_size} bytes is too short to hold its message's length")
     head_size = _PREFIX.unpack_from(body)[0]
-    if head_size > len(body) - _PREFIX.size:
-        raise errors.DataLoss(f"local link: a frame of {len(body)} bytes says its message has {head_size}")
+    if head_size > frame_size - _PREFIX.size:
+        raise errors.DataLoss(f"local link: a frame of {frame_size} bytes says its message has {head_size}")
     try:
         message = shard_pb2.LinkMessage.FromString(body[_PREFIX.size:_PREFIX.size + head_size])
     except DecodeError as error:
         raise errors.DataLoss(f"local link: a frame's message does not parse as a LinkMessage ({error})") from None
-    frame = Frame(message, body[_PREFIX.size + head_size:])
+    return message, _PREFIX.size + head_size
+
+
+def _checked(frame: Frame) -> Frame:
+    """The frame, once its data and its message's chunk agree."""
+    message = frame.message
     chunk = frame.chunk
     if chunk is None:
         if len(frame.data):
@@ -88,7 +103,8 @@ class Carrier(asyncio.BufferedProtocol):
     Frames are cut from what each read of the socket brings, in the event loop's read callback, and
     handed to a consumer there and then (deliver), or queued for read(): no stream reader, no task
     woken per frame. Reads land in a scratch buffer, except the rest of a frame bigger than what one
-    read brought: that goes straight from the socket into the frame's own buffer, copied once.
+    read brought: that goes straight from the socket into the tensor its data belongs to (or the
+    frame's own buffer), copied once.
     """
 
     def __init__(self, on_token: Callable[[bytes, Carrier], None] | None = None):
@@ -102,7 +118,9 @@ class Carrier(asyncio.BufferedProtocol):
         self._ended: asyncio.Future = asyncio.get_running_loop().create_future()  # None at the end, or an error
         self._paused: asyncio.Future | None = None    # writes wait while the socket's buffer is full
         self._length = bytearray()         # a frame's length prefix, while it arrives in pieces
-        self._body: bytearray | None = None  # a frame's bytes, while they arrive in pieces
+        self._body: memoryview | None = None  # a frame's bytes (or, once placed, its data) while they arrive
+        self._placed: shard_pb2.LinkMessage | None = None  # the message of a frame whose data is being placed
+        self._place: Placer | None = None  # the consumer's: where a tensor chunk's data goes
         self._filled = 0
         self._scratch = bytearray(_SCRATCH_BYTES)
         self._into_body = False            # the last buffer handed to the transport was the frame's own
@@ -115,7 +133,7 @@ class Carrier(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview | bytearray:
         self._into_body = self._body is not None and self._on_token is None
-        return memoryview(self._body)[self._filled:] if self._into_body else self._scratch
+        return self._body[self._filled:] if self._into_body else self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._ended.done():
@@ -124,8 +142,7 @@ class Carrier(asyncio.BufferedProtocol):
             if self._into_body:
                 self._filled += nbytes
                 if self._filled == len(self._body):
-                    body, self._body = self._body, None
-                    self._arrived(memoryview(body))
+                    self._complete()
                 return
             data = memoryview(self._scratch)[:nbytes]
             if self._on_token is not None:
@@ -180,8 +197,7 @@ class Carrier(asyncio.BufferedProtocol):
                 self._filled += taken
                 position += taken
                 if self._filled == len(self._body):
-                    body, self._body = self._body, None
-                    self._arrived(memoryview(body))
+                    self._complete()
                 continue
             if self._length or end - position < _PREFIX.size:  # a prefix cut in two
                 taken = min(end - position, _PREFIX.size - len(self._length))
@@ -194,11 +210,47 @@ class Carrier(asyncio.BufferedProtocol):
             else:
                 size = self._size(view[position:position + _PREFIX.size])
                 position += _PREFIX.size
-            if end - position >= size:
-                self._arrived(memoryview(bytearray(view[position:position + size])))
-                position += size
-            else:
-                self._body, self._filled = bytearray(size), 0
+            first = view[position:min(end, position + size)]
+            position += len(first)
+            self._begin(first, size)
+
+    def _begin(self, first: memoryview, size: int) -> None:
+        """Takes a frame of `size` bytes whose first bytes (all of them, or those this read brought) are `first`, a
+        view of the scratch buffer; later reads fill in the rest."""
+        placement = self._placement(first, size)
+        if placement is None:
+            self._body = memoryview(numpy.empty(size, numpy.uint8))  # uninitialized: every byte gets written
+            self._body[:len(first)] = first
+            self._filled = len(first)
+        else:
+            self._placed, head_end, self._body = placement
+            self._filled = len(first) - head_end
+            self._body[:self._filled] = first[head_end:]
+        if self._filled == len(self._body):
+            self._complete()
+
+    def _placement(self, first: memoryview, size: int) -> tuple[shard_pb2.LinkMessage, int, memoryview] | None:
+        """(message, where its data starts, where the consumer has it go) for a frame whose message is all in
+        `first` and whose data the consumer places; None for any other frame."""
+        if self._place is None or len(first) < _PREFIX.size:
+            return None
+        head_end = _PREFIX.size + _PREFIX.unpack_from(first)[0]
+        if head_end > len(first) or head_end >= size:
+            return None  # the message is cut in two, or the frame has no data: taken whole
+        message, head_end = _head(first, size)
+        chunk = Frame(message).chunk
+        if chunk is None or chunk.data:
+            return None  # decode() says what is wrong with it, or takes the data from the message
+        target = self._place(message, size - head_end)
+        return None if target is None else (message, head_end, target)
+
+    def _complete(self) -> None:
+        body, self._body = self._body, None
+        placed, self._placed = self._placed, None
+        if placed is None:
+            self._arrived(body)
+        else:
+            self._hand(Frame(placed, body))
 
     @staticmethod
     def _size(prefix) -> int:
@@ -208,7 +260,9 @@ class Carrier(asyncio.BufferedProtocol):
         return size
 
     def _arrived(self, body: memoryview) -> None:
-        frame = decode(body)
+        self._hand(decode(body))
+
+    def _hand(self, frame: Frame) -> None:
         if self._consumer is not None:
             self._consumer(frame)
         elif self._waiter is not None and not self._waiter.done():
@@ -227,16 +281,17 @@ class Carrier(asyncio.BufferedProtocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def deliver(self, consumer: Callable[[Frame], None]) -> None:
+    async def deliver(self, consumer: Callable[[Frame], None], place: Placer | None = None) -> None:
         """Hands each frame to `consumer` as it arrives, in the read callback, until the other end closes the
-        socket; raises what ended it otherwise (a cut frame, or what `consumer` raised)."""
+        socket; raises what ended it otherwise (a cut frame, or what `consumer` raised). `place` answers where
+        a frame's data goes (a writable view of exactly that many bytes), or None for a buffer of its own."""
         try:
             while self._frames:
                 consumer(self._frames.popleft())
         except Exception as error:  # noqa: BLE001 - as in data_received: the link ends with it
             self._end(error)
             self.close()
-        self._consumer = consumer
+        self._consumer, self._place = consumer, place
         await self._ended
 
     async def read(self) -> Frame | None:

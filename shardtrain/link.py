@@ -55,6 +55,13 @@ class ItemReader:
         self._pending: shard_pb2.LinkMessage | None = None
         self._tensors = wire.TensorStreamReader()
 
+    def place(self, message: shard_pb2.LinkMessage, nbytes: int) -> memoryview | None:
+        """Where the data of a frame about to be fed goes: straight into its item's tensor (carrier.Placer)."""
+        starts = message.WhichOneof("item") is not None
+        if starts and self._pending is not None or not starts and self._pending is None:
+            return None  # feed() says what is wrong
+        return self._tensors.place(message.tensor, nbytes) if message.HasField("tensor") else None
+
     def feed(self, frame: Frame) -> Item | None:
         """Takes one frame; returns an item once its tensor (if it has one) is complete."""
         message = frame.message
@@ -390,4 +397,4 @@ async def _deliver_carried(local: carrier.Carrier, end: LinkEnd, on_item) -> Non
         item = items.feed(frame)
         if item is not None:
             on_item(end, *item)
-    await local.deliver(on_frame)
+    await local.deliver(on_frame, items.place)

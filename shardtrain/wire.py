@@ -226,14 +226,27 @@ class TensorAssembler:
         end = self.filled + len(data)
         if end > self.wire_nbytes:
             raise DataLoss(f"tensor {self.name!r}: received {end} bytes, header announced {self.wire_nbytes}")
+        if len(data):
+            destination = self._allocated().numpy()[self.filled:end]
+            source = numpy.frombuffer(data, dtype=numpy.uint8)
+            if source.ctypes.data != destination.ctypes.data:  # else it was received in place (place())
+                destination[:] = source
+        self.filled = end
+
+    def place(self, chunk: tensor_pb2.TensorChunk, nbytes: int) -> memoryview | None:
+        """Where the next chunk's `nbytes` of data can be received straight into the tensor, or None (a chunk
+        out of place or too long, which add() then refuses)."""
+        if chunk.HasField("shared") or chunk.offset != self.filled or self.filled + nbytes > self.wire_nbytes:
+            return None
+        return memoryview(self._allocated().numpy())[self.filled:self.filled + nbytes]
+
+    def _allocated(self) -> torch.Tensor:
         if self._buffer is None:
             try:
                 self._buffer = torch.empty(self.wire_nbytes, dtype=torch.uint8)
             except RuntimeError:  # the allocator's "can't allocate memory": a header beyond this host's memory
                 raise ResourceExhausted(f"tensor {self.name!r}: no memory for its {self.wire_nbytes} bytes") from None
-        if len(data):
-            self._buffer.numpy()[self.filled:end] = numpy.frombuffer(data, dtype=numpy.uint8)
-        self.filled = end
+        return self._buffer
 
     def _map(self, shared: tensor_pb2.SharedSegment) -> None:
         if self.filled:
@@ -282,6 +295,15 @@ class TensorStreamReader:
             raise InvalidArgument("tensor stream: data chunk before any header")
         self._assembler.add(chunk, frame.data)
         return self._take_if_complete()
+
+    def place(self, chunk: tensor_pb2.TensorChunk, nbytes: int) -> memoryview | None:
+        """Where a chunk about to be fed can have its `nbytes` of data received, straight into its tensor; None
+        where it cannot (feed() then takes the data from a buffer of its own, or says what is wrong)."""
+        if chunk.HasField("header"):
+            if self._assembler is not None:
+                return None  # a resumed stream or an error: feed() tells which
+            self._open(chunk)
+        return self._assembler.place(chunk, nbytes) if self._assembler is not None else None
 
     def _open(self, chunk: tensor_pb2.TensorChunk) -> None:
         current = self._assembler

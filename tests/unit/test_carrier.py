@@ -104,6 +104,33 @@ def test_frames_are_cut_whole_however_the_reads_split_or_join_them(piece):
     assert items[2][0].flush.optimizer_step == 2
 
 
+@pytest.mark.parametrize(("piece", "placed_chunks"), [(1, range(0, 1)), (7, range(0, 1)), (1000, range(1, 10)),
+                                                      (1 << 20, range(9, 10))])
+def test_a_delivered_tensor_chunk_is_received_straight_into_its_tensor(piece, placed_chunks):
+    """A chunk whose message arrives whole in one read has its data go straight into the tensor being assembled;
+    one whose message is cut by a read takes a buffer of its own; the items are the same either way."""
+    async def run():
+        activation, frames = item_frames()
+        raw = b"".join(bytes(part) for frame in frames for part in carrier.encode(frame))
+        receiver, reader, items, placed = carrier.Carrier(), link.ItemReader(), [], []
+
+        def place(message, nbytes):
+            target = reader.place(message, nbytes)
+            placed.append(target is not None)
+            return target
+        delivering = asyncio.ensure_future(receiver.deliver(lambda frame: items.append(reader.feed(frame)), place))
+        await asyncio.sleep(0)
+        for start in range(0, len(raw), piece):
+            feed(receiver, raw[start:start + piece])
+        receiver.connection_lost(None)
+        await delivering
+        return activation, [item for item in items if item is not None], placed
+    activation, items, placed = asyncio.run(run())
+    assert [message.WhichOneof("item") for message, _ in items] == ["forward", "backward", "flush"]
+    assert torch.equal(items[0][1], activation)
+    assert sum(placed) in placed_chunks  # of the activation's 9 chunks
+
+
 def test_deliver_hands_over_frames_that_came_before_and_after_it_was_called():
     async def run():
         sender, receiver = await connected_pair()
