@@ -1,6 +1,7 @@
 """Benchmark: median training-step time of the seed residual model, several ways, in one run.
 
     python -m bench.train_step [--batches 32 256] [--steps 40] [--rounds 3] [--adam JSON] [--grpc-links]
+                               [--between-hosts]
 
 1. one process (the baseline; its best of 1 and 2 torch threads),
 2. shardtrain on 3 local shard processes: the PyTorch-shaped loop, and model.train_step
@@ -16,6 +17,9 @@ timed step of its rounds. Prints the medians and the ratios shardtrain/one-proce
 shardtrain/torch.rpc, then the floor against one process and the loop against the floor. With
 --grpc-links, a second cluster whose shards keep every Link item on the gRPC stream (--local-links
 off --tcp-links off) takes its turn too, and the loop's time there is printed against the loop's with local links.
+With --between-hosts, a cluster whose shards each run in a network namespace of their own (bench/namespaces.py:
+own addresses on veth pairs, own /dev/shm; root only) takes its turn as well, and the loop's time there is
+printed against the loop's on one host: what separate machines add, on the same cores.
 Every way steps with torch.optim.Adam(lr=3e-3), plus --adam's keyword arguments. With the defaults,
 Adam is most of one process's step on CPU: its sqrt goes through MKL's vector math, which takes a
 slow path for every exact zero (the second moments of units that never get a gradient), so the
@@ -43,6 +47,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402 - after the OpenMP setting, which is read when torch loads
 
 from bench.floor import LR, Floor  # noqa: E402
+from bench.namespaces import SeparateHosts, unavailable  # noqa: E402
 from bench.floor import one_process as seed_model_and_adam  # noqa: E402
 from bench.host import describe_wake_up, parallel_throughput, wake_up  # noqa: E402
 from bench.rpc_baseline import _make_data, run_rpc_baseline  # noqa: E402
@@ -119,7 +124,7 @@ def floor_steps(floor: Floor, batch: int, steps: int, warmup: int, threads: int)
 
 
 def measure(cluster: Cluster, floor: Floor, batch: int, args,
-            grpc_cluster: Cluster | None = None) -> dict[str, float]:
+            grpc_cluster: Cluster | None = None, hosts_cluster: Cluster | None = None) -> dict[str, float]:
     """Median step time of each way, the ways taking turns for args.rounds rounds.
 
     Every other round runs the ways in the opposite order: on the development machine, of two
@@ -128,8 +133,9 @@ def measure(cluster: Cluster, floor: Floor, batch: int, args,
     """
     model = deploy(cluster, args.adam)
     grpc_model = deploy(grpc_cluster, args.adam) if grpc_cluster is not None else None
+    hosts_model = deploy(hosts_cluster, args.adam) if hosts_cluster is not None else None
     times: dict[str, list[float]] = {"shardtrain": [], "train_step": [], "1 thread": [], "2 threads": [],
-                                     "torch.rpc": [], "floor": [], "gRPC links": []}
+                                     "torch.rpc": [], "floor": [], "gRPC links": [], "between hosts": []}
 
     def one_process() -> None:  # then the floor, on the thread count one process was faster with
         one = single_process(batch, args.steps, args.warmup, 1, args.adam)
@@ -145,6 +151,9 @@ def measure(cluster: Cluster, floor: Floor, batch: int, args,
     def grpc_loop() -> None:
         times["gRPC links"] += shardtrain(grpc_model, batch, args.steps, args.warmup)
 
+    def hosts_loop() -> None:
+        times["between hosts"] += shardtrain(hosts_model, batch, args.steps, args.warmup)
+
     def pipelined() -> None:
         times["train_step"] += shardtrain_pipelined(model, batch, args.steps, args.warmup, args.microbatches)
 
@@ -153,7 +162,8 @@ def measure(cluster: Cluster, floor: Floor, batch: int, args,
         times["torch.rpc"] += run_rpc_baseline(batch, args.steps, args.warmup, threads_per_process=os.cpu_count() or 1,
                                                adam=args.adam)
 
-    ways = [loop] + ([grpc_loop] if grpc_model is not None else []) + [pipelined, one_process, rpc]
+    ways = ([loop] + ([grpc_loop] if grpc_model is not None else []) + ([hosts_loop] if hosts_model is not None else [])
+            + [pipelined, one_process, rpc])
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else reversed(ways):
             way()
@@ -172,16 +182,27 @@ def main() -> None:
                              "e.g. '{\"fused\": true}'")
     parser.add_argument("--grpc-links", action="store_true",
                         help="also time the loop with every Link item on gRPC (shards with --local-links off)")
+    parser.add_argument("--between-hosts", action="store_true",
+                        help="also time the loop with each shard in a network namespace of its own (root only)")
     args = parser.parse_args()
+    if args.between_hosts and (reason := unavailable()):
+        parser.error(f"--between-hosts: {reason}")
     host_before = parallel_throughput(rounds=1)[0]
     wake = wake_up()
     grpc_cluster = grpc_links_cluster() if args.grpc_links else None
+    hosts = SeparateHosts(3).__enter__() if args.between_hosts else None
+    hosts_cluster = None
     try:
+        hosts_cluster = Cluster.local(num_shards=3, hosts=hosts) if hosts is not None else None
         with Cluster.local(num_shards=3) as cluster, Floor(adam=args.adam) as floor:
-            results = [(batch, measure(cluster, floor, batch, args, grpc_cluster)) for batch in args.batches]
+            results = [(batch, measure(cluster, floor, batch, args, grpc_cluster, hosts_cluster))
+                       for batch in args.batches]
     finally:
-        if grpc_cluster is not None:
-            grpc_cluster.close()
+        for extra in (grpc_cluster, hosts_cluster):
+            if extra is not None:
+                extra.close()
+        if hosts is not None:
+            hosts.close()
     print(f"{'batch':>5} {'1 process':>10} {'(1 thr / 2 thr)':>16} {'shardtrain':>11} {'train_step':>11} "
           f"{'torch.rpc':>10} {'st/1proc':>9} {'st/rpc':>7} {'ts/1proc':>9} {'ts/rpc':>7}")
     for batch, m in results:
@@ -200,6 +221,9 @@ def main() -> None:
         if "gRPC links" in m:
             print(f"batch {batch}: the loop with every Link item on gRPC {m['gRPC links'] * 1e3:.2f} ms, "
                   f"{m['gRPC links'] / m['shardtrain']:.2f}x the loop with local links")
+        if "between hosts" in m:
+            print(f"batch {batch}: the loop between hosts (a network namespace per shard) "
+                  f"{m['between hosts'] * 1e3:.2f} ms, {m['between hosts'] / m['shardtrain']:.2f}x the loop on one host")
     print(f"shardtrain: the PyTorch-shaped loop (model(x), loss.backward(), model.step()); train_step: "
           f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
     print(f"optimizer: torch.optim.Adam with lr={LR}" + "".join(f", {k}={v!r}" for k, v in args.adam.items())

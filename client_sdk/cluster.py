@@ -49,7 +49,7 @@ class Cluster:
     @classmethod
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
               startup_timeout: float = 120.0, flush_denormal: bool = False,
-              timeouts: Timeouts | None = None) -> Cluster:
+              timeouts: Timeouts | None = None, hosts=None) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike. Without a token
@@ -59,6 +59,8 @@ class Cluster:
         torch.set_flush_denormal(True) does in one process (`shardtrain shard --flush-denormal on`).
         `timeouts`: the deadlines of this client and of the services (`--timeout-*`), e.g.
         Timeouts(rpc=30, peer_wait=20) to hear of a stopped shard within half a minute.
+        `hosts`: where the services run instead (bench.namespaces.SeparateHosts: a network namespace per
+        shard, standing for machines of their own; needs root).
         """
         security = security or Security()
         if not security.token:
@@ -66,7 +68,7 @@ class Cluster:
         flags = ["--flush-denormal", "on"] if flush_denormal else []
         timeouts = timeouts or Timeouts()
         services = LocalServices(num_shards, device, env={**security_env(security), **timeouts_env(timeouts)},
-                                 startup_timeout=startup_timeout, shard_flags=flags)
+                                 startup_timeout=startup_timeout, shard_flags=flags, hosts=hosts)
         try:
             cluster = cls(services.coordinator_address, security=security, timeouts=timeouts, services=services)
             cluster.wait_for_shards(num_shards, startup_timeout)

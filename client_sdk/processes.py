@@ -41,7 +41,8 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
 class Service:
     """One child process that prints a JSON 'ready' line on stdout once it serves."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict[str, str]):
+    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict[str, str],
+                 prefix: Sequence[str] = ()):
         self.name = name
         self.address = ""  # set from the ready line: where others reach it (a shard's --advertise, if given)
         self.port = 0      # the port it listens on, from the same line
@@ -50,7 +51,7 @@ class Service:
         # A session of its own: Ctrl-C in a terminal and a notebook's interrupt signal the caller's whole process
         # group, and must interrupt the call, not stop the services that hold the trained weights. The service
         # still ends with this process (SHARDTRAIN_PARENT_PID) or at close().
-        self.process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
+        self.process = subprocess.Popen([*prefix, sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
                                         stdin=subprocess.DEVNULL, env=_child_env(env), start_new_session=True)
 
     def wait_ready(self, timeout: float) -> dict:
@@ -83,25 +84,41 @@ class Service:
         self._log.close()
 
 
+class Loopback:
+    """Every service on 127.0.0.1: the local cluster's hosts unless told otherwise."""
+
+    coordinator_host = "127.0.0.1"
+
+    def shard_host(self, index: int) -> str:
+        return "127.0.0.1"
+
+    def prefix(self, index: int) -> list[str]:
+        return []
+
+
 class LocalServices:
-    """A coordinator and `num_shards` shards as processes on 127.0.0.1, on ports the OS picks.
+    """A coordinator and `num_shards` shards as processes on this machine, on ports the OS picks.
 
     The services end when this process ends, however it ends (Linux's parent-death signal; the
     "parent" is the thread that started them, so start them from a thread that outlives them).
     """
 
     def __init__(self, num_shards: int, device: str = "cpu", env: dict[str, str] | None = None,
-                 startup_timeout: float = 120.0, shard_flags: Sequence[str] = ()):
+                 startup_timeout: float = 120.0, shard_flags: Sequence[str] = (), hosts=None):
         """`env` adds variables for the services (SHARDTRAIN_AUTH_TOKEN and the like); secrets stay off argv.
-        `shard_flags` go to every `shardtrain shard` (say ["--flush-denormal", "on"])."""
+        `shard_flags` go to every `shardtrain shard` (say ["--flush-denormal", "on"]). `hosts` says where each
+        service runs: its `coordinator_host`, `shard_host(i)` (the addresses they bind) and `prefix(i)` (the
+        command shard i runs under); Loopback by default, bench.namespaces.SeparateHosts for hosts of their own."""
         self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="shardtrain-"))
         self.services: list[Service] = []
+        self._hosts = hosts or Loopback()
         self._env = dict(env or {})
         # Local shards share this host's cores: each computes on its share of them, not on all of them at once.
         self._env.setdefault("SHARDTRAIN_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_shards))))
         try:
-            coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", "127.0.0.1:0"])
-            self.coordinator_address = f"127.0.0.1:{coordinator.wait_ready(startup_timeout)['port']}"
+            host = self._hosts.coordinator_host
+            coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", f"{host}:0"])
+            self.coordinator_address = f"{host}:{coordinator.wait_ready(startup_timeout)['port']}"
             shards = [self._start_shard(i, device, shard_flags) for i in range(num_shards)]
             self.shard_addresses = [shard.wait_ready(startup_timeout)["address"] for shard in shards]
         except BaseException:
@@ -118,10 +135,11 @@ class LocalServices:
     def _start_shard(self, index: int, device: str, flags: Sequence[str]) -> Service:
         """Starts shard `index` (not waiting for it to serve), registering with this coordinator."""
         return self._start(f"shard-{index}", ["-m", "shard_service", "--coordinator", self.coordinator_address,
-                                              "--bind", "127.0.0.1:0", "--device", device, *flags])
+                                              "--bind", f"{self._hosts.shard_host(index)}:0", "--device", device,
+                                              *flags], self._hosts.prefix(index))
 
-    def _start(self, name: str, argv: list[str]) -> Service:
-        service = Service(name, argv, self.log_dir, self._env)
+    def _start(self, name: str, argv: list[str], prefix: Sequence[str] = ()) -> Service:
+        service = Service(name, argv, self.log_dir, self._env, prefix)
         self.services.append(service)
         return service
 

@@ -198,7 +198,7 @@ def test_with_local_links_off_items_take_the_grpc_streams_and_training_matches(m
 
 
 def tcp_listeners(pid: int) -> int:
-    """TCP sockets process `pid` listens on, from /proc/net/tcp{,6} and its file descriptors."""
+    """TCP sockets process `pid` listens on, from its /proc/PID/net/tcp{,6} and its file descriptors."""
     inodes = set()
     for fd in glob.glob(f"/proc/{pid}/fd/*"):
         try:
@@ -208,7 +208,7 @@ def tcp_listeners(pid: int) -> int:
         if target.startswith("socket:["):
             inodes.add(target[len("socket:["):-1])
     count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):  # the tables of the process's namespace
         with open(table) as rows:
             count += sum(1 for row in (line.split() for line in rows.readlines()[1:])
                          if row[3] == "0A" and row[9] in inodes)
