@@ -35,7 +35,7 @@ class SdkLinks:
         self._first, self._last = first, last
         self._options = options
         self._timeout = timeout
-        self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (not under TLS)
+        self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (TLS when the channels are)
         self._diagnose = diagnose or _nothing  # what a wait that ran out adds to its message: the silent stages
         self._links: dict[int, link.ClientLink] = {}
         self._outputs: dict[int, asyncio.Future] = {}    # step -> (the model's output, its other outputs by name)

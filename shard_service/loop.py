@@ -174,11 +174,10 @@ class LinkedLoop:
         if client is None or client.broken is not None:
             peer = self._peers.peer(address)
             settings = self._runtime.settings
-            tls = bool(settings.security.tls_cert or settings.security.tls_ca)
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
                                          from_stage=self._runtime.plan.stage, shared_memory=peer.same_host,
                                          local_carrier=peer.same_host and settings.local_links,
-                                         tcp_carrier=not peer.same_host and settings.tcp_links and not tls)
+                                         tcp_carrier=not peer.same_host and settings.tcp_links)
             # A link to the next stage starts with the last verdicts passed down: one may have been lost with the
             # link before (the next stage takes each verdict once).
             first = self._verdicts.passed if address == self._runtime.plan.next_address else ()

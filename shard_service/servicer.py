@@ -12,7 +12,7 @@ from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import auth, carrier, link, optim, shm, wire
+from shardtrain import auth, carrier, link, optim, rpc, shm, wire
 from shardtrain.errors import InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
@@ -25,15 +25,14 @@ _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL, shard_pb
 
 
 def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
-    """A Unix socket for openers on this host, a TCP one for openers on others (not under TLS: the socket would
-    carry tensors in clear)."""
-    tls = bool(settings.security.tls_cert or settings.security.tls_ca)
-    tcp = settings.tcp_links and not tls
-    if not (settings.local_links or tcp):
+    """A Unix socket for openers on this host, a TCP one for openers on others (over TLS when the shard serves
+    TLS, with the same certificate)."""
+    if not (settings.local_links or settings.tcp_links):
         return None
     bind_host = settings.bind.rpartition(":")[0].strip("[]")
-    return carrier.Listener(unix=settings.local_links, tcp_bind=bind_host if tcp else "",
-                            tcp_advertise=address.rpartition(":")[0].strip("[]"))
+    return carrier.Listener(unix=settings.local_links, tcp_bind=bind_host if settings.tcp_links else "",
+                            tcp_advertise=address.rpartition(":")[0].strip("[]"),
+                            tls=rpc.tls_server_context(settings.security))
 
 
 class ShardServicer:

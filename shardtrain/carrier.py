@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import shutil
+import ssl
 import struct
 import tempfile
 from collections.abc import Callable
@@ -122,7 +123,9 @@ class Carrier(asyncio.BufferedProtocol):
         self._placed: shard_pb2.LinkMessage | None = None  # the message of a frame whose data is being placed
         self._place: Placer | None = None  # the consumer's: where a tensor chunk's data goes
         self._filled = 0
-        self._scratch = bytearray(_SCRATCH_BYTES)
+        # A memoryview, not the bytearray: asyncio's TLS transport reads into slices of what get_buffer returns,
+        # and a slice of a bytearray is a copy, so the bytes would be lost (CPython gh-156275).
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         self._into_body = False            # the last buffer handed to the transport was the frame's own
 
     # --- protocol callbacks ------------------------------------------------------------------------
@@ -144,7 +147,7 @@ class Carrier(asyncio.BufferedProtocol):
                 if self._filled == len(self._body):
                     self._complete()
                 return
-            data = memoryview(self._scratch)[:nbytes]
+            data = self._scratch[:nbytes]
             if self._on_token is not None:
                 data = self._take_token(data)
             self._cut(data)
@@ -332,13 +335,16 @@ class Carrier(asyncio.BufferedProtocol):
             self._transport.close()
 
 
-async def connect(address: str, token: bytes) -> Carrier:
+async def connect(address: str, token: bytes, tls: ssl.SSLContext | None = None, server_name: str = "") -> Carrier:
     """The opener's carrier: connects to `address` (a Unix socket's path, or tcp://host:port) and names the link
-    by `token`."""
+    by `token`. A TCP socket speaks TLS with `tls`, checking the certificate against `server_name` (default: the
+    address's host), as the gRPC channel to the same peer does."""
     loop = asyncio.get_running_loop()
     if address.startswith(TCP_SCHEME):
         host, _, port = address[len(TCP_SCHEME):].rpartition(":")
-        connecting = loop.create_connection(Carrier, host.strip("[]"), int(port))
+        host = host.strip("[]")
+        connecting = loop.create_connection(Carrier, host, int(port), ssl=tls,
+                                            server_hostname=(server_name or host) if tls is not None else None)
     else:
         connecting = loop.create_unix_connection(Carrier, address)
     _, local = await asyncio.wait_for(connecting, CONNECT_SECONDS)
@@ -356,15 +362,17 @@ class Listener:
     """The answering ends' sockets: hands each connection to the Link whose token it presents.
 
     A Unix socket for openers on this host (`unix`), and a TCP one for openers on other hosts when given
-    `tcp_bind` (the host to listen on) and `tcp_advertise` (the host they reach it by)."""
+    `tcp_bind` (the host to listen on) and `tcp_advertise` (the host they reach it by), over TLS with `tls`
+    (the opener's token and every frame after it are then encrypted)."""
 
-    def __init__(self, unix: bool = True, tcp_bind: str = "", tcp_advertise: str = "") -> None:
+    def __init__(self, unix: bool = True, tcp_bind: str = "", tcp_advertise: str = "",
+                 tls: ssl.SSLContext | None = None) -> None:
         self._unix = unix
         self._server: asyncio.AbstractServer | None = None
         self._directory = ""
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._cannot: OSError | None = None  # why this host gives no socket (a path too long, ...): asked once
-        self._tcp_bind, self._tcp_advertise = tcp_bind, tcp_advertise
+        self._tcp_bind, self._tcp_advertise, self._tls = tcp_bind, tcp_advertise, tls
         self._tcp: asyncio.AbstractServer | None = None
         self._tcp_address = ""
 
@@ -390,7 +398,8 @@ class Listener:
                 raise OSError("no TCP links to this shard")
             if self._tcp is None:
                 self._tcp = await asyncio.get_running_loop().create_server(
-                    lambda: Carrier(on_token=self._presented), self._tcp_bind, 0)
+                    lambda: Carrier(on_token=self._presented), self._tcp_bind, 0, ssl=self._tls,
+                    ssl_handshake_timeout=CONNECT_SECONDS if self._tls is not None else None)
                 port = self._tcp.sockets[0].getsockname()[1]
                 host = f"[{self._tcp_advertise}]" if ":" in self._tcp_advertise else self._tcp_advertise
                 self._tcp_address = f"{TCP_SCHEME}{host}:{port}"

@@ -218,7 +218,8 @@ class ClientLink(LinkEnd):
     async def _take_carrier(self, answer: shard_pb2.LinkOpen) -> None:
         """Moves the items to the offered socket, or tells the peer they stay on the stream."""
         try:
-            local = await carrier.connect(answer.local_address, answer.local_token)
+            local = await carrier.connect(answer.local_address, answer.local_token, self.peer.tls,
+                                          self.peer.tls_server_name)
         except (OSError, TimeoutError) as error:
             log.info("%s: no local link (%r); items stay on the gRPC stream", self.name, error)
             await self._call.write(Frame(shard_pb2.LinkMessage(open=shard_pb2.LinkOpen(local_carrier=False))))

@@ -8,6 +8,7 @@ import inspect
 import logging
 import os
 import pathlib
+import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -49,6 +50,20 @@ def open_channel(address: str, security: Security) -> grpc.aio.Channel:
         options.append(("grpc.ssl_target_name_override", security.tls_server_name))
     credentials = grpc.ssl_channel_credentials(root_certificates=_read(security.tls_ca))
     return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def tls_server_context(security: Security) -> ssl.SSLContext | None:
+    """TLS for a Link's TCP socket on this server: the certificate its gRPC port presents; None without TLS."""
+    if not security.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(security.tls_cert, security.tls_key)
+    return context
+
+
+def tls_client_context(security: Security) -> ssl.SSLContext | None:
+    """TLS for the Link sockets this process opens: the roots its gRPC channels trust; None without TLS."""
+    return ssl.create_default_context(cafile=security.tls_ca) if security.tls_ca else None
 
 
 def new_server(security: Security) -> grpc.aio.Server:
@@ -261,6 +276,8 @@ class Peer:
         self.channel = open_channel(address, security)
         self.stub = Stub(self.channel, service)
         self.metadata = security.metadata
+        self.tls = tls_client_context(security)  # for a Link's TCP socket to this peer, as for its channel
+        self.tls_server_name = security.tls_server_name
         self._timeout = timeout
         self.same_host = False  # proved by probe(): this process and the peer can open each other's segments
 

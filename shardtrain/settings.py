@@ -72,7 +72,7 @@ class ShardSettings:
     threads: int = 0          # torch intra-op threads; 0 keeps torch's default (one per core)
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
-    tcp_links: bool = True      # peers on other hosts carry them on a TCP socket, unless the services use TLS
+    tcp_links: bool = True      # peers on other hosts carry them on a TCP socket (TLS when the services are)
     checksums: bool = False     # tensor chunks this shard sends carry a CRC-32 of their data
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
@@ -254,7 +254,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                              "the gRPC stream (default on)")
     parser.add_argument("--tcp-links", choices=("on", "off"), default=_env(env, "TCP_LINKS", "on"),
                         help="Links with peers on other hosts carry their items on a TCP socket instead of the "
-                             "gRPC stream (default on; never with TLS, whose items stay on gRPC)")
+                             "gRPC stream (default on; over TLS when the shard serves TLS)")
     parser.add_argument("--checksums", choices=("on", "off"), default=_env(env, "CHECKSUMS", "off"),
                         help="tensor chunks this shard sends carry a CRC-32 of their data, which the receiver "
                              "checks (default off: TCP checksums every segment and TLS authenticates every record; "

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pathlib
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -19,7 +22,8 @@ from client_sdk import Cluster
 from shardtrain import errors, link, rpc, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
-from tests.integration.training import largest_difference, regression_batches, train_remotely
+from tests.integration.test_local_links import listening_ports
+from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
 
 
 def test_demo_trains_and_matches_one_process():
@@ -119,13 +123,18 @@ def test_a_token_on_the_command_line_works_and_is_warned_about():
     assert '"ready"' in started.stdout and "--auth-token puts the token where every user" in started.stderr
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-def test_tls_end_to_end(tmp_path):
+def tls_security(tmp_path) -> Security:
+    """A token and a self-signed certificate for 127.0.0.1 that every party trusts."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=shardtrain-test", "-addext",
                     "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
-    security = Security(token="t", tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
+    return Security(token="t", tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_end_to_end(tmp_path):
+    security = tls_security(tmp_path)
     with Cluster.local(num_shards=2, security=security) as cluster:
         torch.manual_seed(0)
         model = cluster.deploy(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)))
@@ -133,6 +142,35 @@ def test_tls_end_to_end(tmp_path):
         assert len(losses) == 3
         with pytest.raises(errors.Unavailable):
             Cluster.connect(cluster.address, security=Security(token="t"))  # plaintext to a TLS port
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_with_tls_the_links_between_hosts_take_tls_sockets_and_a_plaintext_opener_is_refused(tmp_path, monkeypatch):
+    """Shared memory off, so no shard proves it shares a host with another, as between machines: the Link from
+    stage 0 to stage 1 takes stage 1's TCP socket, a TLS socket presenting the shard's certificate, so the token
+    and every tensor byte are encrypted; a plaintext opener is closed unread."""
+    monkeypatch.setenv("SHARDTRAIN_SHARED_MEMORY", "off")
+    security = tls_security(tmp_path)
+    certificate = ssl.PEM_cert_to_DER_cert(pathlib.Path(security.tls_cert).read_text())
+    batches = regression_batches(steps=4, batch=16, features=4)
+    adam = (torch.optim.Adam, {"lr": 1e-2})
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+    with Cluster.local(num_shards=2, security=security) as cluster:
+        model = cluster.deploy(net, optimizer=adam, num_stages=2)
+        train_remotely(model, batches[:2])
+        stage_1 = next(shard for shard in cluster._services.services
+                       if shard.address == model.placements[1].shard_address)
+        (link_port,) = set(listening_ports(stage_1.process.pid)) - {stage_1.port}  # beside its gRPC port
+        presented = ssl.get_server_certificate(("127.0.0.1", link_port))  # a TLS handshake
+        assert ssl.PEM_cert_to_DER_cert(presented) == certificate
+        with socket.create_connection(("127.0.0.1", link_port), timeout=15) as plaintext:
+            plaintext.sendall(os.urandom(16) + bytes(64))  # a token and a frame, in clear
+            answer = plaintext.recv(4096)
+        assert answer == b"" or answer[0] == 0x15  # closed, or a TLS alert record: nothing of a Link
+        train_remotely(model, batches[2:])
+        trained = model.state_dict()
+    assert largest_difference(trained, train_locally(net, batches, adam)) < 1e-5
 
 
 def test_refused_requests_are_logged_once_with_the_code_and_the_caller_as_json_lines():

@@ -198,7 +198,13 @@ def test_with_local_links_off_items_take_the_grpc_streams_and_training_matches(m
 
 
 def tcp_listeners(pid: int) -> int:
-    """TCP sockets process `pid` listens on, from its /proc/PID/net/tcp{,6} and its file descriptors."""
+    """TCP sockets process `pid` listens on."""
+    return len(listening_ports(pid))
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The ports of the TCP sockets process `pid` listens on, from its /proc/PID/net/tcp{,6} and its file
+    descriptors."""
     inodes = set()
     for fd in glob.glob(f"/proc/{pid}/fd/*"):
         try:
@@ -207,12 +213,12 @@ def tcp_listeners(pid: int) -> int:
             continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:["):-1])
-    count = 0
+    ports = []
     for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):  # the tables of the process's namespace
         with open(table) as rows:
-            count += sum(1 for row in (line.split() for line in rows.readlines()[1:])
-                         if row[3] == "0A" and row[9] in inodes)
-    return count
+            ports += [int(row[1].rsplit(":", 1)[1], 16) for row in (line.split() for line in rows.readlines()[1:])
+                      if row[3] == "0A" and row[9] in inodes]
+    return ports
 
 
 @pytest.mark.parametrize("tcp", ["on", "off"])
