@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
@@ -47,14 +48,18 @@ class CoordinatorServicer:
         if request.optimizer.name not in optim.ALLOWED:
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
         spec, replicas = request.partition, max(request.replicas, 1)
-        await self._forget_silent_shards()
+
+        def stage_count(registered: int) -> int:
+            # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
+            num_stages = spec.num_stages or min(registered // replicas, len(layers))
+            return len(spec.split_points) + 1 if spec.split_points else len(spec.layers_per_stage) or num_stages
+        await self._forget_silent_shards(lambda registered: stage_count(registered) * replicas)
         available = len(self.registry.shards()) // replicas
         if available < 1:
             raise FailedPrecondition(f"{replicas} replicas need at least {replicas} shards; "
                                      f"{len(self.registry.shards())} have registered")
-        # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
         num_stages = spec.num_stages or min(available, len(layers))
-        count = len(spec.split_points) + 1 if spec.split_points else len(spec.layers_per_stage) or num_stages
+        count = stage_count(available * replicas)
         costs, memory, unit = [layer.cost for layer in layers], [max(layer.memory_bytes, 0) for layer in layers], \
             PARAMETERS
         candidates = self._stage_shards(count, replicas)
@@ -115,16 +120,23 @@ class CoordinatorServicer:
             return []  # take() refuses the deploy, with the numbers
         return [[registered[r * count + i] for r in range(replicas)] for i in range(count)]
 
-    async def _forget_silent_shards(self) -> None:
-        """Drops every registered shard that does not answer now (it died, or its registration was never a
-        shard's), so that a deploy places stages on shards that live; a live one registers again at its next
-        heartbeat."""
-        shards = self.registry.shards()
-        answers = await asyncio.gather(*(self._answers(shard.address) for shard in shards))
-        for shard, answered in zip(shards, answers):
-            if not answered:
-                log.warning("forgetting %s at %s: it did not answer", shard.shard_id, shard.address)
-                self.registry.forget(shard.address)
+    async def _forget_silent_shards(self, wanted: Callable[[int], int]) -> None:
+        """Probes the shards a deploy will take (the first `wanted(number registered)`, in registration order) and
+        drops each that does not answer now (it died, or its registration was never a shard's), then probes the
+        next ones in their place, until the shards it will take all answer or too few are left. Only those are
+        probed, however many have registered; a live one that was dropped registers again at its next heartbeat."""
+        answered: set[str] = set()
+        while True:
+            registered = self.registry.shards()
+            shards = [shard for shard in registered[:wanted(len(registered))] if shard.address not in answered]
+            if not shards:
+                return
+            for shard, answers in zip(shards, await asyncio.gather(*(self._answers(s.address) for s in shards))):
+                if answers:
+                    answered.add(shard.address)
+                else:
+                    log.warning("forgetting %s at %s: it did not answer", shard.shard_id, shard.address)
+                    self.registry.forget(shard.address)
 
     async def _answers(self, address: str) -> bool:
         peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security, self.settings.timeouts.probe)

@@ -9,6 +9,7 @@ simulated timelines.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 
@@ -77,17 +78,24 @@ def timeline(schedule: str, num_stages: int, microbatches: int, forward_time: fl
 
 
 def _simulate(orders: dict[int, list[Action]], durations: dict[str, float]) -> Timeline:
-    """Event-driven: commit any stage's next action whose dependencies are done, until none is left."""
+    """Event-driven: commit a stage's next actions while their dependencies are done; a commit wakes the
+    neighbouring stages, whose next action may have waited on it. Linear in the number of actions."""
     ends: dict[Key, float] = {}
     result: Timeline = {s: [] for s in orders}
     remaining = sum(len(order) for order in orders.values())
-    while remaining:
-        progressed = False
-        for stage, order in orders.items():
-            while len(result[stage]) < len(order) and _commit(stage, order, len(orders), durations, ends, result):
-                remaining, progressed = remaining - 1, True
-        if not progressed:  # no stage can move and work is left: the orders wait on each other
-            raise InvalidArgument(f"schedule deadlocks: {_stuck(orders, result)}")
+    waking, woken = collections.deque(orders), set(orders)
+    while waking:
+        stage = waking.popleft()
+        woken.discard(stage)
+        order = orders[stage]
+        while len(result[stage]) < len(order) and _commit(stage, order, len(orders), durations, ends, result):
+            remaining -= 1
+            for neighbour in (stage - 1, stage + 1):
+                if neighbour in orders and neighbour not in woken:
+                    waking.append(neighbour)
+                    woken.add(neighbour)
+    if remaining:  # no stage can move and work is left: the orders wait on each other
+        raise InvalidArgument(f"schedule deadlocks: {_stuck(orders, result)}")
     return result
 
 

@@ -76,3 +76,15 @@ def test_a_stopped_shard_is_named_when_a_call_runs_out_of_its_deadline_and_train
             os.kill(middle.process.pid, signal.SIGCONT)
         with torch.no_grad():
             assert torch.allclose(model(x), net(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("own_cluster", [2], indirect=True)
+def test_a_deploy_probes_only_the_shards_it_takes_however_many_have_registered(own_cluster):
+    """Registrations beyond the shards a deploy takes are not probed (bench.scale times this with 1,000): with 200
+    silent ones registered after the two live shards, a two-stage deploy trains and leaves them registered."""
+    cluster = own_cluster
+    for port in range(10_000, 10_200):  # 127.0.0.2 is loopback, where nothing listens
+        crowd = coordinator_pb2.RegisterShardRequest(address=f"127.0.0.2:{port}", device="cpu")
+        cluster._io.run(cluster._coordinator.call("RegisterShard", crowd))
+    assert trains_like_one_process(cluster, num_stages=2) <= 1e-5
+    assert len(cluster.shards()) == 202
