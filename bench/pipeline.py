@@ -8,7 +8,13 @@ layers themselves are real (small) and run as usual. Printed, with the ideal bes
 
 1. p = 4 stages, m = 8 micro-batches: median step time against (m + p - 1) x (t_forward +
    t_backward), and the measured bubble (1 - a stage's busy time / the step time, mean over the
-   stages) against (p - 1) / (m + p - 1); for both schedules.
+   stages) against (p - 1) / (m + p - 1); for both schedules. Then where the time beyond the
+   ideal goes, from the last step's timeline (every stage's spans on one clock, model.timeline()):
+   the median time an action took beyond its simulated time (the layers' real compute and the hand-off
+   to the compute thread), the median hand-off between stages (from an action's input being ready
+   on the stage before, or after, until it starts, where the stage was idle), and the part of the
+   step outside the timeline (the SDK's sends, the loss's return, the settle); and the timeline
+   itself as a picture.
 2. data parallel, p = 1: samples per second with R = 4 replicas against R = 1, each replica
    taking the same batch per step (weak scaling).
 3. the peak saved-activation bytes per stage, 1F1B against GPipe, for m = 16 (real layers, no delay
@@ -18,6 +24,7 @@ layers themselves are real (small) and run as usual. Printed, with the ideal bes
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import time
@@ -57,11 +64,52 @@ def bubbles(cluster: Cluster, delay: float, steps: int) -> None:
     ideal = (m + p - 1) * 2 * delay
     print(f"1. p={p} stages, m={m} micro-batches, {delay * 1e3:.0f} ms per forward and per backward")
     print(f"   {'schedule':>8} {'step':>9} {'ideal':>9} {'ratio':>6} {'bubble':>7} {'theory':>7}")
+    pictures = []
     for schedule in ("gpipe", "1f1b"):
         step, stats = timed_steps(model, 8 * m, m, schedule, steps)
         bubble = statistics.mean(1 - (s["forward_s"] + s["backward_s"]) / step for s in stats)
         print(f"   {schedule:>8} {step * 1e3:7.1f}ms {ideal * 1e3:7.1f}ms {step / ideal:6.3f} "
               f"{bubble:7.3f} {(p - 1) / (m + p - 1):7.3f}")
+        pictures.append((schedule, step, model.timeline()))
+    for schedule, step, timeline in pictures:
+        extra, handoffs = overheads(timeline, delay)
+        print(f"   {schedule}, the last step: an action took {statistics.median(extra) * 1e3:.2f} ms beyond its "
+              f"simulated time (median); a hand-off between stages {statistics.median(handoffs) * 1e3:.2f} ms "
+              f"(median of {len(handoffs)}); the timeline spans {timeline.makespan * 1e3:.1f} ms of the "
+              f"{step * 1e3:.1f} ms step")
+        print("   " + timeline.text(88).replace("\n", "\n   "))
+    print(f"   of an action's time beyond the simulated: asyncio.sleep({delay:g}) itself overshoots by "
+          f"{timer_overshoot(delay) * 1e3:.2f} ms here (median; the event loop's epoll waits round up to whole ms)")
+
+
+def timer_overshoot(delay: float, repeats: int = 20) -> float:
+    """How much later than asked asyncio.sleep(delay) returns in this process: the simulation's own share of
+    each action's extra time, which device work (waited on through its stream) would not have."""
+    async def sleeps() -> list[float]:
+        late = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            await asyncio.sleep(delay)
+            late.append(time.perf_counter() - start - delay)
+        return late
+    return statistics.median(asyncio.run(sleeps()))
+
+
+def overheads(timeline, delay: float) -> tuple[list[float], list[float]]:
+    """(each forward's and backward's time beyond `delay`, each hand-off between stages that a stage waited
+    for): the framework's own time per action and per hop, from one step's timeline."""
+    lanes = timeline.lanes()
+    ends = {(span.stage, span.kind, span.microbatch): span.end for spans in lanes.values() for span in spans}
+    extra, handoffs = [], []
+    for (_, stage), spans in lanes.items():
+        work = [span for span in spans if span.kind in ("forward", "backward")]
+        for before, span in zip([None, *work], work):
+            extra.append(span.end - span.start - delay)
+            source = stage - 1 if span.kind == "forward" else stage + 1
+            ready = ends.get((source, span.kind, span.microbatch))
+            if ready is not None and (before is None or before.end <= ready):  # idle until the input was ready
+                handoffs.append(span.start - ready)
+    return extra, handoffs or [0.0]
 
 
 def data_parallel(cluster: Cluster, steps: int, per_replica: int = 64) -> None:

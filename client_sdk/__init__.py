@@ -3,5 +3,6 @@
 from client_sdk.cluster import Cluster
 from client_sdk.layer_list import LayerList
 from client_sdk.model import DistributedModel, Placement, RemoteParameter
+from client_sdk.timeline import Span, Timeline
 
-__all__ = ["Cluster", "DistributedModel", "LayerList", "Placement", "RemoteParameter"]
+__all__ = ["Cluster", "DistributedModel", "LayerList", "Placement", "RemoteParameter", "Span", "Timeline"]

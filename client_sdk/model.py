@@ -14,6 +14,7 @@ import torch
 from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
 from client_sdk.interface import Interface
+from client_sdk.timeline import Timeline
 from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
@@ -259,6 +260,14 @@ class DistributedModel:
         self._check_open()
         self._io.run(self._synchronize())
         return list(self._trainer.stats)
+
+    def timeline(self) -> Timeline:
+        """What each stage did when in the last train_step (forwards, backwards, the all-reduce, the optimizer
+        step) on one time axis; print it for a picture of the pipeline and its bubble. Waits for that step to
+        settle on every stage."""
+        self._check_open()
+        self._io.run(self._synchronize())
+        return self._trainer.timeline
 
     # -- the explicit asynchronous API ---------------------------------------------------------
     async def aforward(self, x: torch.Tensor) -> torch.Tensor:

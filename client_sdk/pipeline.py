@@ -10,6 +10,7 @@ import torch
 
 from client_sdk.optimizer import clip_coefficient
 from client_sdk.transport import StageClients
+from client_sdk.timeline import Timeline
 from shardtrain import schedule as schedules
 from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
@@ -68,6 +69,7 @@ class PipelineTrainer:
     def __init__(self, replicas: Sequence[StageClients]):
         self.replicas = list(replicas)
         self.stats: list[dict] = []
+        self.timeline = Timeline(())
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's total gradient norm
         self._clipping: asyncio.Future | None = None
 
@@ -112,6 +114,7 @@ class PipelineTrainer:
     async def _settled(self, outcomes: list[asyncio.Future]) -> None:
         per_replica = await _all_or_nothing(outcomes)
         self.stats = [_stats_dict(stats) for per_stage in per_replica for stats in per_stage]
+        self.timeline = Timeline.from_stats([stats for per_stage in per_replica for stats in per_stage])
 
 
 async def _all_or_nothing(calls: list) -> list:

@@ -30,14 +30,20 @@ class Figures:
         self.forward_seconds = self.backward_seconds = self.allreduce_seconds = 0.0
         self.peak_activation_bytes = self.peak_in_flight = 0
         self.allreduce_backend = ""
+        self.spans: list[shard_pb2.WorkSpan] = []
+
+    def span(self, kind: int, start: float, microbatch: int = 0) -> None:
+        """Records a span of work from `start` (time.time()) to now."""
+        self.spans.append(shard_pb2.WorkSpan(kind=kind, microbatch=microbatch, start=start, end=time.time()))
 
     def stats(self, stage: int, replica: int, optimizer_seconds: float) -> shard_pb2.StageStats:
+        self.span(shard_pb2.WORK_KIND_OPTIMIZER, time.time() - optimizer_seconds)  # it ended just now
         return shard_pb2.StageStats(
             stage=stage, replica=replica, forward_seconds=self.forward_seconds,
             backward_seconds=self.backward_seconds, allreduce_wait_seconds=self.allreduce_seconds,
             optimizer_seconds=optimizer_seconds, step_seconds=time.perf_counter() - self.started,
             peak_activation_bytes=self.peak_activation_bytes, peak_in_flight=self.peak_in_flight,
-            allreduce_backend=self.allreduce_backend)
+            allreduce_backend=self.allreduce_backend, spans=self.spans)
 
 
 class PlannedRun:
@@ -101,9 +107,11 @@ class PlannedRun:
             else:
                 await self._backward(action.microbatch)
             self.figures.peak_in_flight = max(self.figures.peak_in_flight, ports.in_flight())
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         await ports.averager("finish")
         self.figures.allreduce_seconds = time.perf_counter() - start
+        if self.figures.allreduce_backend:
+            self.figures.span(shard_pb2.WORK_KIND_ALLREDUCE, wall)
 
     async def _timed(self, function, *args, simulated: bool = True):
         start = time.perf_counter()
@@ -119,6 +127,7 @@ class PlannedRun:
         await ports.after_optimizer_step(header.after_optimizer_step)
         if header.zero_grad:
             await ports.run(ports.stage.zero_grad)
+        wall = time.time()
         (output, outgoing), seconds = await self._timed(ports.stage.forward, (self.step, k), x, incoming, True,
                                                         False, not header.eval_mode)
         self.figures.forward_seconds += seconds
@@ -130,8 +139,10 @@ class PlannedRun:
                                               _weight(target, sums), target.loss.model_output,
                                               simulated=False)  # within the simulated time
             self.figures.forward_seconds += seconds
+            self.figures.span(shard_pb2.WORK_KIND_FORWARD, wall, k)
             await ports.send_loss(header.key, loss)
         else:
+            self.figures.span(shard_pb2.WORK_KIND_FORWARD, wall, k)
             await ports.send_activation(header, output)
         await ports.send_residuals(header.key, outgoing)
         await ports.no_client_gradients(header.key)
@@ -143,9 +154,11 @@ class PlannedRun:
         grad = None if ports.is_last else (await self._take(k, schedule.BACKWARD))[1]
         residual_grads = await ports.residual_gradients((self.step, k))
         ports.averager_arm(k == self.final_backward)
+        wall = time.time()
         (grad_input, incoming_grads), seconds = await self._timed(ports.stage.backward, (self.step, k), grad,
                                                                   residual_grads)
         self.figures.backward_seconds += seconds
+        self.figures.span(shard_pb2.WORK_KIND_BACKWARD, wall, k)
         if ports.index > 0:  # None when the loss does not depend on this stage's input (the stage before skips it)
             await ports.send_input_gradient(key, grad_input)
         await ports.send_residual_gradients(key, incoming_grads)

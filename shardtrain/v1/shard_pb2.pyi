@@ -8,6 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WorkKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORK_KIND_UNSPECIFIED: _ClassVar[WorkKind]
+    WORK_KIND_FORWARD: _ClassVar[WorkKind]
+    WORK_KIND_BACKWARD: _ClassVar[WorkKind]
+    WORK_KIND_ALLREDUCE: _ClassVar[WorkKind]
+    WORK_KIND_OPTIMIZER: _ClassVar[WorkKind]
+
 class LinkRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LINK_ROLE_UNSPECIFIED: _ClassVar[LinkRole]
@@ -16,6 +24,11 @@ class LinkRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LINK_ROLE_NEXT: _ClassVar[LinkRole]
     LINK_ROLE_RESIDUAL: _ClassVar[LinkRole]
     LINK_ROLE_TIED: _ClassVar[LinkRole]
+WORK_KIND_UNSPECIFIED: WorkKind
+WORK_KIND_FORWARD: WorkKind
+WORK_KIND_BACKWARD: WorkKind
+WORK_KIND_ALLREDUCE: WorkKind
+WORK_KIND_OPTIMIZER: WorkKind
 LINK_ROLE_UNSPECIFIED: LinkRole
 LINK_ROLE_INPUT: LinkRole
 LINK_ROLE_OUTPUT: LinkRole
@@ -446,7 +459,7 @@ class PipelineAction(_message.Message):
     def __init__(self, backward: _Optional[bool] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("stage", "replica", "forward_seconds", "backward_seconds", "allreduce_wait_seconds", "optimizer_seconds", "step_seconds", "peak_activation_bytes", "peak_in_flight", "allreduce_backend")
+    __slots__ = ("stage", "replica", "forward_seconds", "backward_seconds", "allreduce_wait_seconds", "optimizer_seconds", "step_seconds", "peak_activation_bytes", "peak_in_flight", "allreduce_backend", "spans")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +470,7 @@ class StageStats(_message.Message):
     PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     replica: int
     forward_seconds: float
@@ -467,7 +481,20 @@ class StageStats(_message.Message):
     peak_activation_bytes: int
     peak_in_flight: int
     allreduce_backend: str
-    def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., allreduce_wait_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., allreduce_backend: _Optional[str] = ...) -> None: ...
+    spans: _containers.RepeatedCompositeFieldContainer[WorkSpan]
+    def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., allreduce_wait_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., allreduce_backend: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[WorkSpan, _Mapping]]] = ...) -> None: ...
+
+class WorkSpan(_message.Message):
+    __slots__ = ("kind", "microbatch", "start", "end")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    kind: WorkKind
+    microbatch: int
+    start: float
+    end: float
+    def __init__(self, kind: _Optional[_Union[WorkKind, str]] = ..., microbatch: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class LinkOpen(_message.Message):
     __slots__ = ("deployment_id", "role", "from_stage", "shared_memory", "local_carrier", "local_address", "local_token", "tcp_carrier")

@@ -12,6 +12,7 @@ from torch import nn
 from client_sdk import LayerList
 from client_sdk.seed_models import TEST_RESIDUAL_SMALL
 from shardtrain import errors
+from shardtrain import schedule as schedules
 from tests.integration.training import SKIP_A_STAGE, largest_difference, regression_batches
 
 ADAM = (torch.optim.Adam, {"lr": 3e-3})
@@ -221,3 +222,28 @@ def test_a_step_of_many_micro_batches_is_not_refused_as_items_piling_up(cluster4
     assert train_pipelined(model, batches, microbatches=200, schedule="gpipe") == pytest.approx(expected_losses,
                                                                                              rel=1e-5)
     assert largest_difference(model.state_dict(), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_timeline_shows_each_stage_s_actions_of_the_last_step_in_order_on_one_clock(cluster4, schedule):
+    model = cluster4.deploy(classifier(), optimizer=ADAM, num_stages=3)
+    x, y = regression_batches(steps=1, batch=16, features=6, outputs=5)[0]
+    model.train_step(x, y, "MSELoss", microbatches=4, schedule=schedule)
+    timeline = model.timeline()
+    lanes = timeline.lanes()
+    assert list(lanes) == [(0, 0), (0, 1), (0, 2)]
+    for (_, stage), spans in lanes.items():
+        work = [(span.kind, span.microbatch) for span in spans if span.kind != "optimizer"]
+        assert work == [("forward" if action.op == schedules.FORWARD else "backward", action.microbatch)
+                        for action in schedules.stage_actions(schedule, stage, 3, 4)]
+        assert spans[-1].kind == "optimizer"
+        assert all(earlier.end <= later.start for earlier, later in zip(spans, spans[1:]))  # one at a time
+    span = {(s.stage, s.kind, s.microbatch): s for s in timeline.spans}
+    for s in timeline.spans:  # after what it depends on, on the stages' shared clock
+        if s.kind == "forward" and s.stage > 0:
+            assert span[(s.stage - 1, "forward", s.microbatch)].end <= s.start
+        if s.kind == "backward" and s.stage < 2:
+            assert span[(s.stage + 1, "backward", s.microbatch)].end <= s.start
+    rows = timeline.text(60).splitlines()
+    assert len(rows) == 4 and all(len(row.split("|")[1]) == 60 for row in rows[:3])
+    assert 0 < timeline.bubble() < 1
