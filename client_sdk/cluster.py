@@ -131,14 +131,15 @@ class Cluster:
         about a quarter), for every kind, or a dict by kind: {"activations": ..., "gradients": ...,
         "residuals": ...} (kinds left out stay exact). Only floating-point tensors are compressed.
         replicas: copies of the pipeline (replicas x stages shards) for data parallelism; they train
-        together through model.train_step, averaging gradients with gloo collectives.
-        A deploy replaces the cluster's previous deployment; its handle stops working.
+        together through model.train_step, summing gradients with NCCL (a GPU each) or gloo collectives.
+        A deploy replaces the cluster's previous deployment; its handle stops working once the new one is sent
+        to the coordinator. A model refused before that (it cannot be captured, a bad argument) leaves the
+        previous deployment as it was.
         The handle starts in the model's mode (training, or eval after model.eval()); its train() and eval()
         switch it. Deploying leaves `model` as it was: weights, buffers, modes and torch's random stream.
         """
         if replicas < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
-        self._close_models()  # shards hold one deployment at a time: finish the previous one first
         module = layer_tools.as_module(model)
         layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
                                                      dynamic_shapes)
@@ -167,6 +168,7 @@ class Cluster:
         if balance == "time":
             layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
         layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
+        self._close_models()  # shards hold one deployment at a time: finish the previous one first
         # A data-plane deadline: the coordinator has the shards measure the layers and load their stages.
         response = self._io.run(self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc))
         # torch.optim numbers its state by this order: the groups', or net.parameters()'

@@ -95,6 +95,30 @@ def test_handle_of_a_replaced_deployment_is_refused(cluster4):
         old(torch.randn(1, 2))
 
 
+def test_a_model_refused_before_it_is_sent_leaves_the_working_deployment_training(cluster4):
+    """A notebook's next attempt that cannot be captured, or names a bad option, must not cost the model that
+    trains: only a deploy sent to the coordinator replaces it."""
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x) if x.sum() > 0 else x
+    torch.manual_seed(0)
+    working = cluster4.deploy(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), num_stages=2)
+    batches = regression_batches(steps=2, batch=8, features=4)
+    train_remotely(working, batches[:1])
+    with pytest.raises(errors.InvalidArgument, match="cannot be captured"):
+        cluster4.deploy(DataDependent(), example_input=torch.randn(2, 4))
+    with pytest.raises(errors.InvalidArgument, match="balance must be one of"):
+        cluster4.deploy(nn.Sequential(nn.Linear(4, 1)), balance="evenly")
+    with pytest.raises(errors.InvalidArgument, match="not allowed"):
+        cluster4.deploy(nn.Sequential(nn.Linear(4, 1)), optimizer=("Lion", {"lr": 0.1}))
+    train_remotely(working, batches[1:])
+    assert set(working.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
 def test_optimizer_outside_the_allow_list_is_refused(cluster4):
     class Mine(torch.optim.SGD):
         pass
