@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import signal
 import time
 
@@ -88,3 +89,39 @@ def test_a_deploy_probes_only_the_shards_it_takes_however_many_have_registered(o
         cluster._io.run(cluster._coordinator.call("RegisterShard", crowd))
     assert trains_like_one_process(cluster, num_stages=2) <= 1e-5
     assert len(cluster.shards()) == 202
+
+
+def test_training_goes_on_without_the_coordinator_and_a_restarted_one_learns_the_shards_again():
+    """The coordinator holds no tensors: with it dead the loop and train_step go on, and a new coordinator on the
+    same address hears every shard at its next heartbeat; this client reconnects and deploys again."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with Cluster.local(num_shards=2, timeouts=Timeouts(heartbeat=0.5)) as cluster:
+        model = cluster.deploy(net, num_stages=2)
+        model.train_step(x, y, "MSELoss", microbatches=2)
+        services = cluster._services
+        coordinator = services.services[0]
+        coordinator.process.kill()
+        coordinator.process.wait()
+        assert model.train_step(x, y, "MSELoss", microbatches=2) > 0
+        nn.functional.mse_loss(model(x), y).backward()
+        model.step()
+        trained = model.state_dict()
+        with pytest.raises(errors.Unavailable, match="coordinator"):
+            cluster.shards()
+        restarted = services._start("coordinator-restarted",
+                                    ["-m", "coordinator", "--bind", f"127.0.0.1:{coordinator.port}"])
+        restarted.wait_ready(60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if len(cluster.shards()) == 2:
+                    break
+            except errors.Unavailable:  # the channel is still backing off from the refused calls
+                pass
+            time.sleep(0.25)
+        assert sorted(s.address for s in cluster.shards()) == sorted(services.shard_addresses)
+        assert trains_like_one_process(cluster, num_stages=2) <= 1e-5
+    shutil.rmtree(services.log_dir, ignore_errors=True)  # kept by close(): the first coordinator had died, on purpose
+    assert set(trained) == {"0.weight", "0.bias", "2.weight", "2.bias"}
