@@ -24,6 +24,7 @@ class ShardRecord:
     address: str
     device: str
     memory_bytes: int = 0  # what a stage there may use; 0: unknown
+    instance: str = ""     # the shard process's own random name: a restart at the address has another
 
 
 class ShardRegistry:
@@ -40,7 +41,12 @@ class ShardRegistry:
         self._expiry = expiry
         self._clock = clock
 
-    def register(self, address: str, device: str, memory_bytes: int = 0) -> ShardRecord:
+    def holder(self, address: str) -> ShardRecord | None:
+        """The registration of `address` still heard from, if any."""
+        self._expire()
+        return self._by_address.get(address)
+
+    def register(self, address: str, device: str, memory_bytes: int = 0, instance: str = "") -> ShardRecord:
         """Adds or refreshes a shard; InvalidArgument for an address that is not host:port, ResourceExhausted
         once MAX_SHARDS have registered."""
         if not is_host_port(address):  # what a stage plan will name it by (shard_service/stage_plan.py)
@@ -52,7 +58,7 @@ class ShardRegistry:
         if previous is None and len(self._by_address) >= MAX_SHARDS:
             raise ResourceExhausted(f"{MAX_SHARDS} shards have registered, the most this coordinator keeps")
         shard_id = previous.shard_id if previous else f"shard-{next(self._ids)}"
-        self._by_address[address] = ShardRecord(shard_id, address, device or "cpu", max(memory_bytes, 0))
+        self._by_address[address] = ShardRecord(shard_id, address, device or "cpu", max(memory_bytes, 0), instance)
         self._heard[address] = self._clock()
         return self._by_address[address]
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
 from shardtrain import auth, optim, partition, schedule
-from shardtrain.errors import FailedPrecondition, InvalidArgument, ShardtrainError
+from shardtrain.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ShardtrainError
 from shardtrain.residuals import Wiring, route
 from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
 from shardtrain.settings import CoordinatorSettings
@@ -30,7 +30,10 @@ class CoordinatorServicer:
 
     @boundary
     async def RegisterShard(self, request, context):
-        record = self.registry.register(request.address, request.device, request.memory_bytes)
+        holder = self.registry.holder(request.address)
+        if holder is not None and holder.instance != request.instance:
+            await self._check_takeover(holder, request.instance)
+        record = self.registry.register(request.address, request.device, request.memory_bytes, request.instance)
         log.info("registered %s at %s (%s)", record.shard_id, record.address, record.device)
         return coordinator_pb2.RegisterShardResponse(shard_id=record.shard_id)
 
@@ -137,6 +140,21 @@ class CoordinatorServicer:
                 else:
                     log.warning("forgetting %s at %s: it did not answer", shard.shard_id, shard.address)
                     self.registry.forget(shard.address)
+
+    async def _check_takeover(self, holder: ShardRecord, instance: str) -> None:
+        """Another process registers an address that a shard holds: that is a restart when the process answering
+        at the address is the one registering (or nothing answers there any more); otherwise ALREADY_EXISTS."""
+        peer = Peer(f"shard at {holder.address}", holder.address, SHARD_SERVICE, self.settings.security,
+                    self.settings.timeouts.probe)
+        try:
+            answer = await peer.call("Describe", shard_pb2.DescribeRequest())
+        except ShardtrainError:
+            return  # the holder is gone: the address is free
+        finally:
+            await peer.close()
+        if answer.instance != instance:
+            raise AlreadyExists(f"{holder.address} is registered by a live shard ({holder.shard_id}) that answers "
+                                "there; another process cannot register that address")
 
     async def _answers(self, address: str) -> bool:
         peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security, self.settings.timeouts.probe)

@@ -40,13 +40,13 @@ def _reachable_host(bind: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
 
 
-async def keep_registered(settings: ShardSettings, address: str) -> None:
+async def keep_registered(settings: ShardSettings, address: str, instance: str = "") -> None:
     """Registers again every settings.timeouts.heartbeat seconds: the coordinator forgets a shard it has not heard
     from for settings.timeouts.expiry."""
     while True:
         await asyncio.sleep(settings.timeouts.heartbeat)
         try:
-            await register(settings, address)
+            await register(settings, address, instance)
         except ShardtrainError as error:  # the coordinator is away: try again at the next beat
             log.warning("could not renew the registration with %s: %s", settings.coordinator, error)
 
@@ -61,8 +61,9 @@ def device_memory(device: str) -> int:
         return 0
 
 
-async def register(settings: ShardSettings, address: str) -> str:
-    """Registers with the coordinator, retrying until it answers or settings.timeouts.connect runs out."""
+async def register(settings: ShardSettings, address: str, instance: str = "") -> str:
+    """Registers with the coordinator as `instance` (this process's random name), retrying until it answers or
+    settings.timeouts.connect runs out."""
     coordinator = rpc.Peer(f"coordinator at {settings.coordinator}", settings.coordinator,
                            rpc.COORDINATOR_SERVICE, settings.security,
                            settings.timeouts.control)
@@ -72,7 +73,7 @@ async def register(settings: ShardSettings, address: str) -> str:
             try:
                 request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
                                                                memory_bytes=settings.memory_bytes or
-                                                               device_memory(settings.device))
+                                                               device_memory(settings.device), instance=instance)
                 return (await coordinator.call("RegisterShard", request)).shard_id
             except Unavailable:
                 if time.monotonic() > deadline:
@@ -87,10 +88,10 @@ async def serve(settings: ShardSettings) -> None:
     """Runs one shard until cancelled: serve, register, announce readiness on stdout."""
     server, port, servicer = await build_server(settings)
     try:
-        shard_id = await register(settings, servicer.address)
+        shard_id = await register(settings, servicer.address, servicer.instance)
         print(json.dumps({"event": "ready", "service": "shard", "address": servicer.address,
                           "port": port, "shard_id": shard_id}), flush=True)
-        heartbeat = asyncio.ensure_future(keep_registered(settings, servicer.address))
+        heartbeat = asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance))
         try:
             await server.wait_for_termination()
         finally:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 
 import torch
 
@@ -41,6 +42,7 @@ class ShardServicer:
     def __init__(self, settings: ShardSettings, address: str):
         self.settings = settings
         self.address = address
+        self.instance = secrets.token_hex(8)  # what it registers with: no other process can take its address
         self.runtime = ShardRuntime(settings, address)
         self.peers = Peers(settings)  # channels to the other shards, and how tensors reach each
         self.loop = LinkedLoop(self.runtime, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
@@ -182,7 +184,8 @@ class ShardServicer:
             address=self.address, device=self.settings.device, deployment_id=self.runtime.deployment_id,
             stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
-            parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal)
+            parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
+            instance=self.instance)
 
     @boundary
     async def ProbeSharedMemory(self, request, context):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -24,8 +25,11 @@ def test_committed_stubs_match_the_protos(tmp_path):
 
 def test_the_wheel_carries_the_protos_and_the_type_markers(tmp_path):
     """shardtrain/v1/*.proto are links to protos/: the installed package carries the contract beside its stubs."""
+    source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and egg-info behind
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info",
+                                                                                "__pycache__", ".whl", ".devrun"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+                    str(tmp_path), str(source)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("shardtrain-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())

@@ -9,14 +9,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterShardRequest(_message.Message):
-    __slots__ = ("address", "device", "memory_bytes")
+    __slots__ = ("address", "device", "memory_bytes", "instance")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     memory_bytes: int
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class RegisterShardResponse(_message.Message):
     __slots__ = ("shard_id",)

@@ -417,7 +417,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal")
+    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,7 @@ class DescribeResponse(_message.Message):
     IN_FLIGHT_STEPS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     FLUSH_DENORMAL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     deployment_id: str
@@ -434,7 +435,8 @@ class DescribeResponse(_message.Message):
     in_flight_steps: _containers.RepeatedScalarFieldContainer[int]
     parameter_count: int
     flush_denormal: bool
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ...) -> None: ...
+    instance: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LossSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "program", "sums", "model_output")

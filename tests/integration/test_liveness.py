@@ -16,9 +16,9 @@ from torch import nn
 from client_sdk import Cluster
 from coordinator.server import build_server
 from shard_service.server import keep_registered
-from shardtrain import errors
+from shardtrain import errors, rpc
 from shardtrain.settings import CoordinatorSettings, Security, ShardSettings, Timeouts
-from shardtrain.v1 import coordinator_pb2
+from shardtrain.v1 import coordinator_pb2, shard_pb2
 from tests.integration.training import trains_like_one_process
 
 
@@ -125,3 +125,32 @@ def test_training_goes_on_without_the_coordinator_and_a_restarted_one_learns_the
         assert trains_like_one_process(cluster, num_stages=2) <= 1e-5
     shutil.rmtree(services.log_dir, ignore_errors=True)  # kept by close(): the first coordinator had died, on purpose
     assert set(trained) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_a_live_shard_s_address_cannot_be_registered_by_another_process(own_cluster):
+    """A registration for an address a live shard holds is refused unless the process answering there is the one
+    registering (a restart); an address where nothing answers any more is free."""
+    cluster = own_cluster
+
+    def register(address: str, instance: str, memory: int = 1 << 50) -> None:
+        request = coordinator_pb2.RegisterShardRequest(address=address, device="cpu", memory_bytes=memory,
+                                                       instance=instance)
+        cluster._io.run(cluster._coordinator.call("RegisterShard", request))
+    victim = cluster.shards()[0]
+    with pytest.raises(errors.AlreadyExists, match=rf"{victim.address} is registered by a live shard"):
+        register(victim.address, "rogue")
+    with pytest.raises(errors.AlreadyExists):
+        register(victim.address, "")
+    assert cluster.shards()[0] == victim  # its memory and place as they were
+
+    async def instance_at(address: str) -> str:
+        peer = rpc.Peer("victim", address, rpc.SHARD_SERVICE, cluster.security, 10)  # on the client's loop
+        try:
+            return (await peer.call("Describe", shard_pb2.DescribeRequest())).instance
+        finally:
+            await peer.close()
+    instance = cluster._io.run(instance_at(victim.address))
+    register(victim.address, instance, victim.memory_bytes)  # the process that answers there: as a restart would
+    register("127.0.0.1:1", "first")  # nothing listens there
+    register("127.0.0.1:1", "second")  # so another process may take it
+    assert trains_like_one_process(cluster, num_stages=2) <= 1e-5
