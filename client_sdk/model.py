@@ -6,19 +6,21 @@ import asyncio
 import itertools
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from client_sdk import checkpoint
 from client_sdk.autograd import RemoteStages
 from client_sdk.inflight import InFlight
 from client_sdk.interface import Interface
-from client_sdk.timeline import Timeline
 from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
 from client_sdk.pipeline import Batch, PipelineTrainer
+from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
 from shardtrain import optim
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument
@@ -194,6 +196,19 @@ class DistributedModel:
         per_stage = optim.split(optim.from_torch(state, self._parameter_keys), self._holders, len(self.placements))
         self._io.run(self._load_optimizer_state(per_stage))
         self._hyperparameters.loaded(state["param_groups"])
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Writes the weights and the optimizer state to `directory` as safetensors files and a JSON description,
+        no pickle (client_sdk/checkpoint.py); load_checkpoint reads it into any deployment of the same model."""
+        checkpoint.save(directory, self.state_dict(), self.optimizer_state_dict())
+
+    def load_checkpoint(self, directory: str | os.PathLike, optimizer: bool = True) -> None:
+        """Loads a checkpoint that save_checkpoint wrote, on this split or another, with the optimizer state unless
+        `optimizer` is False; a checkpoint that does not fit the model is refused."""
+        weights, optimizer_state = checkpoint.load(directory)
+        self.load_state_dict(weights)
+        if optimizer:
+            self.load_optimizer_state_dict(optimizer_state)
 
     def named_parameters(self):
         """(name, RemoteParameter) for each parameter, in net.named_parameters()'s order (a tied weight once)."""

@@ -93,3 +93,35 @@ def test_a_state_that_does_not_fit_is_refused_and_training_goes_on_unchanged(clu
     train_remotely(model, batches[3:])
     local, _ = local_training(net, batches)
     assert largest_difference(model.state_dict(), local.state_dict()) <= 1e-5
+
+
+def test_a_durable_checkpoint_resumes_training_exactly_on_another_split_and_holds_no_pickle(cluster4, tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    net, batches = seed_net(), regression_batches(steps=8, batch=32, features=1)
+    model = cluster4.deploy(net, optimizer=ADAM, num_stages=3)
+    train_remotely(model, batches[:4])
+    model.save_checkpoint(tmp_path / "step-4")
+    assert sorted(p.name for p in (tmp_path / "step-4").iterdir()) == [
+        "checkpoint.json", "model.safetensors", "optimizer.safetensors"]
+    stored = safetensors_torch.load_file(str(tmp_path / "step-4" / "model.safetensors"))  # other tools read it
+    assert largest_difference(stored, model.state_dict()) == 0.0
+    resumed = cluster4.deploy(seed_net(), optimizer=ADAM, num_stages=2)  # another split, fresh weights
+    resumed.load_checkpoint(tmp_path / "step-4")
+    train_remotely(resumed, batches[4:])
+    expected, optimizer = local_training(net, batches)
+    assert largest_difference(resumed.state_dict(), expected.state_dict()) <= 1e-6
+    assert largest_state_difference(resumed.optimizer_state_dict(), optimizer.state_dict()) <= 1e-6
+
+
+def test_a_checkpoint_that_is_missing_or_damaged_is_refused_and_the_model_keeps_its_weights(cluster4, tmp_path):
+    from shardtrain.errors import DataLoss, NotFound
+    model = cluster4.deploy(seed_net(), optimizer=ADAM, num_stages=2)
+    before = model.state_dict()
+    with pytest.raises(NotFound, match="holds no checkpoint.json"):
+        model.load_checkpoint(tmp_path / "nowhere")
+    model.save_checkpoint(tmp_path / "good")
+    damaged = tmp_path / "good" / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-4])  # the last tensor lost its last bytes
+    with pytest.raises(DataLoss, match="does not match its bytes"):
+        model.load_checkpoint(tmp_path / "good")
+    assert largest_difference(model.state_dict(), before) == 0.0
