@@ -223,7 +223,8 @@ def main() -> None:
                   f"{m['gRPC links'] / m['shardtrain']:.2f}x the loop with local links")
         if "between hosts" in m:
             print(f"batch {batch}: the loop between hosts (a network namespace per shard) "
-                  f"{m['between hosts'] * 1e3:.2f} ms, {m['between hosts'] / m['shardtrain']:.2f}x the loop on one host")
+                  f"{m['between hosts'] * 1e3:.2f} ms, "
+                  f"{m['between hosts'] / m['shardtrain']:.2f}x the loop on one host")
     print(f"shardtrain: the PyTorch-shaped loop (model(x), loss.backward(), model.step()); train_step: "
           f"model.train_step with {args.microbatches} micro-batches, 1F1B, the loss on the last stage.")
     print(f"optimizer: torch.optim.Adam with lr={LR}" + "".join(f", {k}={v!r}" for k, v in args.adam.items())

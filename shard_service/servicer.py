@@ -87,8 +87,9 @@ class ShardServicer:
     @boundary
     async def ReadState(self, request, context):
         stage = self._owned(context, request.deployment_id)
+        options = wire.SendOptions(self.settings.chunk_bytes, checksum=self.settings.checksums)
         for name, tensor in (await self.runtime.run(stage.state)).items():
-            for frame in wire.tensor_frames(tensor, name, wire.SendOptions(self.settings.chunk_bytes, checksum=self.settings.checksums)):
+            for frame in wire.tensor_frames(tensor, name, options):
                 yield frame  # weights always travel exact
 
     @boundary

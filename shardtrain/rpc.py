@@ -48,7 +48,10 @@ def open_channel(address: str, security: Security) -> grpc.aio.Channel:
     options = list(CHANNEL_OPTIONS)
     if security.tls_server_name:
         options.append(("grpc.ssl_target_name_override", security.tls_server_name))
-    credentials = grpc.ssl_channel_credentials(root_certificates=_read(security.tls_ca))
+    key, chain = (_read(security.tls_key), _read(security.tls_cert)) if security.tls_cert and security.tls_key \
+        else (None, None)  # a client certificate, for servers that ask for one (mutual TLS)
+    credentials = grpc.ssl_channel_credentials(root_certificates=_read(security.tls_ca), private_key=key,
+                                               certificate_chain=chain)
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
@@ -58,12 +61,21 @@ def tls_server_context(security: Security) -> ssl.SSLContext | None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(security.tls_cert, security.tls_key)
+    if security.tls_client_auth:  # openers prove themselves as on the gRPC port
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=security.tls_ca)
     return context
 
 
 def tls_client_context(security: Security) -> ssl.SSLContext | None:
-    """TLS for the Link sockets this process opens: the roots its gRPC channels trust; None without TLS."""
-    return ssl.create_default_context(cafile=security.tls_ca) if security.tls_ca else None
+    """TLS for the Link sockets this process opens: the roots its gRPC channels trust, and its certificate for
+    servers that ask for one; None without TLS."""
+    if not security.tls_ca:
+        return None
+    context = ssl.create_default_context(cafile=security.tls_ca)
+    if security.tls_cert and security.tls_key:
+        context.load_cert_chain(security.tls_cert, security.tls_key)
+    return context
 
 
 def new_server(security: Security) -> grpc.aio.Server:
@@ -80,7 +92,10 @@ def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
     """
     if bool(security.tls_cert) != bool(security.tls_key):
         raise errors.InvalidArgument("TLS needs both --tls-cert and --tls-key")
-    if not security.token and not security.allow_unauthenticated:
+    if security.tls_client_auth and not (security.tls_cert and security.tls_ca):
+        raise errors.InvalidArgument("--tls-client-auth needs --tls-cert, --tls-key and --tls-ca (the CA that signs "
+                                     "the callers' certificates)")
+    if not security.token and not security.allow_unauthenticated and not security.tls_client_auth:
         if security.tls_cert:
             raise errors.FailedPrecondition(
                 "TLS without a token authenticates nobody: give every service and client the same token "
@@ -94,7 +109,10 @@ def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
         port = server.add_insecure_port(address)
     else:
         pair = [(_read(security.tls_key), _read(security.tls_cert))]
-        port = server.add_secure_port(address, grpc.ssl_server_credentials(pair))
+        credentials = grpc.ssl_server_credentials(pair, root_certificates=_read(security.tls_ca)
+                                                  if security.tls_client_auth else None,
+                                                  require_client_auth=security.tls_client_auth)
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise errors.Unavailable(f"could not bind {address}")
     return port

@@ -36,6 +36,7 @@ class Security:
     tls_key: str = ""         # PEM private key of this server
     tls_ca: str = ""          # PEM roots a client trusts; set it to talk TLS to the services
     tls_server_name: str = ""  # overrides the name checked against the server's certificate
+    tls_client_auth: bool = False  # a server asks every caller for a certificate from tls_ca (mutual TLS)
     allow_unauthenticated: bool = False  # a server may listen beyond loopback, or over TLS, with no token
 
     @property
@@ -125,6 +126,9 @@ def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
     parser.add_argument("--tls-key", default=_env(env, "TLS_KEY"))
     parser.add_argument("--tls-ca", default=_env(env, "TLS_CA"))
     parser.add_argument("--tls-server-name", default=_env(env, "TLS_SERVER_NAME"))
+    parser.add_argument("--tls-client-auth", choices=("on", "off"), default=_env(env, "TLS_CLIENT_AUTH", "off"),
+                        help="mutual TLS: every caller must present a certificate that --tls-ca signed (a client "
+                             "presents --tls-cert and --tls-key); it authenticates callers without a token")
     parser.add_argument("--allow-unauthenticated", action="store_true",
                         default=_env(env, "ALLOW_UNAUTHENTICATED") in ("1", "true", "on"),
                         help="serve callers without a token on a non-loopback address or over TLS (by default a "
@@ -136,7 +140,7 @@ def security_from(args: argparse.Namespace, role: str = "client") -> Security:
     return Security(token=_read_token(args), shard_token=_role_token(args, "shard"),
                     reader_token=_role_token(args, "reader"), role=role, tls_cert=args.tls_cert,
                     tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
-                    allow_unauthenticated=args.allow_unauthenticated)
+                    tls_client_auth=args.tls_client_auth == "on", allow_unauthenticated=args.allow_unauthenticated)
 
 
 def _role_token(args: argparse.Namespace, role: str) -> str:
@@ -155,7 +159,8 @@ def security_env(security: Security) -> dict[str, str]:
     """The SHARDTRAIN_* variables that make a child service use `security` (the inverse of the flags' defaults)."""
     fields = {"AUTH_TOKEN": security.token, "SHARD_TOKEN": security.shard_token,
               "READER_TOKEN": security.reader_token, "TLS_CERT": security.tls_cert, "TLS_KEY": security.tls_key,
-              "TLS_CA": security.tls_ca, "TLS_SERVER_NAME": security.tls_server_name}
+              "TLS_CA": security.tls_ca, "TLS_SERVER_NAME": security.tls_server_name,
+              "TLS_CLIENT_AUTH": "on" if security.tls_client_auth else ""}
     return {ENV_PREFIX + name: value for name, value in fields.items() if value}
 
 

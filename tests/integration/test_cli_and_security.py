@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from client_sdk import Cluster
+from client_sdk.processes import LocalServices
 from shardtrain import errors, link, rpc, wire
-from shardtrain.settings import Security
+from shardtrain.settings import Security, security_env
 from shardtrain.v1 import coordinator_pb2, shard_pb2
-from tests.integration.test_local_links import listening_ports
+from tests.integration.test_local_links import established_on, listening_ports
 from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
 
 
@@ -171,6 +172,59 @@ def test_with_tls_the_links_between_hosts_take_tls_sockets_and_a_plaintext_opene
         train_remotely(model, batches[2:])
         trained = model.state_dict()
     assert largest_difference(trained, train_locally(net, batches, adam)) < 1e-5
+
+
+def signed_certificates(directory: pathlib.Path) -> dict[str, str]:
+    """A CA, a certificate for 127.0.0.1 it signed, another for a client, and one from a stranger's own CA."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=shardtrain-test-ca")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "stranger.key", "-out", "stranger.pem", "-days",
+        "1", "-subj", "/CN=stranger")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
+            f"/CN=shardtrain-{name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            f"{name}.pem", "-days", "1", "-extfile", "san.ext")
+    return {name: str(directory / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem",
+                                                     "client.key", "stranger.pem", "stranger.key")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+def test_mutual_tls_admits_callers_with_a_certificate_from_the_ca_and_no_token(tmp_path, monkeypatch):
+    """--tls-client-auth on: the services ask every caller for a certificate the CA signed, and it authenticates
+    them without a token (a server refuses TLS without a token otherwise). Links between hosts check it too."""
+    monkeypatch.setenv("SHARDTRAIN_SHARED_MEMORY", "off")  # the links between stages take their TLS sockets
+    files = signed_certificates(tmp_path)
+    services = Security(tls_cert=files["server.pem"], tls_key=files["server.key"], tls_ca=files["ca.pem"],
+                        tls_client_auth=True)
+    refused = subprocess.run(["shardtrain", "coordinator", "--bind", "127.0.0.1:0"], capture_output=True, text=True,
+                             env={**without_shardtrain_variables(), **security_env(services),
+                                  "SHARDTRAIN_TLS_CLIENT_AUTH": "off"}, timeout=60)
+    assert "TLS without a token authenticates nobody" in refused.stderr
+    local = LocalServices(2, env=security_env(services))
+    try:
+        client = Security(tls_cert=files["client.pem"], tls_key=files["client.key"], tls_ca=files["ca.pem"])
+        with Cluster.connect(local.coordinator_address, security=client) as cluster:
+            cluster.wait_for_shards(2)
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1))
+            batches = regression_batches(steps=3, batch=4, features=2)
+            model = cluster.deploy(net, num_stages=2)
+            train_remotely(model, batches)
+            stage_1 = next(shard for shard in local.services if shard.address == model.placements[1].shard_address)
+            (link_port,) = set(listening_ports(stage_1.process.pid)) - {stage_1.port}
+            assert established_on(stage_1.process.pid, link_port) == 1  # stage 0's link: its TLS handshake passed
+            assert largest_difference(model.state_dict(),
+                                      train_locally(net, batches, (torch.optim.SGD, {"lr": 0.01}))) < 1e-6
+        for caller in (Security(tls_ca=files["ca.pem"]),  # no certificate
+                       Security(tls_cert=files["stranger.pem"], tls_key=files["stranger.key"], tls_ca=files["ca.pem"])):
+            with pytest.raises(errors.Unavailable):
+                Cluster.connect(local.coordinator_address, security=caller)
+    finally:
+        local.stop()
 
 
 def test_refused_requests_are_logged_once_with_the_code_and_the_caller_as_json_lines():

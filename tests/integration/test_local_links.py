@@ -202,6 +202,16 @@ def tcp_listeners(pid: int) -> int:
     return len(listening_ports(pid))
 
 
+def established_on(pid: int, port: int) -> int:
+    """Connections made to process `pid`'s local `port`, from its /proc/PID/net/tcp{,6}."""
+    count = 0
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        with open(table) as rows:
+            count += sum(1 for row in (line.split() for line in rows.readlines()[1:])
+                         if row[3] == "01" and int(row[1].rsplit(":", 1)[1], 16) == port)
+    return count
+
+
 def listening_ports(pid: int) -> list[int]:
     """The ports of the TCP sockets process `pid` listens on, from its /proc/PID/net/tcp{,6} and its file
     descriptors."""
