@@ -115,17 +115,24 @@ def _read_token(args: argparse.Namespace) -> str:
 def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Adds --auth-token/--auth-token-file/--tls-* with SHARDTRAIN_* environment defaults."""
     # A token flag beats a token-file flag, which beats the variables (token, then token file).
-    parser.add_argument("--auth-token", default=None)
-    parser.add_argument("--auth-token-file", default=None)
+    parser.add_argument("--auth-token", default=None,
+                        help="the token every caller presents (visible to every user of the host: prefer the file "
+                             "or SHARDTRAIN_AUTH_TOKEN)")
+    parser.add_argument("--auth-token-file", default=None,
+                        help="a file holding the token (or SHARDTRAIN_AUTH_TOKEN_FILE)")
     parser.set_defaults(env_token=_env(env, "AUTH_TOKEN"), env_token_file=_env(env, "AUTH_TOKEN_FILE"))
     for role in ("shard", "reader"):  # from files or variables only: a command line is visible to the whole host
         parser.add_argument(f"--{role}-token-file", default=_env(env, f"{role.upper()}_TOKEN_FILE"),
                             help=f"a file holding the {role} role's own token (or SHARDTRAIN_{role.upper()}_TOKEN)")
     parser.set_defaults(env_shard_token=_env(env, "SHARD_TOKEN"), env_reader_token=_env(env, "READER_TOKEN"))
-    parser.add_argument("--tls-cert", default=_env(env, "TLS_CERT"))
-    parser.add_argument("--tls-key", default=_env(env, "TLS_KEY"))
-    parser.add_argument("--tls-ca", default=_env(env, "TLS_CA"))
-    parser.add_argument("--tls-server-name", default=_env(env, "TLS_SERVER_NAME"))
+    parser.add_argument("--tls-cert", default=_env(env, "TLS_CERT"),
+                        help="PEM certificate chain: a server serves TLS with it (and presents it as a caller)")
+    parser.add_argument("--tls-key", default=_env(env, "TLS_KEY"), help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", default=_env(env, "TLS_CA"),
+                        help="PEM roots: calls to other services use TLS and check their certificates against it")
+    parser.add_argument("--tls-server-name", default=_env(env, "TLS_SERVER_NAME"),
+                        help="the name checked against the certificates of the services called (default: the "
+                             "host of their address)")
     parser.add_argument("--tls-client-auth", choices=("on", "off"), default=_env(env, "TLS_CLIENT_AUTH", "off"),
                         help="mutual TLS: every caller must present a certificate that --tls-ca signed (a client "
                              "presents --tls-cert and --tls-key); it authenticates callers without a token")
@@ -237,17 +244,19 @@ def _size(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
-def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ShardSettings:
-    """Parses `shardtrain shard` flags, with environment variables as defaults."""
-    env = os.environ if env is None else env
+def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The flags of `shardtrain shard`, with `env`'s SHARDTRAIN_* variables as defaults."""
     parser = argparse.ArgumentParser(prog="shardtrain shard", description="Run one shard server.")
     parser.add_argument("--coordinator", default=_coordinator_default(env),
                         help="host:port of the coordinator (or SHARDTRAIN_COORDINATOR, or MODEL_HOST+MODEL_PORT)")
-    parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"))
-    parser.add_argument("--advertise", default=_env(env, "ADVERTISE"), help="address peers use to reach this shard")
+    parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"),
+                        help="host:port to serve on (default 127.0.0.1:0: loopback, a port the OS picks)")
+    parser.add_argument("--advertise", default=_env(env, "ADVERTISE"),
+                        help="host:port peers and clients use to reach this shard (default: the bound one)")
     parser.add_argument("--device", default=_env(env, "DEVICE", "cpu"), help="cpu, cuda or cuda:N")
     # String defaults: argparse converts them with `type`, so a bad variable is reported like a bad flag.
-    parser.add_argument("--chunk-bytes", type=int, default=_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES)))
+    parser.add_argument("--chunk-bytes", type=int, default=_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES)),
+                        help=f"bytes of tensor data per message this shard sends (default {DEFAULT_CHUNK_BYTES})")
     parser.add_argument("--threads", type=int, default=_env(env, "THREADS", "0"),
                         help="torch intra-op threads (0: torch's default); set 1 when shards share a host's cores")
     parser.add_argument("--parent-pid", type=int, default=_env(env, "PARENT_PID", "0"),
@@ -277,6 +286,12 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
+    return parser
+
+
+def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ShardSettings:
+    """Parses `shardtrain shard` flags, with environment variables as defaults."""
+    parser = shard_parser(os.environ if env is None else env)
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
@@ -292,16 +307,22 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          timeouts=timeouts_from(args))
 
 
-def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:
-    """Parses `shardtrain coordinator` flags, with environment variables as defaults."""
-    env = os.environ if env is None else env
+def coordinator_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The flags of `shardtrain coordinator`, with `env`'s SHARDTRAIN_* variables as defaults."""
     parser = argparse.ArgumentParser(prog="shardtrain coordinator", description="Run the coordinator.")
-    parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"))
+    parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"),
+                        help="host:port to serve on (default 127.0.0.1:0: loopback, a port the OS picks)")
     parser.add_argument("--parent-pid", type=int, default=_env(env, "PARENT_PID", "0"),
                         help="exit when this process dies")
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
+    return parser
+
+
+def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:
+    """Parses `shardtrain coordinator` flags, with environment variables as defaults."""
+    parser = coordinator_parser(os.environ if env is None else env)
     args = parser.parse_args(list(argv))
     return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, log_level=args.log_level,
                                log_format=args.log_format, security=security_from(args, role="shard"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardtrain.settings import (
-    CoordinatorSettings, Security, ShardSettings, Timeouts, checksums_from_env, coordinator_settings, security_env,
-    security_from_env, shard_settings, timeouts_env,
+    CoordinatorSettings, Security, ShardSettings, Timeouts, checksums_from_env, coordinator_parser, coordinator_settings,
+    security_env, security_from_env, shard_parser, shard_settings, timeouts_env,
 )
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
@@ -238,3 +238,9 @@ def test_a_deadline_that_is_not_a_positive_number_of_seconds_is_refused(value, c
     with pytest.raises(SystemExit):
         shard_settings(["--coordinator", "c:1", "--timeout-rpc", value])
     assert "--timeout-rpc" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parser", [shard_parser, coordinator_parser])
+def test_every_flag_says_what_it_does(parser):
+    undocumented = [action.option_strings for action in parser({})._actions if not action.help]
+    assert not undocumented
