@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardtrain.settings import (
-    CoordinatorSettings, Security, ShardSettings, Timeouts, checksums_from_env, coordinator_parser, coordinator_settings,
-    security_env, security_from_env, shard_parser, shard_settings, timeouts_env,
+    CoordinatorSettings, Security, ShardSettings, Timeouts, checksums_from_env, coordinator_parser,
+    coordinator_settings, security_env, security_from_env, shard_parser, shard_settings, timeouts_env,
 )
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
