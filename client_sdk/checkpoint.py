@@ -71,7 +71,8 @@ def read_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = _TORCH[entry["dtype"]], [int(d) for d in entry["shape"]], entry["data_offsets"]
+            dtype, shape = _TORCH[entry["dtype"]], [int(d) for d in entry["shape"]]
+            begin, end = (int(offset) for offset in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise DataLoss(f"checkpoint: {path}: tensor {name!r} has a malformed entry {entry!r}") from None
         numel = 1
@@ -123,11 +124,15 @@ def load(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     if not isinstance(description, dict) or description.get("format") != FORMAT:
         raise InvalidArgument(f"checkpoint: {root} is not a {FORMAT} checkpoint")
     stored = read_safetensors(root / MODEL)
-    weights = {name: stored[name] for name in description["weights"] if name in stored}
-    state: dict = {}
-    for name, tensor in read_safetensors(root / OPTIMIZER).items():
-        _, index, key = name.split(".", 2)
-        state.setdefault(int(index), {})[key] = tensor
-    for index, entries in description["optimizer"]["numbers"].items():
-        state.setdefault(int(index), {}).update(entries)
-    return weights, {"state": dict(sorted(state.items())), "param_groups": description["optimizer"]["param_groups"]}
+    try:
+        weights = {name: stored[name] for name in description["weights"] if name in stored}
+        state: dict = {}
+        for name, tensor in read_safetensors(root / OPTIMIZER).items():
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = tensor
+        for index, entries in description["optimizer"]["numbers"].items():
+            state.setdefault(int(index), {}).update(entries)
+        groups = list(description["optimizer"]["param_groups"])
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise DataLoss(f"checkpoint: {root}'s description and tensors do not fit together ({error!r})") from None
+    return weights, {"state": dict(sorted(state.items())), "param_groups": groups}
