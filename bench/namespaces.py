@@ -1,13 +1,14 @@
-"""Separate hosts on one machine: each shard in a network namespace of its own, with its own /dev/shm and /tmp.
+"""Separate hosts on one machine: each shard in a network namespace of its own, with its own /dev/shm.
 
     with SeparateHosts(3) as hosts:
         cluster = Cluster.local(num_shards=3, hosts=hosts)
 
 The namespaces hang off a bridge in the caller's namespace (10.213.N.1/24, N from the process id), where
 the coordinator and the SDK run; shard i gets 10.213.N.(i + 2). Each shard also gets a private mount of
-/dev/shm and /tmp, so no shared-memory segment or Unix socket can pass between them: every Link takes
-the path between hosts (a TCP socket on the veth pair, or gRPC) over real, distinct addresses, not
-loopback. Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), `ip` and `unshare`; `unavailable()` says
+/dev/shm, so no shard can prove it shares a host with another (no shared-memory segment, and so no
+Unix socket, passes between them): every Link takes the path between hosts (a TCP socket on the veth
+pair, or gRPC) over real, distinct addresses, not loopback. /tmp stays shared: the interpreter and
+the checkout may live there. Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), `ip` and `unshare`; `unavailable()` says
 why not, for tests to skip with.
 """
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
-_MOUNTS = 'mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "$@"'
+_MOUNTS = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
 
 
 def _ip(*args: str) -> None:
@@ -41,7 +43,7 @@ class SeparateHosts:
         return f"{self._subnet}.{index + 2}"
 
     def prefix(self, index: int) -> list[str]:
-        """The command that runs a program as shard `index`'s host: its namespace, its own shm and /tmp."""
+        """The command that runs a program as shard `index`'s host: its namespace and its own /dev/shm."""
         return ["ip", "netns", "exec", self.namespaces[index], "unshare", "--mount", "--propagation", "private",
                 "sh", "-c", _MOUNTS, "sh"]
 
@@ -86,7 +88,8 @@ def unavailable() -> str:
         return f"network namespaces need {', '.join(missing)}"
     try:
         with SeparateHosts(1) as hosts:
-            subprocess.run([*hosts.prefix(0), "true"], check=True, capture_output=True, text=True, timeout=30)
+            subprocess.run([*hosts.prefix(0), sys.executable, "-c", "import torch"], check=True,
+                           capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
         return f"network namespaces cannot be made here: {detail.strip()[:200]}"

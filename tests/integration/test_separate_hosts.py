@@ -1,4 +1,4 @@
-"""Shards on hosts of their own: each in a network namespace with its own /dev/shm and /tmp, joined by veth pairs
+"""Shards on hosts of their own: each in a network namespace with its own /dev/shm, joined by veth pairs
 on a bridge (bench/namespaces.py), so every Link runs the path between hosts over real, distinct addresses."""
 
 from __future__ import annotations
