@@ -1,7 +1,7 @@
 """Benchmark: moving one tensor between two processes, shardtrain's ways against torch.distributed's.
 
     python -m bench.transport [--sizes 4K 1M 64M 256M] [--compression] [--chunk-sweep 256K 4M]
-                              [--repeats N] [--tuned-baselines] [--device cuda]
+                              [--repeats N] [--tuned-baselines] [--device cuda] [--tls]
 
 One transfer moves a float32 tensor from a sender process to a receiver process, which builds a
 fresh tensor from it and acknowledges; latency is the sender's wall time from the start of the
@@ -14,7 +14,8 @@ transfer to the acknowledgement (median of the repeats). Ways measured in the sa
   (what the codec removes), for the before/after of the copies;
 - shardtrain same-host: the shared-memory segment path (shm.py);
 - shardtrain TCP link: a Link's own TCP socket (carrier.py), the path between hosts, as a forward
-  item's frames, acknowledged by a small item back;
+  item's frames, acknowledged by a small item back; with --tls, the same over TLS as between hosts of
+  a deployment that uses TLS (a self-signed certificate made with the openssl command);
 - torch.rpc echo (TensorPipe) and gloo send/recv + ack: bench/transport_baselines.py.
 
 Receiver peak RSS: the receiver resets its peak (/proc/self/clear_refs) before a size's timed
@@ -31,6 +32,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -84,9 +86,11 @@ async def _echo_link(offered: asyncio.Future) -> None:
             await local.write(Frame(shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=arrived))))
 
 
-async def _serve(device: str) -> None:
+async def _serve(device: str, tls_cert: str = "", tls_key: str = "") -> None:
     rss_before = 0
     listener = carrier.Listener(unix=False, tcp_bind="127.0.0.1", tcp_advertise="127.0.0.1")
+    tls_listener = carrier.Listener(unix=False, tcp_bind="127.0.0.1", tcp_advertise="127.0.0.1",
+                                    tls=rpc.tls_server_context(Security(tls_cert=tls_cert, tls_key=tls_key)))
 
     async def put(frames, context):
         received = await wire.collect(frames, count=1)  # as a shard's Forward reads its activation
@@ -104,7 +108,7 @@ async def _serve(device: str) -> None:
             rss_before = reset_peak_rss()
             return b"{}"
         if command["op"] == "offer":
-            address, token, offered = await listener.offer(same_host=False)
+            address, token, offered = await (tls_listener if command.get("tls") else listener).offer(same_host=False)
             asyncio.ensure_future(_echo_link(offered))
             return json.dumps({"address": address, "token": token.hex()}).encode()
         return json.dumps({"extra": peak_rss() - rss_before}).encode()
@@ -136,6 +140,7 @@ class Way:
     preopened: bool = True
     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
     channels: int = 1  # >1: the tensor is cut into that many parts, each on its own channel at once
+    tls: bool = False  # the TCP link over TLS
 
 
 async def _requests(tensor: torch.Tensor, options: wire.SendOptions, start: asyncio.Future):
@@ -147,19 +152,19 @@ async def _requests(tensor: torch.Tensor, options: wire.SendOptions, start: asyn
 class Sender:
     """The sending side, talking to one receiver process."""
 
-    def __init__(self, address: str, device: str = "cpu"):
-        self.device, self.address = device, address
+    def __init__(self, address: str, device: str = "cpu", tls_ca: str = ""):
+        self.device, self.address, self.tls_ca = device, address, tls_ca
         self.channel = rpc.open_channel(address, Security())
         self.channels = [self.channel]
         self.segments = shm.SegmentPool()
         self._control = self.channel.unary_unary(f"/{SERVICE}/Control")
-        self._link: carrier.Carrier | None = None  # the TCP link, once a way uses it
+        self._links: dict[bool, carrier.Carrier] = {}  # the TCP links (plain, TLS), once a way uses them
 
     async def transfer(self, way: Way, tensor: torch.Tensor) -> tuple[float, float]:
         """Seconds from starting to send `tensor` until it was complete at the receiver, and until acknowledged."""
         options = wire.SendOptions(way.chunk_bytes, way.encoding, self.segments if way.shared else None)
         if way.method == "link":
-            return await self._over_link(tensor, options)
+            return await self._over_link(tensor, options, way.tls)
         later = asyncio.get_running_loop().create_future()
         parts = torch.tensor_split(tensor, way.channels)
         pending = [self._channel(index).stream_unary(f"/{SERVICE}/{way.method}", request_serializer=way.serialize)(
@@ -171,14 +176,17 @@ class Sender:
         arrived = max(struct.unpack("<q", answer)[0] for answer in await asyncio.gather(*pending))
         return (arrived - start) / 1e9, (time.monotonic_ns() - start) / 1e9
 
-    async def _over_link(self, tensor: torch.Tensor, options: wire.SendOptions) -> tuple[float, float]:
-        if self._link is None:
-            offer = json.loads(await self._control(json.dumps({"op": "offer"}).encode()))
-            self._link = await carrier.connect(offer["address"], bytes.fromhex(offer["token"]))
+    async def _over_link(self, tensor: torch.Tensor, options: wire.SendOptions, tls: bool) -> tuple[float, float]:
+        if tls not in self._links:
+            offer = json.loads(await self._control(json.dumps({"op": "offer", "tls": tls}).encode()))
+            self._links[tls] = await carrier.connect(offer["address"], bytes.fromhex(offer["token"]),
+                                                     rpc.tls_client_context(Security(tls_ca=self.tls_ca)) if tls
+                                                     else None)
+        local = self._links[tls]
         start = time.monotonic_ns()
         for frame in link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader()), tensor, options):
-            await self._link.write(frame)
-        arrived = (await self._link.read()).message.flush.optimizer_step
+            await local.write(frame)
+        arrived = (await local.read()).message.flush.optimizer_step
         return (arrived - start) / 1e9, (time.monotonic_ns() - start) / 1e9
 
     def _channel(self, index: int) -> grpc.aio.Channel:
@@ -201,15 +209,16 @@ class Sender:
                               statistics.median(hop for hop, _ in times))
 
     async def close(self) -> None:
-        if self._link is not None:
-            self._link.close()
+        for local in self._links.values():
+            local.close()
         for channel in self.channels:
             await channel.close()
         self.segments.close()
 
 
-def _start_receiver(device: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", "bench.transport", "--serve", "--device", device],
+def _start_receiver(device: str, tls: tuple[str, str] = ("", "")) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "bench.transport", "--serve", "--device", device,
+                                "--tls-files", *tls],
                                stdout=subprocess.PIPE,
                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = process.stdout.readline()
@@ -219,13 +228,24 @@ def _start_receiver(device: str) -> tuple[subprocess.Popen, str]:
     return process, f"127.0.0.1:{json.loads(line)['port']}"
 
 
-def shardtrain_ways(compression: bool, chunk_sweep: list[int]) -> list[Way]:
+def self_signed(directory: str) -> tuple[str, str]:
+    """(certificate, key) for 127.0.0.1, made with the openssl command."""
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=bench", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def shardtrain_ways(compression: bool, chunk_sweep: list[int], tls: bool = False) -> list[Way]:
     """The ways to measure: the shards' path, its variants, and the chunk sizes to sweep."""
     ways = [Way("shardtrain gRPC", "Put", CHUNK_CODEC.serialize),
             Way("shardtrain gRPC, new call", "Put", CHUNK_CODEC.serialize, preopened=False),
             Way("shardtrain gRPC, plain protobuf", "PutPlain", _plain_serialize),
             Way("shardtrain same-host", "Put", CHUNK_CODEC.serialize, shared=True),
             Way("shardtrain TCP link", "link", None)]
+    if tls:
+        ways += [Way("shardtrain TCP link, TLS", "link", None, tls=True)]
     ways += [Way("shardtrain gRPC, 2 channels", "Put", CHUNK_CODEC.serialize, channels=2)]
     if compression:
         ways += [Way(f"shardtrain gRPC, {name}", "Put", CHUNK_CODEC.serialize, encoding=wire.encoding_code(name))
@@ -236,9 +256,9 @@ def shardtrain_ways(compression: bool, chunk_sweep: list[int]) -> list[Way]:
 
 
 async def run_shardtrain(sizes: list[int], ways: list[Way], address: str, device: str,
-                         repeats: int) -> list[TransferResult]:
+                         repeats: int, tls_ca: str = "") -> list[TransferResult]:
     """Every shardtrain way at every size."""
-    sender = Sender(address, device)
+    sender = Sender(address, device, tls_ca)
     try:
         return [await sender.measure(way, size, repeats or default_repeats(size)) for size in sizes for way in ways]
     finally:
@@ -284,24 +304,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=0, help="timed transfers per size (default: by size)")
     parser.add_argument("--device", default="cpu", help="cuda: the sender's tensors live on the GPU and the "
                         "receiver moves them there (the CUDA variant; baselines stay on the CPU)")
+    parser.add_argument("--tls", action="store_true", help="also the TCP link over TLS (needs the openssl command)")
+    parser.add_argument("--tls-files", nargs=2, default=["", ""], help=argparse.SUPPRESS)
     parser.add_argument("--tuned-baselines", action="store_true",
                         help="give the torch.distributed processes the same malloc settings as shardtrain's")
     args = parser.parse_args()
     keep_freed_memory()  # as shard processes do (lifecycle.py)
     torch.set_num_threads(1)
     if args.serve:
-        asyncio.run(_serve(args.device))
+        asyncio.run(_serve(args.device, *args.tls_files))
         return
     if args.tuned_baselines:  # read by glibc when the baseline processes start
         os.environ.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
     sizes = [parse_size(size) for size in args.sizes]
-    ways = shardtrain_ways(args.compression, [parse_size(size) for size in args.chunk_sweep])
-    receiver, address = _start_receiver(args.device)
-    try:
-        results = asyncio.run(run_shardtrain(sizes, ways, address, args.device, args.repeats))
-    finally:
-        receiver.kill()
-        receiver.wait()
+    ways = shardtrain_ways(args.compression, [parse_size(size) for size in args.chunk_sweep], args.tls)
+    with tempfile.TemporaryDirectory() as directory:
+        tls = self_signed(directory) if args.tls else ("", "")
+        receiver, address = _start_receiver(args.device, tls)
+        try:
+            results = asyncio.run(run_shardtrain(sizes, ways, address, args.device, args.repeats, tls[0]))
+        finally:
+            receiver.kill()
+            receiver.wait()
     if not args.skip_baselines:
         for size in sizes:
             repeats = args.repeats or default_repeats(size)
