@@ -27,20 +27,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench.floor import median_time  # noqa: E402
 from client_sdk import Cluster  # noqa: E402
-from shardtrain import schedule  # noqa: E402
-from shardtrain.v1 import coordinator_pb2  # noqa: E402
+from shardtrain import rpc, schedule  # noqa: E402
+from shardtrain.v1 import coordinator_pb2, shard_pb2  # noqa: E402
 
 LIVE = 4
-
-
-def _median_time(function, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _small_model() -> nn.Sequential:
@@ -55,17 +47,25 @@ def coordinator_rows(counts: list[int], repeats: int) -> list[tuple[int, float, 
         def call(method, request):
             return cluster._io.run(cluster._coordinator.call(method, request))
         live = call("ListShards", coordinator_pb2.ListShardsRequest()).shards[0]
+
+        async def instance() -> str:  # what the live shard registers with, as its Describe says
+            peer = rpc.Peer("live shard", live.address, rpc.SHARD_SERVICE, cluster.security, 10)
+            try:
+                return (await peer.call("Describe", shard_pb2.DescribeRequest())).instance
+            finally:
+                await peer.close()
         heartbeat = coordinator_pb2.RegisterShardRequest(address=live.address, device=live.device,
-                                                         memory_bytes=live.memory_bytes)
+                                                         memory_bytes=live.memory_bytes,
+                                                         instance=cluster._io.run(instance()))
         fake = 0
         for count in counts:
             while len(cluster.shards()) < count:  # 127.0.0.2: loopback, where nothing listens
                 call("RegisterShard", coordinator_pb2.RegisterShardRequest(address=f"127.0.0.2:{10000 + fake}",
                                                                          device="cpu"))
                 fake += 1
-            register = _median_time(lambda: call("RegisterShard", heartbeat), repeats * 10)  # a live shard's heartbeat
-            listing = _median_time(lambda: call("ListShards", coordinator_pb2.ListShardsRequest()), repeats * 10)
-            deploy = _median_time(lambda: cluster.deploy(_small_model(), num_stages=LIVE), repeats)
+            register = median_time(lambda: call("RegisterShard", heartbeat), repeats * 10)  # a live shard's heartbeat
+            listing = median_time(lambda: call("ListShards", coordinator_pb2.ListShardsRequest()), repeats * 10)
+            deploy = median_time(lambda: cluster.deploy(_small_model(), num_stages=LIVE), repeats)
             assert len(cluster.shards()) == count, "a deploy probed (and dropped) registrations it does not take"
             rows.append((count, register, listing, deploy))
     return rows
@@ -75,8 +75,8 @@ def planning_rows(stages: list[int], microbatches: int) -> list[tuple[int, int, 
     """(p, m, every stage's action list, the simulated makespan) in seconds."""
     rows = []
     for p in stages:
-        actions = _median_time(lambda: [schedule.stage_actions("1f1b", s, p, microbatches) for s in range(p)], 3)
-        simulated = _median_time(lambda: schedule.makespan("1f1b", p, microbatches), 3)
+        actions = median_time(lambda: [schedule.stage_actions("1f1b", s, p, microbatches) for s in range(p)], 3)
+        simulated = median_time(lambda: schedule.makespan("1f1b", p, microbatches), 3)
         rows.append((p, microbatches, actions, simulated))
     return rows
 
