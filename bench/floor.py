@@ -295,7 +295,8 @@ def check(batch: int = 32, steps: int = 20, adam: dict | None = None) -> float:
     return max((trained[key] - value).abs().max().item() for key, value in model.state_dict().items())
 
 
-def _timed(step, steps: int) -> float:
+def median_time(step, steps: int) -> float:
+    """The median wall time of `steps` calls of `step`."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -333,11 +334,11 @@ def main() -> None:
     times: dict[str, list[float]] = {"one process": [], "floor": []}
     with Floor() as floor:
         floor.set_threads(args.threads)
-        _timed(lambda: floor.train_step(x, y), 30)
-        _timed(single, 30)
+        median_time(lambda: floor.train_step(x, y), 30)
+        median_time(single, 30)
         for _ in range(args.rounds):
-            times["one process"].append(_timed(single, args.steps))
-            times["floor"].append(_timed(lambda: floor.train_step(x, y), args.steps))
+            times["one process"].append(median_time(single, args.steps))
+            times["floor"].append(median_time(lambda: floor.train_step(x, y), args.steps))
     one, low = (statistics.median(times[name]) for name in ("one process", "floor"))
     print(f"batch {args.batch}: one process {one * 1e3:.2f} ms a step, the floor on 3 processes {low * 1e3:.2f} ms "
           f"({low / one:.2f}x); rounds: " + "; ".join(f"{name} " + " ".join(f"{t * 1e3:.2f}" for t in values)

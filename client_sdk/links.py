@@ -29,13 +29,12 @@ class SdkLinks:
     """Sends the loop's items and matches what comes back to the step (or optimizer step) that waits for it."""
 
     def __init__(self, deployment_id: str, first: Peer, last: Peer,
-                 options: Callable[[Peer, str], wire.SendOptions], timeout: float, tcp: bool = False,
+                 options: Callable[[Peer, str], wire.SendOptions], timeout: float,
                  diagnose: Callable[[], Awaitable[str]] | None = None):
         self._deployment_id = deployment_id
         self._first, self._last = first, last
         self._options = options
         self._timeout = timeout
-        self._tcp = tcp  # ask shards on other hosts for a TCP socket for the items (TLS when the channels are)
         self._diagnose = diagnose or _nothing  # what a wait that ran out adds to its message: the silent stages
         self._links: dict[int, link.ClientLink] = {}
         self._outputs: dict[int, asyncio.Future] = {}    # step -> (the model's output, its other outputs by name)
@@ -58,7 +57,7 @@ class SdkLinks:
             peer = self._first if role == _ROLES.LINK_ROLE_INPUT else self._last
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role, from_stage=-1,
                                          shared_memory=peer.same_host, local_carrier=peer.same_host,
-                                         tcp_carrier=not peer.same_host and self._tcp)
+                                         tcp_carrier=not peer.same_host)  # TLS when the channel is
             client = link.ClientLink(peer, opening, self._on_item, self._broke)
             self._links[role] = client
         return client

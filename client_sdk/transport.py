@@ -36,7 +36,7 @@ class StageClients:
         self._checksums = checksums_from_env()
         self._probe_timeout = timeouts.probe
         self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc,
-                               tcp=True, diagnose=self.silent_stages)
+                               diagnose=self.silent_stages)
 
     async def probe(self) -> None:
         """Finds which stages share this host: tensors to and from them go through shared memory."""

@@ -134,8 +134,8 @@ class CoordinatorServicer:
             shards = [shard for shard in registered[:wanted(len(registered))] if shard.address not in answered]
             if not shards:
                 return
-            for shard, answers in zip(shards, await asyncio.gather(*(self._answers(s.address) for s in shards))):
-                if answers:
+            for shard, answer in zip(shards, await asyncio.gather(*(self._describe(s.address) for s in shards))):
+                if answer is not None:
                     answered.add(shard.address)
                 else:
                     log.warning("forgetting %s at %s: it did not answer", shard.shard_id, shard.address)
@@ -144,25 +144,18 @@ class CoordinatorServicer:
     async def _check_takeover(self, holder: ShardRecord, instance: str) -> None:
         """Another process registers an address that a shard holds: that is a restart when the process answering
         at the address is the one registering (or nothing answers there any more); otherwise ALREADY_EXISTS."""
-        peer = Peer(f"shard at {holder.address}", holder.address, SHARD_SERVICE, self.settings.security,
-                    self.settings.timeouts.probe)
-        try:
-            answer = await peer.call("Describe", shard_pb2.DescribeRequest())
-        except ShardtrainError:
-            return  # the holder is gone: the address is free
-        finally:
-            await peer.close()
-        if answer.instance != instance:
+        answer = await self._describe(holder.address)
+        if answer is not None and answer.instance != instance:  # None: the holder is gone, the address is free
             raise AlreadyExists(f"{holder.address} is registered by a live shard ({holder.shard_id}) that answers "
                                 "there; another process cannot register that address")
 
-    async def _answers(self, address: str) -> bool:
+    async def _describe(self, address: str) -> shard_pb2.DescribeResponse | None:
+        """The shard at `address` describing itself within the probe deadline, or None."""
         peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security, self.settings.timeouts.probe)
         try:
-            await peer.call("Describe", shard_pb2.DescribeRequest())
-            return True
+            return await peer.call("Describe", shard_pb2.DescribeRequest())
         except ShardtrainError:  # nothing there, too slow, or not a shard of this cluster (other service, token)
-            return False
+            return None
         finally:
             await peer.close()
 

@@ -294,10 +294,16 @@ class Peer:
         self.channel = open_channel(address, security)
         self.stub = Stub(self.channel, service)
         self.metadata = security.metadata
-        self.tls = tls_client_context(security)  # for a Link's TCP socket to this peer, as for its channel
         self.tls_server_name = security.tls_server_name
+        self._security = security
         self._timeout = timeout
         self.same_host = False  # proved by probe(): this process and the peer can open each other's segments
+
+    @functools.cached_property
+    def tls(self) -> ssl.SSLContext | None:
+        """TLS for a Link's TCP socket to this peer, as for its channel: made when a link first asks (most peers,
+        a deploy's probes among them, never open one)."""
+        return tls_client_context(self._security)
 
     async def probe(self) -> bool:
         """Finds out (once) whether the peer shares this host's /dev/shm and user; False when in doubt."""

@@ -202,19 +202,24 @@ def tcp_listeners(pid: int) -> int:
     return len(listening_ports(pid))
 
 
-def established_on(pid: int, port: int) -> int:
-    """Connections made to process `pid`'s local `port`, from its /proc/PID/net/tcp{,6}."""
-    count = 0
+def tcp_table(pid: int) -> list[tuple[int, str, str]]:
+    """(local port, state, inode) of every TCP socket in process `pid`'s network namespace (/proc/PID/net/tcp{,6}):
+    state 0A listens, 01 is established."""
+    rows = []
     for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
-        with open(table) as rows:
-            count += sum(1 for row in (line.split() for line in rows.readlines()[1:])
-                         if row[3] == "01" and int(row[1].rsplit(":", 1)[1], 16) == port)
-    return count
+        with open(table) as lines:
+            rows += [(int(row[1].rsplit(":", 1)[1], 16), row[3], row[9])
+                     for row in (line.split() for line in lines.readlines()[1:])]
+    return rows
+
+
+def established_on(pid: int, port: int) -> int:
+    """Connections made to process `pid`'s local `port`."""
+    return sum(1 for local, state, _ in tcp_table(pid) if state == "01" and local == port)
 
 
 def listening_ports(pid: int) -> list[int]:
-    """The ports of the TCP sockets process `pid` listens on, from its /proc/PID/net/tcp{,6} and its file
-    descriptors."""
+    """The ports of the TCP sockets process `pid` listens on (its own, by its file descriptors)."""
     inodes = set()
     for fd in glob.glob(f"/proc/{pid}/fd/*"):
         try:
@@ -223,12 +228,7 @@ def listening_ports(pid: int) -> list[int]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:["):-1])
-    ports = []
-    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):  # the tables of the process's namespace
-        with open(table) as rows:
-            ports += [int(row[1].rsplit(":", 1)[1], 16) for row in (line.split() for line in rows.readlines()[1:])
-                      if row[3] == "0A" and row[9] in inodes]
-    return ports
+    return [local for local, state, inode in tcp_table(pid) if state == "0A" and inode in inodes]
 
 
 @pytest.mark.parametrize("tcp", ["on", "off"])
