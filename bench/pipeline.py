@@ -1,4 +1,4 @@
-"""Benchmark: pipeline bubbles of GPipe and 1F1B, data-parallel scaling, activation memory.
+"""Benchmark: pipeline bubbles of GPipe, 1F1B and ZB-H1, data-parallel scaling, activation memory.
 
     python -m bench.pipeline [--delay-ms 40] [--steps 3]
 
@@ -6,9 +6,11 @@ Every shard adds a fixed delay to each pipelined forward and backward (`--simula
 standing for GPU work, so this 2-core machine does not limit how many stages work at once; the
 layers themselves are real (small) and run as usual. Printed, with the ideal beside each figure:
 
-1. p = 4 stages, m = 8 micro-batches: median step time against (m + p - 1) x (t_forward +
-   t_backward), and the measured bubble (1 - a stage's busy time / the step time, mean over the
-   stages) against (p - 1) / (m + p - 1); for both schedules. Then where the time beyond the
+1. p = 4 stages, m = 8 micro-batches: median step time against the schedule's ideal (its simulated
+   makespan: (m + p - 1) x (t_forward + t_backward) for GPipe and 1F1B; ZB-H1 splits each backward
+   into halves and fills the bubble with the weight halves), and the measured bubble (1 - a stage's
+   busy time / the step time, mean over the stages) against the simulated one; each schedule's step
+   against 1F1B's in the same run. Then where the time beyond the
    ideal goes, from the last step's timeline (every stage's spans on one clock, model.timeline()):
    the median time an action took beyond its simulated time (the layers' real compute and the hand-off
    to the compute thread), the median hand-off between stages (from an action's input being ready
@@ -35,6 +37,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from client_sdk import Cluster  # noqa: E402
+from shardtrain import schedule as schedules  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 FEATURES = 64
 
@@ -58,21 +63,23 @@ def timed_steps(model, batch: int, microbatches: int, schedule: str, steps: int)
 
 
 def bubbles(cluster: Cluster, delay: float, steps: int) -> None:
-    """Part 1: p = 4, m = 8, both schedules."""
+    """Part 1: p = 4, m = 8, every schedule."""
     p, m = 4, 8
     model = cluster.deploy(stage_model(p), optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=p)
-    ideal = (m + p - 1) * 2 * delay
     print(f"1. p={p} stages, m={m} micro-batches, {delay * 1e3:.0f} ms per forward and per backward")
-    print(f"   {'schedule':>8} {'step':>9} {'ideal':>9} {'ratio':>6} {'bubble':>7} {'theory':>7}")
-    pictures = []
-    for schedule in ("gpipe", "1f1b"):
+    print(f"   {'schedule':>8} {'step':>9} {'ideal':>9} {'ratio':>6} {'bubble':>7} {'theory':>7} {'/1f1b':>6}")
+    pictures, steps_of = [], {}
+    for schedule in ("1f1b", "gpipe", "zb-h1"):  # 1F1B first: the others are compared with it
         step, stats = timed_steps(model, 8 * m, m, schedule, steps)
+        steps_of[schedule] = step
+        ideal = schedules.makespan(schedule, p, m, delay, delay)
         bubble = statistics.mean(1 - (s["forward_s"] + s["backward_s"]) / step for s in stats)
         print(f"   {schedule:>8} {step * 1e3:7.1f}ms {ideal * 1e3:7.1f}ms {step / ideal:6.3f} "
-              f"{bubble:7.3f} {(p - 1) / (m + p - 1):7.3f}")
+              f"{bubble:7.3f} {schedules.bubble_fraction(schedule, p, m, delay, delay):7.3f} "
+              f"{step / steps_of['1f1b']:6.3f}")
         pictures.append((schedule, step, model.timeline()))
     for schedule, step, timeline in pictures:
-        extra, handoffs = overheads(timeline, delay)
+        extra, handoffs = overheads(timeline, delay, schedule in schedules.SPLIT_BACKWARD)
         print(f"   {schedule}, the last step: an action took {statistics.median(extra) * 1e3:.2f} ms beyond its "
               f"simulated time (median); a hand-off between stages {statistics.median(handoffs) * 1e3:.2f} ms "
               f"(median of {len(handoffs)}); the timeline spans {timeline.makespan * 1e3:.1f} ms of the "
@@ -95,16 +102,20 @@ def timer_overshoot(delay: float, repeats: int = 20) -> float:
     return statistics.median(asyncio.run(sleeps()))
 
 
-def overheads(timeline, delay: float) -> tuple[list[float], list[float]]:
-    """(each forward's and backward's time beyond `delay`, each hand-off between stages that a stage waited
-    for): the framework's own time per action and per hop, from one step's timeline."""
+def overheads(timeline, delay: float, split: bool) -> tuple[list[float], list[float]]:
+    """(each action's time beyond its simulated time, each hand-off between stages that a stage waited
+    for): the framework's own time per action and per hop, from one step's timeline. With a `split` backward,
+    its halves are simulated as delay / 2 each."""
     lanes = timeline.lanes()
     ends = {(span.stage, span.kind, span.microbatch): span.end for spans in lanes.values() for span in spans}
+    simulated = {"forward": delay, "backward": delay / 2 if split else delay, "weight": delay / 2}
     extra, handoffs = [], []
     for (_, stage), spans in lanes.items():
-        work = [span for span in spans if span.kind in ("forward", "backward")]
+        work = [span for span in spans if span.kind in simulated]
         for before, span in zip([None, *work], work):
-            extra.append(span.end - span.start - delay)
+            extra.append(span.end - span.start - simulated[span.kind])
+            if span.kind == "weight":  # waits only on its own stage's backward
+                continue
             source = stage - 1 if span.kind == "forward" else stage + 1
             ready = ends.get((source, span.kind, span.microbatch))
             if ready is not None and (before is None or before.end <= ready):  # idle until the input was ready
@@ -129,14 +140,15 @@ def activation_memory(cluster: Cluster) -> None:
     p, m = 4, 16
     model = cluster.deploy(stage_model(p), optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=p)
     peaks = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in SCHEDULES:
         _, stats = timed_steps(model, 64 * m, m, schedule, 1)
         peaks[schedule] = {s["stage"]: s["peak_activation_bytes"] for s in stats}
     print(f"3. peak saved activations per stage, p={p}, m={m}, {64} rows per micro-batch")
     for stage in range(p):
-        gpipe, one = peaks["gpipe"][stage], peaks["1f1b"][stage]
+        gpipe, one, zero = (peaks[name][stage] for name in SCHEDULES)
         print(f"   stage {stage}: gpipe {gpipe / 1024:8.1f} KiB   1f1b {one / 1024:8.1f} KiB   "
-              f"1f1b/gpipe {one / gpipe:.3f} (in flight: {min(p - stage, m)} of {m})")
+              f"zb-h1 {zero / 1024:8.1f} KiB   1f1b/gpipe {one / gpipe:.3f}   zb-h1/1f1b {zero / one:.3f} "
+              f"(1f1b in flight: {min(p - stage, m)} of {m})")
 
 
 def main() -> None:

@@ -239,8 +239,10 @@ class DistributedModel:
         (keywords), as model(*x) or model(**x) takes them. Every input is split by its rows (dim 0) over the
         replicas, then into `microbatches` pieces (uneven sizes are fine); stage i works on micro-batch k+1
         while stage i+1 works on k, under `schedule` "1f1b" (stage s holds at most p - s micro-batches between
-        forward and backward) or "gpipe" (all forwards, then all backwards). It runs on the same Links as the
-        loop; no call is opened per step.
+        forward and backward), "gpipe" (all forwards, then all backwards) or "zb-h1" (1F1B with each backward
+        split into the input gradient the stage before waits for and the weight gradient, which fills the stage's
+        idle time: a smaller bubble for the same memory). It runs on the same Links as the loop; no call is
+        opened per step.
 
         The loss is computed on the last stage: `loss_fn(output, y)` on the model's (first) output, with a
         torch.nn loss by name ("MSELoss"), class or instance from the allow-list, or a loss module of your own

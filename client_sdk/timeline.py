@@ -11,8 +11,10 @@ import dataclasses
 from shardtrain.v1 import shard_pb2
 
 KINDS = {shard_pb2.WORK_KIND_FORWARD: "forward", shard_pb2.WORK_KIND_BACKWARD: "backward",
-         shard_pb2.WORK_KIND_ALLREDUCE: "allreduce", shard_pb2.WORK_KIND_OPTIMIZER: "optimizer"}
-_MARKS = {"forward": "F", "backward": "B", "allreduce": "A", "optimizer": "O"}
+         shard_pb2.WORK_KIND_WEIGHT: "weight", shard_pb2.WORK_KIND_ALLREDUCE: "allreduce",
+         shard_pb2.WORK_KIND_OPTIMIZER: "optimizer"}
+_COMPUTE = ("forward", "backward", "weight")  # a stage's own work: what is not its bubble
+_MARKS = {"forward": "F", "backward": "B", "weight": "W", "allreduce": "A", "optimizer": "O"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +23,8 @@ class Span:
 
     replica: int
     stage: int
-    kind: str          # forward, backward, allreduce or optimizer
-    microbatch: int    # of a forward or backward
+    kind: str          # forward, backward, weight (of a split backward), allreduce or optimizer
+    microbatch: int    # of a forward, backward or weight
     start: float
     end: float
 
@@ -49,21 +51,21 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        """From the first forward or backward starting to the last one ending, on any stage."""
-        work = [span for span in self.spans if span.kind in ("forward", "backward")]
+        """From the first compute span starting to the last one ending, on any stage."""
+        work = [span for span in self.spans if span.kind in _COMPUTE]
         return max(s.end for s in work) - min(s.start for s in work) if work else 0.0
 
     def bubble(self) -> float:
-        """The mean over stages of the fraction of the makespan a stage spent outside forwards and backwards."""
+        """The mean over stages of the fraction of the makespan a stage spent outside its own compute."""
         lanes = self.lanes()
         if not lanes or not self.makespan:
             return 0.0
-        busy = [sum(s.end - s.start for s in spans if s.kind in ("forward", "backward")) for spans in lanes.values()]
+        busy = [sum(s.end - s.start for s in spans if s.kind in _COMPUTE) for spans in lanes.values()]
         return 1 - sum(busy) / len(busy) / self.makespan
 
     def text(self, width: int = 100) -> str:
-        """One row per stage: F forward, B backward, A all-reduce, O optimizer step, . idle; each character a
-        1/width of the step, marked by what filled most of it."""
+        """One row per stage: F forward, B backward, W weight gradient, A all-reduce, O optimizer step, . idle;
+        each character a 1/width of the step, marked by what filled most of it."""
         lanes = self.lanes()
         end = max((s.end for s in self.spans), default=0.0)
         if not lanes or end <= 0:

@@ -169,15 +169,17 @@ class CoordinatorServicer:
 
     @boundary
     async def PlanSchedule(self, request, context):
-        if 2 * request.num_stages * request.microbatches > schedule.MAX_PLAN_ACTIONS:
+        per_microbatch = 3 if request.schedule in schedule.SPLIT_BACKWARD else 2
+        if per_microbatch * request.num_stages * request.microbatches > schedule.MAX_PLAN_ACTIONS:
             raise InvalidArgument(f"a plan of {request.num_stages} stages x {request.microbatches} micro-batches has "
-                                  f"{2 * request.num_stages * request.microbatches} actions; at most "
+                                  f"{per_microbatch * request.num_stages * request.microbatches} actions; at most "
                                   f"{schedule.MAX_PLAN_ACTIONS} are planned at once")
         plans = [schedule.stage_actions(request.schedule, stage, request.num_stages, request.microbatches)
                  for stage in range(max(request.num_stages, 1))]
         return coordinator_pb2.PlanScheduleResponse(stages=[
             coordinator_pb2.StageActions(stage=stage, actions=[
-                shard_pb2.PipelineAction(backward=a.op == schedule.BACKWARD, microbatch=a.microbatch) for a in plan])
+                shard_pb2.PipelineAction(backward=a.op == schedule.BACKWARD, weight=a.op == schedule.WEIGHT,
+                                         microbatch=a.microbatch) for a in plan])
             for stage, plan in enumerate(plans)])
 
     async def _ship(self, deployment: tuple[str, str], placement: StagePlacement, num_stages: int, layers, deploy,

@@ -54,6 +54,7 @@ class PlannedRun:
         self.step = step
         self.plan = plan
         self.actions = _actions(plan, ports.index, ports.num_stages)
+        self.split = plan.schedule in schedule.SPLIT_BACKWARD  # backward as B (input gradient), then W
         self.final_backward = self.actions[-1].microbatch if self.actions else -1
         self.figures = Figures()
         self._inbox: dict[tuple[int, str], asyncio.Future] = {}
@@ -104,8 +105,10 @@ class PlannedRun:
         for action in self.actions:
             if action.op == schedule.FORWARD:
                 await self._forward(action.microbatch)
-            else:
+            elif action.op == schedule.BACKWARD:
                 await self._backward(action.microbatch)
+            else:
+                await self._weight(action.microbatch)
             self.figures.peak_in_flight = max(self.figures.peak_in_flight, ports.in_flight())
         start, wall = time.perf_counter(), time.time()
         await ports.averager("finish")
@@ -113,11 +116,12 @@ class PlannedRun:
         if self.figures.allreduce_backend:
             self.figures.span(shard_pb2.WORK_KIND_ALLREDUCE, wall)
 
-    async def _timed(self, function, *args, simulated: bool = True):
+    async def _timed(self, function, *args, simulated: float = 1.0):
+        """Runs stage work; with simulated compute (benchmarks), then waits `simulated` times its device time."""
         start = time.perf_counter()
         result = await self.ports.run(function, *args)
-        if simulated and self.ports.simulate_compute:  # stands for device work (benchmarks)
-            await asyncio.sleep(self.ports.simulate_compute)
+        if simulated and self.ports.simulate_compute:
+            await asyncio.sleep(self.ports.simulate_compute * simulated)
         return result, time.perf_counter() - start
 
     async def _forward(self, k: int) -> None:
@@ -137,7 +141,7 @@ class PlannedRun:
             loss_fn, sums = ports.loss(target.loss) if not target.loss.model_output else (None, False)
             loss, seconds = await self._timed(ports.stage.attach_loss, (self.step, k), loss_fn, y,
                                               _weight(target, sums), target.loss.model_output,
-                                              simulated=False)  # within the simulated time
+                                              simulated=0)  # within the simulated time
             self.figures.forward_seconds += seconds
             self.figures.span(shard_pb2.WORK_KIND_FORWARD, wall, k)
             await ports.send_loss(header.key, loss)
@@ -153,15 +157,25 @@ class PlannedRun:
         # The last stage starts from its loss (Stage.backward seeds it with ones); the others from the next stage.
         grad = None if ports.is_last else (await self._take(k, schedule.BACKWARD))[1]
         residual_grads = await ports.residual_gradients((self.step, k))
-        ports.averager_arm(k == self.final_backward)
+        if not self.split:
+            ports.averager_arm(k == self.final_backward)
         wall = time.time()
-        (grad_input, incoming_grads), seconds = await self._timed(ports.stage.backward, (self.step, k), grad,
-                                                                  residual_grads)
+        work = ports.stage.backward_input if self.split else ports.stage.backward
+        (grad_input, incoming_grads), seconds = await self._timed(work, (self.step, k), grad, residual_grads,
+                                                                  simulated=0.5 if self.split else 1.0)
         self.figures.backward_seconds += seconds
         self.figures.span(shard_pb2.WORK_KIND_BACKWARD, wall, k)
         if ports.index > 0:  # None when the loss does not depend on this stage's input (the stage before skips it)
             await ports.send_input_gradient(key, grad_input)
         await ports.send_residual_gradients(key, incoming_grads)
+
+    async def _weight(self, k: int) -> None:
+        """The weight-gradient half of a split backward: nothing waits for it, so it fills the stage's idle time."""
+        self.ports.averager_arm(k == self.final_backward)
+        wall = time.time()
+        _, seconds = await self._timed(self.ports.stage.backward_weight, (self.step, k), simulated=0.5)
+        self.figures.backward_seconds += seconds
+        self.figures.span(shard_pb2.WORK_KIND_WEIGHT, wall, k)
 
     def abort(self) -> None:
         """Drops what waits in the inbox and fails every wait for an item that will not come now."""

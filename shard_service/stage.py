@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shard_service import split_backward
 from shardtrain import optim
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
@@ -45,6 +46,7 @@ class InFlight:
     outgoing: dict[str, torch.Tensor] = field(default_factory=dict)
     saved_bytes: int = 0  # what autograd saved for backward: the step's activation memory
     is_loss: bool = False  # output is a scalar loss (a planned step's last stage): backward starts from ones
+    weight_pass: split_backward.WeightPass | None = None  # a split backward between its two passes
 
 
 class Stage:
@@ -238,16 +240,32 @@ class Stage:
                  residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
         """Backpropagates one step; returns the gradient of the input and of each fetched residual. Frees the step."""
         state = self._in_flight_state(key)
-        if grad_output is None and state.is_loss:
-            grad_output = torch.ones_like(state.output)
-        if grad_output is not None:
-            _check_like(grad_output, state.output, f"stage {self.index} output gradient")
         roots, grads = self._roots(state, grad_output, residual_grads)
         if roots:
             torch.autograd.backward(roots, grads)
         del self._in_flight[key]
         grad_input = state.inputs.grad if state.inputs is not None else None
         return grad_input, {name: leaf.grad for name, leaf in state.incoming.items()}
+
+    def backward_input(self, key: StepKey, grad_output: torch.Tensor | None,
+                       residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict]:
+        """The first half of a split backward: the gradient of the input and of each fetched residual, as backward
+        returns them. The step stays in flight until backward_weight computes the parameters' gradients."""
+        state = self._in_flight_state(key)
+        roots, grads = self._roots(state, grad_output, residual_grads)
+        names = list(state.incoming)
+        leaf_grads, state.weight_pass = split_backward.input_pass(
+            roots, grads, [state.inputs, *(state.incoming[name] for name in names)], self.parameters)
+        return leaf_grads[0], dict(zip(names, leaf_grads[1:]))
+
+    def backward_weight(self, key: StepKey) -> None:
+        """The second half of a split backward: accumulates the parameters' gradients. Frees the step."""
+        state = self._in_flight_state(key)
+        if state.weight_pass is None:
+            raise FailedPrecondition(f"stage {self.index} has not run the input gradient of step {key[0]} "
+                                     f"micro-batch {key[1]}; a weight gradient follows it")
+        state.weight_pass.run()
+        del self._in_flight[key]
 
     def _in_flight_state(self, key: StepKey) -> InFlight:
         if key not in self._in_flight:
@@ -256,6 +274,14 @@ class Stage:
         return self._in_flight[key]
 
     def _roots(self, state: InFlight, grad_output: torch.Tensor | None, residual_grads: dict[str, torch.Tensor]):
+        """Where a step's backward starts: its outputs that take a gradient, and those gradients."""
+        if state.weight_pass is not None:
+            raise FailedPrecondition(f"stage {self.index} already ran this step's input gradient; "
+                                     "its weight gradient comes next")
+        if grad_output is None and state.is_loss:
+            grad_output = torch.ones_like(state.output)
+        if grad_output is not None:
+            _check_like(grad_output, state.output, f"stage {self.index} output gradient")
         pairs = [(state.output, grad_output)] + [(state.outgoing[n], g) for n, g in residual_grads.items()]
         pairs = [(root, grad.to(self.device)) for root, grad in pairs if grad is not None and root.requires_grad]
         for root, grad in pairs:

@@ -3,6 +3,8 @@
 A model is split into p stages (stage 0 first) and a step's batch into m micro-batches. Every stage runs a
 forward F(k) and a backward B(k) for each micro-batch k. F(k) on stage s needs F(k) on stage s - 1; B(k) on
 stage s needs F(k) on stage s and B(k) on stage s + 1 (on the last stage the loss links F(k) to B(k)).
+Zero-bubble schedules split the backward: B(k) then computes only the gradient the stage before waits for, and
+a later W(k) on the same stage computes the weights' gradients, where the stage would otherwise wait.
 Nothing here touches tensors or the network: the coordinator reads the orders, tests and benches read the
 simulated timelines.
 """
@@ -15,13 +17,15 @@ from dataclasses import dataclass
 
 from shardtrain.errors import InvalidArgument
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is B (input gradient) then W (weight gradient)
 # A plan holds 2 * microbatches actions per stage; these bound what one request can make a server build.
 MAX_STAGES = 1024
 MAX_MICROBATCHES = 4096
 MAX_PLAN_ACTIONS = 1 << 16  # every stage's actions together, in one PlanSchedule answer
 FORWARD = "forward"
-BACKWARD = "backward"
+BACKWARD = "backward"  # the whole backward, or its input-gradient half where a WEIGHT action follows
+WEIGHT = "weight"      # the weight-gradient half of a split backward
 
 Key = tuple[int, str, int]  # (stage, op, micro-batch): one action on one stage
 Timeline = dict[int, list[tuple[float, float, "Action"]]]
@@ -29,9 +33,9 @@ Timeline = dict[int, list[tuple[float, float, "Action"]]]
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work on a stage: the forward or the backward of one micro-batch."""
+    """One unit of work on a stage: the forward, the backward or the weight gradient of one micro-batch."""
 
-    op: str  # FORWARD or BACKWARD
+    op: str  # FORWARD, BACKWARD or WEIGHT
     microbatch: int
 
 
@@ -43,6 +47,8 @@ def stage_actions(schedule: str, stage: int, num_stages: int, microbatches: int)
         raise InvalidArgument(f"stage {stage!r} is outside [0, {num_stages}) for {num_stages} stages")
     if schedule == "gpipe":
         return _gpipe(microbatches)
+    if schedule == "zb-h1":
+        return _zero_bubble_h1(stage, num_stages, microbatches)
     return _one_f_one_b(stage, num_stages, microbatches)
 
 
@@ -67,14 +73,36 @@ def _one_f_one_b(stage: int, num_stages: int, microbatches: int) -> list[Action]
     return actions + [Action(BACKWARD, k) for k in range(microbatches - warmup, microbatches)]
 
 
+def _zero_bubble_h1(stage: int, num_stages: int, microbatches: int) -> list[Action]:
+    """ZB-H1 (Qi et al., 2024): 1F1B's order with each backward split, stage s holding back its first s weight
+    gradients, which then fill the waits of its cooldown. A micro-batch is held until its W: no stage holds more
+    than p at once, 1F1B's peak on its first stage."""
+    warmup = min(num_stages - stage - 1, microbatches)
+    actions = [Action(FORWARD, k) for k in range(warmup)]
+    weights = iter(range(microbatches))
+    for k in range(microbatches):  # the k-th backward, preceded by a forward while forwards remain
+        if warmup + k < microbatches:
+            actions.append(Action(FORWARD, warmup + k))
+        actions.append(Action(BACKWARD, k))
+        if k >= stage:
+            actions.append(Action(WEIGHT, next(weights)))
+    return actions + [Action(WEIGHT, k) for k in weights]
+
+
 def timeline(schedule: str, num_stages: int, microbatches: int, forward_time: float = 1.0,
-             backward_time: float = 1.0) -> Timeline:
-    """Every stage running its stage_actions in order, as early as dependencies allow: (start, end, action)."""
+             backward_time: float = 1.0, weight_share: float = 0.5) -> Timeline:
+    """Every stage running its stage_actions in order, as early as dependencies allow: (start, end, action).
+    `backward_time` is a whole backward; a split one gives `weight_share` of it to W and the rest to B."""
     _check_shape(schedule, num_stages, microbatches)
     _check_time("forward_time", forward_time)
     _check_time("backward_time", backward_time)
+    if not isinstance(weight_share, (int, float)) or not 0 < weight_share < 1:
+        raise InvalidArgument(f"weight_share {weight_share!r} is invalid; expected a fraction in (0, 1)")
     orders = {s: stage_actions(schedule, s, num_stages, microbatches) for s in range(num_stages)}
-    return _simulate(orders, {FORWARD: forward_time, BACKWARD: backward_time})
+    split = schedule in SPLIT_BACKWARD
+    durations = {FORWARD: forward_time, BACKWARD: backward_time * (1 - weight_share if split else 1),
+                 WEIGHT: backward_time * weight_share}
+    return _simulate(orders, durations)
 
 
 def _simulate(orders: dict[int, list[Action]], durations: dict[str, float]) -> Timeline:
@@ -119,6 +147,8 @@ def _dependencies(stage: int, action: Action, num_stages: int) -> list[Key]:
     k = action.microbatch
     if action.op == FORWARD:
         return [(stage - 1, FORWARD, k)] if stage > 0 else []
+    if action.op == WEIGHT:
+        return [(stage, BACKWARD, k)]
     deps = [(stage, FORWARD, k)]
     if stage < num_stages - 1:
         deps.append((stage + 1, BACKWARD, k))
@@ -133,23 +163,23 @@ def _stuck(orders: dict[int, list[Action]], result: Timeline) -> str:
 
 
 def _short(action: Action) -> str:
-    """'F3' for the forward of micro-batch 3, 'B3' for its backward."""
-    return f"{'F' if action.op == FORWARD else 'B'}{action.microbatch}"
+    """'F3' for the forward of micro-batch 3, 'B3' for its backward, 'W3' for its weight gradient."""
+    return f"{action.op[0].upper()}{action.microbatch}"
 
 
 def makespan(schedule: str, num_stages: int, microbatches: int, forward_time: float = 1.0,
-             backward_time: float = 1.0) -> float:
+             backward_time: float = 1.0, weight_share: float = 0.5) -> float:
     """Time from the first action starting (at 0) to the last one ending."""
-    lanes = timeline(schedule, num_stages, microbatches, forward_time, backward_time)
+    lanes = timeline(schedule, num_stages, microbatches, forward_time, backward_time, weight_share)
     return max(end for lane in lanes.values() for _, end, _ in lane)
 
 
 def bubble_fraction(schedule: str, num_stages: int, microbatches: int, forward_time: float = 1.0,
-                    backward_time: float = 1.0) -> float:
+                    backward_time: float = 1.0, weight_share: float = 0.5) -> float:
     """Idle time of all stages over num_stages * makespan."""
-    span = makespan(schedule, num_stages, microbatches, forward_time, backward_time)
+    span = makespan(schedule, num_stages, microbatches, forward_time, backward_time, weight_share)
     busy = num_stages * microbatches * (forward_time + backward_time)
-    return (num_stages * span - busy) / (num_stages * span)
+    return max(0.0, (num_stages * span - busy) / (num_stages * span))  # a split backward's halves may round
 
 
 def ideal_bubble_fraction(num_stages: int, microbatches: int) -> float:
@@ -160,13 +190,14 @@ def ideal_bubble_fraction(num_stages: int, microbatches: int) -> float:
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most micro-batches whose forward has run and whose backward has not, over the sequence."""
+    """Most micro-batches whose forward has run and whose backward (weight gradient, if split) has not."""
+    done = WEIGHT if any(action.op == WEIGHT for action in actions) else BACKWARD
     in_flight: set[int] = set()
     peak = 0
     for action in actions:
         if action.op == FORWARD:
             in_flight.add(action.microbatch)
-        else:
+        elif action.op == done:
             in_flight.discard(action.microbatch)
         peak = max(peak, len(in_flight))
     return peak

@@ -15,6 +15,7 @@ class WorkKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORK_KIND_BACKWARD: _ClassVar[WorkKind]
     WORK_KIND_ALLREDUCE: _ClassVar[WorkKind]
     WORK_KIND_OPTIMIZER: _ClassVar[WorkKind]
+    WORK_KIND_WEIGHT: _ClassVar[WorkKind]
 
 class LinkRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +30,7 @@ WORK_KIND_FORWARD: WorkKind
 WORK_KIND_BACKWARD: WorkKind
 WORK_KIND_ALLREDUCE: WorkKind
 WORK_KIND_OPTIMIZER: WorkKind
+WORK_KIND_WEIGHT: WorkKind
 LINK_ROLE_UNSPECIFIED: LinkRole
 LINK_ROLE_INPUT: LinkRole
 LINK_ROLE_OUTPUT: LinkRole
@@ -453,12 +455,14 @@ class LossSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., program: _Optional[_Union[CapturedLayer, _Mapping]] = ..., sums: _Optional[bool] = ..., model_output: _Optional[str] = ...) -> None: ...
 
 class PipelineAction(_message.Message):
-    __slots__ = ("backward", "microbatch")
+    __slots__ = ("backward", "microbatch", "weight")
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     backward: bool
     microbatch: int
-    def __init__(self, backward: _Optional[bool] = ..., microbatch: _Optional[int] = ...) -> None: ...
+    weight: bool
+    def __init__(self, backward: _Optional[bool] = ..., microbatch: _Optional[int] = ..., weight: _Optional[bool] = ...) -> None: ...
 
 class StageStats(_message.Message):
     __slots__ = ("stage", "replica", "forward_seconds", "backward_seconds", "allreduce_wait_seconds", "optimizer_seconds", "step_seconds", "peak_activation_bytes", "peak_in_flight", "allreduce_backend", "spans")

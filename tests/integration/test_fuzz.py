@@ -182,6 +182,9 @@ def test_requests_that_would_make_the_coordinator_work_for_minutes_are_refused_a
     started = time.monotonic()
     with pytest.raises(Exception, match="at most 65536 are planned at once"):
         cluster4._io.run(cluster4._coordinator.call("PlanSchedule", plan))
+    plan = coordinator_pb2.PlanScheduleRequest(num_stages=64, microbatches=512, schedule="zb-h1")
+    with pytest.raises(Exception, match="64 stages x 512 micro-batches has 98304 actions; at most 65536"):
+        cluster4._io.run(cluster4._coordinator.call("PlanSchedule", plan))
     deploy = coordinator_pb2.DeployRequest(layers=[shard_pb2.CapturedLayer(index=i) for i in range(12_000)],
                                            optimizer=shard_pb2.OptimizerSpec(name="SGD", kwargs_json="{}"))
     with pytest.raises(Exception, match="a deploy of 12000 layers; at most 10000"):

@@ -1,4 +1,4 @@
-"""Pipelined train_step (GPipe, 1F1B) and data-parallel replicas equal one process's full-batch training."""
+"""Pipelined train_step (GPipe, 1F1B, ZB-H1) and data-parallel replicas equal one process's full-batch training."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def train_pipelined(model, batches, loss="MSELoss", **kwargs) -> list[float]:
     return [model.train_step(x, y, loss, **kwargs) for x, y in batches]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 @pytest.mark.parametrize("microbatches", [1, 4, 7])  # 7 does not divide the batch of 30: uneven micro-batches
 def test_pipelined_seed_model_equals_full_batch_training(cluster4, schedule, microbatches):
     torch.manual_seed(0)
@@ -224,7 +224,7 @@ def test_a_step_of_many_micro_batches_is_not_refused_as_items_piling_up(cluster4
     assert largest_difference(model.state_dict(), expected) <= 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_the_timeline_shows_each_stage_s_actions_of_the_last_step_in_order_on_one_clock(cluster4, schedule):
     model = cluster4.deploy(classifier(), optimizer=ADAM, num_stages=3)
     x, y = regression_batches(steps=1, batch=16, features=6, outputs=5)[0]
@@ -234,8 +234,7 @@ def test_the_timeline_shows_each_stage_s_actions_of_the_last_step_in_order_on_on
     assert list(lanes) == [(0, 0), (0, 1), (0, 2)]
     for (_, stage), spans in lanes.items():
         work = [(span.kind, span.microbatch) for span in spans if span.kind != "optimizer"]
-        assert work == [("forward" if action.op == schedules.FORWARD else "backward", action.microbatch)
-                        for action in schedules.stage_actions(schedule, stage, 3, 4)]
+        assert work == [(action.op, action.microbatch) for action in schedules.stage_actions(schedule, stage, 3, 4)]
         assert spans[-1].kind == "optimizer"
         assert all(earlier.end <= later.start for earlier, later in zip(spans, spans[1:]))  # one at a time
     span = {(s.stage, s.kind, s.microbatch): s for s in timeline.spans}
@@ -244,6 +243,8 @@ def test_the_timeline_shows_each_stage_s_actions_of_the_last_step_in_order_on_on
             assert span[(s.stage - 1, "forward", s.microbatch)].end <= s.start
         if s.kind == "backward" and s.stage < 2:
             assert span[(s.stage + 1, "backward", s.microbatch)].end <= s.start
+        if s.kind == "weight":
+            assert span[(s.stage, "backward", s.microbatch)].end <= s.start
     rows = timeline.text(60).splitlines()
     assert len(rows) == 4 and all(len(row.split("|")[1]) == 60 for row in rows[:3])
     assert 0 < timeline.bubble() < 1

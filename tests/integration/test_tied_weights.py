@@ -68,7 +68,8 @@ def test_a_tied_head_and_embedding_train_as_one_parameter_with_clipping(cluster4
                if torch.is_tensor(value)) <= 1e-5
 
 
-def test_a_tied_weight_trains_in_pipelined_steps_and_its_optimizer_state_comes_along(cluster4):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_tied_weight_trains_in_pipelined_steps_and_its_optimizer_state_comes_along(cluster4, schedule):
     local, batches = tied_net(), token_batches(steps=4, batch=8, length=None)
     started = adamw(local)  # stepped once here: a deploy of the optimizer instance carries its state
     loss_of(local(batches[0][0]), batches[0][1]).backward()
@@ -79,7 +80,7 @@ def test_a_tied_weight_trains_in_pipelined_steps_and_its_optimizer_state_comes_a
     remote_optimizer.load_state_dict(started.state_dict())
     model = cluster4.deploy(remote, optimizer=remote_optimizer, example_input=batches[0][0], num_stages=3)
     for x, y in batches[1:]:
-        model.train_step(x, y, "CrossEntropyLoss", microbatches=2, schedule="1f1b")
+        model.train_step(x, y, "CrossEntropyLoss", microbatches=2, schedule=schedule)
         loss_of(local(x), y).backward()
         started.step()
         started.zero_grad()

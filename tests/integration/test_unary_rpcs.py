@@ -11,8 +11,9 @@ import torch
 
 from client_sdk import LayerList
 from shardtrain import auth, errors, rpc, wire
+from shardtrain import schedule as schedules
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
-from shardtrain.v1 import shard_pb2
+from shardtrain.v1 import coordinator_pb2, shard_pb2
 from tests.integration.training import (SKIP_A_STAGE, largest_difference, regression_batches, train_locally,
                                         train_remotely)
 
@@ -176,3 +177,14 @@ def test_calls_on_a_model_of_several_inputs_are_refused_as_the_calls_carry_one(c
             await calls.forward(1, x)
     run(model, cluster4.security, script)
     assert model(x, torch.ones(4, 3)).shape == (4, 3)  # the SDK trains on
+
+
+@pytest.mark.parametrize("name", schedules.SCHEDULES)
+def test_plan_schedule_answers_each_stage_s_actions_as_the_stages_run_them(cluster4, name):
+    request = coordinator_pb2.PlanScheduleRequest(num_stages=3, microbatches=5, schedule=name)
+    answer = cluster4._io.run(cluster4._coordinator.call("PlanSchedule", request))
+    ops = {(True, False): schedules.BACKWARD, (False, True): schedules.WEIGHT, (False, False): schedules.FORWARD}
+    assert [entry.stage for entry in answer.stages] == [0, 1, 2]
+    for entry in answer.stages:
+        got = [schedules.Action(ops[(a.backward, a.weight)], a.microbatch) for a in entry.actions]
+        assert got == schedules.stage_actions(name, entry.stage, 3, 5)

@@ -72,7 +72,8 @@ def test_a_gpt_computing_its_loss_trains_as_one_process_with_tied_weights_groups
     assert largest_difference(state, local.state_dict()) < 1e-5
 
 
-def test_a_gpt_computing_its_loss_trains_with_train_step_1f1b_as_one_process(cluster4):
+@pytest.mark.parametrize("pipeline_schedule", ["1f1b", "zb-h1"])
+def test_a_gpt_computing_its_loss_trains_with_train_step_as_one_process(cluster4, pipeline_schedule):
     local, batches = gpt(), token_batches(steps=8)
     remote = copy.deepcopy(local)
     model = cluster4.deploy(remote, optimizer=remote.configure_optimizers(0.1, 3e-3), example_inputs=batches[0],
@@ -81,7 +82,8 @@ def test_a_gpt_computing_its_loss_trains_with_train_step_1f1b_as_one_process(clu
     schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=len(batches)) for o in (model.optimizer,
                                                                                            optimizer)]
     for x, y in batches:
-        remote_loss = model.train_step((x, y), loss_output=1, microbatches=4, schedule="1f1b", clip_grad_norm=1.0)
+        remote_loss = model.train_step((x, y), loss_output=1, microbatches=4, schedule=pipeline_schedule,
+                                       clip_grad_norm=1.0)
         local_loss = local(x, y)[1]
         local_loss.backward()
         local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), 1.0)
@@ -100,14 +102,15 @@ def test_a_gpt_computing_its_loss_trains_with_train_step_1f1b_as_one_process(clu
         model.train_step(batches[0])
 
 
-def test_a_gpt_trains_with_train_step_on_two_replicas_and_a_loss_of_its_logits(cluster4):
+@pytest.mark.parametrize("pipeline_schedule", ["gpipe", "zb-h1"])
+def test_a_gpt_trains_with_train_step_on_two_replicas_and_a_loss_of_its_logits(cluster4, pipeline_schedule):
     local, batches = gpt(), token_batches(steps=4)
     remote = copy.deepcopy(local)
     model = cluster4.deploy(remote, optimizer=(torch.optim.AdamW, {"lr": 3e-3}), example_input=batches[0][0],
                             num_stages=2, replicas=2)
     optimizer = torch.optim.AdamW(local.parameters(), lr=3e-3)
     for x, y in batches:
-        remote_loss = model.train_step(x, y, loss_fn=SequenceLoss(), microbatches=2, schedule="gpipe")
+        remote_loss = model.train_step(x, y, loss_fn=SequenceLoss(), microbatches=2, schedule=pipeline_schedule)
         local_loss = loss_of(local(x)[0], y)
         local_loss.backward()
         optimizer.step()

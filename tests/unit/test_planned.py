@@ -49,8 +49,10 @@ class Pipeline:
 
     def _ports(self, index: int, stage: Stage, count: int, targets, rows: int, loss_fn) -> StagePorts:
         async def run(function, *args):
-            if function.__name__ in ("forward", "backward"):
-                self.ran[index].append((function.__name__, args[0][1]))
+            names = {"forward": "forward", "backward": "backward", "backward_input": "backward",
+                     "backward_weight": "weight"}
+            if function.__name__ in names:
+                self.ran[index].append((names[function.__name__], args[0][1]))
             return function(*args)
 
         async def nothing(*_):

@@ -7,8 +7,12 @@ import pytest
 from shardtrain import schedule
 from shardtrain.errors import InvalidArgument
 from shardtrain.schedule import (
-    SCHEDULES, Action, bubble_fraction, ideal_bubble_fraction, makespan, peak_in_flight, stage_actions, timeline,
+    SCHEDULES, SPLIT_BACKWARD, Action, bubble_fraction, ideal_bubble_fraction, makespan, peak_in_flight,
+    stage_actions, timeline,
 )
+
+ONE_PASS = [name for name in SCHEDULES if name not in SPLIT_BACKWARD]
+OPS = {"F": "forward", "B": "backward", "W": "weight"}
 
 # (p, m) pairs covering m > p, m == p, m < p, m == 1 and p == 1.
 GRID = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 5), (3, 4), (4, 1), (4, 2), (4, 4), (4, 8), (5, 3), (6, 11)]
@@ -16,12 +20,12 @@ GRID = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 5), (3, 4), (4, 1), (4, 2), (4, 4), 
 
 def fmt(actions: list[Action]) -> str:
     """'F0 F1 B0 ...': the written-out form the tables below use."""
-    return " ".join(f"{'F' if a.op == 'forward' else 'B'}{a.microbatch}" for a in actions)
+    return " ".join(f"{a.op[0].upper()}{a.microbatch}" for a in actions)
 
 
 def parse(text: str) -> list[Action]:
     """The inverse of fmt, for hand-written sequences."""
-    return [Action("forward" if t[0] == "F" else "backward", int(t[1:])) for t in text.split()]
+    return [Action(OPS[t[0]], int(t[1:])) for t in text.split()]
 
 
 # Worked out by hand from the definition: stage s runs min(p - s - 1, m) warmup forwards, then F/B pairs
@@ -54,6 +58,36 @@ GPIPE = {
 }
 
 
+# Worked out by hand: 1F1B's order, each B followed by a W, except that stage s holds back its first s W's
+# (they follow the last backward), so the upper stages have weight work for the waits of their cooldown.
+ZERO_BUBBLE_H1 = {
+    (4, 8): [
+        "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7",
+        "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7",
+        "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7",
+    ],
+    (3, 2): [  # m < p: stage 2 holds back both W's
+        "F0 F1 B0 W0 B1 W1",
+        "F0 F1 B0 B1 W0 W1",
+        "F0 B0 F1 B1 W0 W1",
+    ],
+}
+
+
+@pytest.mark.parametrize(("shape", "expected"), ZERO_BUBBLE_H1.items())
+def test_zero_bubble_h1_table(shape, expected):
+    p, m = shape
+    assert [fmt(stage_actions("zb-h1", s, p, m)) for s in range(p)] == expected
+
+
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in GRID if m >= p])
+def test_zero_bubble_h1_makespan(p, m):
+    # With F = B = W the bubble is (p - 1) * (F + B - W) (Qi et al., 2024): a third of 1F1B's (p - 1) * 3F.
+    assert makespan("zb-h1", p, m, 1.0, 2.0) == (p - 1) * 1.0 + m * 3.0
+    assert makespan("zb-h1", p, m, 1.0, 2.0) <= makespan("1f1b", p, m, 1.0, 2.0)
+
+
 @pytest.mark.parametrize(("shape", "expected"), ONE_F_ONE_B.items())
 def test_1f1b_table(shape, expected):
     p, m = shape
@@ -82,12 +116,14 @@ def test_1f1b_timeline_p3_m4_by_hand():
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize(("p", "m"), GRID)
 def test_every_action_once_and_forward_before_backward(name, p, m):
+    ops = ("forward", "backward", "weight") if name in SPLIT_BACKWARD else ("forward", "backward")
     for s in range(p):
         actions = stage_actions(name, s, p, m)
-        expected = {Action(op, k) for op in ("forward", "backward") for k in range(m)}
-        assert len(actions) == 2 * m and set(actions) == expected
+        expected = {Action(op, k) for op in ops for k in range(m)}
+        assert len(actions) == len(ops) * m and set(actions) == expected
         for k in range(m):
-            assert actions.index(Action("forward", k)) < actions.index(Action("backward", k))
+            positions = [actions.index(Action(op, k)) for op in ops]
+            assert positions == sorted(positions)
 
 
 @pytest.mark.parametrize(("p", "m"), GRID)
@@ -95,15 +131,17 @@ def test_peak_in_flight(p, m):
     for s in range(p):
         assert peak_in_flight(stage_actions("1f1b", s, p, m)) == min(p - s, m) <= p
         assert peak_in_flight(stage_actions("gpipe", s, p, m)) == m
+        assert peak_in_flight(stage_actions("zb-h1", s, p, m)) <= min(p, m)  # held until W: at most 1F1B's p
 
 
 def test_peak_in_flight_of_written_sequences():
     assert peak_in_flight([]) == 0
     assert peak_in_flight(parse("F0 B0 F1 B1")) == 1
     assert peak_in_flight(parse("F0 F1 B1 F2 F3 B0")) == 3
+    assert peak_in_flight(parse("F0 B0 F1 B1 W0 W1")) == 2  # a split backward frees its micro-batch at W
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ONE_PASS)
 @pytest.mark.parametrize(("p", "m"), GRID)
 @pytest.mark.parametrize("t", [1.0, 0.5, 2.0])
 def test_equal_times_give_the_ideal_makespan_and_bubble(name, p, m, t):
@@ -123,6 +161,8 @@ def dependencies(s: int, p: int, action: Action) -> list[tuple[int, Action]]:
     k = action.microbatch
     if action.op == "forward":
         return [(s - 1, Action("forward", k))] if s > 0 else []
+    if action.op == "weight":
+        return [(s, Action("backward", k))]
     deps = [(s, Action("forward", k))]
     return deps + [(s + 1, Action("backward", k))] if s < p - 1 else deps
 
@@ -137,7 +177,10 @@ def test_uneven_times_respect_dependencies(name, p, m, f, b):
         assert [a for _, _, a in lane] == stage_actions(name, s, p, m)
         previous_end = 0.0
         for start, end, action in lane:
-            assert end - start == pytest.approx(f if action.op == "forward" else b)
+            share = {"forward": f, "backward": b, "weight": b / 2}
+            if name in SPLIT_BACKWARD:
+                share["backward"] = b / 2
+            assert end - start == pytest.approx(share[action.op])
             assert start >= previous_end  # one action at a time per stage
             assert all(start >= ends[dep] for dep in dependencies(s, p, action))
             previous_end = end
@@ -145,7 +188,7 @@ def test_uneven_times_respect_dependencies(name, p, m, f, b):
     assert 0.0 <= bubble_fraction(name, p, m, f, b) < 1.0
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ONE_PASS)
 @pytest.mark.parametrize(("p", "m"), GRID)
 def test_uneven_makespan(name, p, m):
     # GPipe: forwards fill the pipe in (m + p - 1) f, then backwards drain it in (m + p - 1) b. 1F1B with
@@ -220,3 +263,9 @@ def test_ideal_bubble_fraction_rejects(p, m, message):
 def test_timeline_is_pure():
     assert timeline("1f1b", 4, 8, 1.0, 2.0) == timeline("1f1b", 4, 8, 1.0, 2.0)
     assert sorted(timeline("gpipe", 4, 8)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("share", [0, 1, -0.5, "half", 1.5])
+def test_timeline_rejects_bad_weight_share(share):
+    with pytest.raises(InvalidArgument, match=f"weight_share {share!r}.*fraction in"):
+        timeline("zb-h1", 2, 2, 1.0, 1.0, share)

@@ -107,6 +107,45 @@ def test_forward_backward_step_match_plain_pytorch(programs, mlp, stage_index):
     assert not torch.allclose(stage.state()["0.weight"], mlp[0].weight)  # it did train
 
 
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_a_split_backward_matches_plain_pytorch(programs, mlp, stage_index):
+    """backward_input then backward_weight: the input gradient at once, the weights' after, as one backward."""
+    stage = mlp_stage(programs, mlp, index=stage_index)
+    reference = copy.deepcopy(mlp)
+    torch.manual_seed(1)
+    x, grad = torch.randn(5, 3), torch.randn(5, 2)
+    stage.forward((1, 0), x.clone(), {}, requires_grad=True)
+    grad_input, residual_grads = stage.backward_input((1, 0), grad, {})
+    x_ref = x.clone().requires_grad_(stage_index > 0)
+    reference(x_ref).backward(grad)
+    assert residual_grads == {} and all(p.grad is None for p in stage.parameters)
+    if stage_index == 0:
+        assert grad_input is None
+    else:
+        assert torch.allclose(grad_input, x_ref.grad, atol=TOLERANCE, rtol=0)
+    assert stage.in_flight_steps == [(1, 0)]  # held until its weight gradient
+    stage.backward_weight((1, 0))
+    assert stage.in_flight_steps == []
+    for parameter, expected in zip(stage.parameters, reference.parameters()):
+        assert torch.allclose(parameter.grad, expected.grad, atol=TOLERANCE, rtol=0)
+
+
+def test_a_split_backward_runs_its_halves_in_order_once(programs, mlp):
+    stage = mlp_stage(programs, mlp)
+    stage.forward((1, 0), torch.zeros(2, 3), {}, requires_grad=True)
+    with pytest.raises(FailedPrecondition, match="stage 0 has not run the input gradient of step 1 micro-batch 0"):
+        stage.backward_weight((1, 0))
+    stage.backward_input((1, 0), torch.ones(2, 2), {})
+    for second in (lambda: stage.backward_input((1, 0), torch.ones(2, 2), {}),
+                   lambda: stage.backward((1, 0), torch.ones(2, 2), {})):
+        with pytest.raises(FailedPrecondition, match="already ran this step's input gradient"):
+            second()
+    stage.forget(1)  # a failed step drops a backward between its halves too
+    assert stage.in_flight_steps == []
+    with pytest.raises(NotFound):
+        stage.backward_weight((1, 0))
+
+
 def test_forward_output_is_detached(programs, mlp):
     output, _ = mlp_stage(programs, mlp).forward((1, 0), torch.randn(2, 3), {}, requires_grad=True)
     assert not output.requires_grad
