@@ -3,8 +3,9 @@
     python -m bench.ab [--model seed|tiny] [--batch 32] [--rounds 12] [--steps 200] REV [REV ...]
 
 Each REV (a git revision; "." for the working tree as it is; or the directory of another checkout, such
-as a worktree with an experiment not committed yet) gets its own local cluster
-(coordinator and 3 shards) in a child process, from a git worktree of that revision. In each round
+as a worktree with an experiment not committed yet; with "+NAME=VALUE" after it, its cluster's services
+get that environment variable too: `. .+SHARDTRAIN_METRICS_PORT=0` is metrics off against on) gets its own
+local cluster (coordinator and 3 shards) in a child process, from a git worktree of that revision. In each round
 every revision trains `--steps` steps; the order of the revisions is reversed every other round,
 because on a shared host whichever cluster runs second in a round tends to be slower, and every
 revision's cluster is started afresh every `--rounds-per-cluster` rounds, because one cluster can be
@@ -107,6 +108,8 @@ class Variant:
 
     def __init__(self, revision: str, args: argparse.Namespace, scratch: pathlib.Path):
         self.revision = revision
+        revision, *assignments = revision.split("+")
+        self._env = dict(assignment.split("=", 1) for assignment in assignments)
         self.tree = ROOT if revision == "." else pathlib.Path(revision).resolve()
         self._made = False
         if revision != "." and not self.tree.is_dir():
@@ -123,8 +126,8 @@ class Variant:
     def start(self) -> None:
         """Starts a fresh cluster (the previous one, if any, is stopped first)."""
         self.stop()
-        self.process = subprocess.Popen(self._argv, cwd=self.tree, env=child_env(self.tree), stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(self._argv, cwd=self.tree, env={**child_env(self.tree), **self._env},
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ready(self) -> None:
         """Waits until the cluster is up and warmed up."""

@@ -49,7 +49,7 @@ class Cluster:
     @classmethod
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
               startup_timeout: float = 120.0, flush_denormal: bool = False,
-              timeouts: Timeouts | None = None, hosts=None) -> Cluster:
+              timeouts: Timeouts | None = None, hosts=None, metrics: bool = False) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike. Without a token
@@ -61,6 +61,7 @@ class Cluster:
         Timeouts(rpc=30, peer_wait=20) to hear of a stopped shard within half a minute.
         `hosts`: where the services run instead (bench.namespaces.SeparateHosts: a network namespace per
         shard, standing for machines of their own; needs root).
+        `metrics`: every service serves Prometheus metrics, at `cluster.metrics_urls`.
         """
         security = security or Security()
         if not security.token:
@@ -68,7 +69,7 @@ class Cluster:
         flags = ["--flush-denormal", "on"] if flush_denormal else []
         timeouts = timeouts or Timeouts()
         services = LocalServices(num_shards, device, env={**security_env(security), **timeouts_env(timeouts)},
-                                 startup_timeout=startup_timeout, shard_flags=flags, hosts=hosts)
+                                 startup_timeout=startup_timeout, shard_flags=flags, hosts=hosts, metrics=metrics)
         try:
             cluster = cls(services.coordinator_address, security=security, timeouts=timeouts, services=services)
             cluster.wait_for_shards(num_shards, startup_timeout)
@@ -83,6 +84,12 @@ class Cluster:
         cluster = cls(address, security)
         cluster.shards()  # fail now, with the address, if nothing answers
         return cluster
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Where the services Cluster.local started serve Prometheus metrics (with metrics=True), by the address
+        of each service (`cluster.address`, a placement's `shard_address`); empty otherwise."""
+        return self._services.metrics_urls if self._services is not None else {}
 
     def shards(self) -> list[coordinator_pb2.ShardInfo]:
         """The registered shards, in registration order."""

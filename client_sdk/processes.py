@@ -46,6 +46,8 @@ class Service:
         self.name = name
         self.address = ""  # set from the ready line: where others reach it (a shard's --advertise, if given)
         self.port = 0      # the port it listens on, from the same line
+        self.metrics_url = ""  # its Prometheus endpoint, if it serves one (--metrics-port)
+        self._scheme = "https" if env.get("SHARDTRAIN_TLS_CERT") else "http"
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         # A session of its own: Ctrl-C in a terminal and a notebook's interrupt signal the caller's whole process
@@ -67,6 +69,9 @@ class Service:
                     ready = json.loads(line)
                     self.address = ready.get("address", f"127.0.0.1:{ready.get('port')}")
                     self.port = int(ready.get("port", 0))
+                    if "metrics_port" in ready:
+                        host = self.address.rsplit(":", 1)[0]
+                        self.metrics_url = f"{self._scheme}://{host}:{ready['metrics_port']}/metrics"
                     return ready
         raise Unavailable(f"{self.name} did not become ready within {timeout:g} s: {self.log_tail()}")
 
@@ -104,15 +109,18 @@ class LocalServices:
     """
 
     def __init__(self, num_shards: int, device: str = "cpu", env: dict[str, str] | None = None,
-                 startup_timeout: float = 120.0, shard_flags: Sequence[str] = (), hosts=None):
+                 startup_timeout: float = 120.0, shard_flags: Sequence[str] = (), hosts=None, metrics: bool = False):
         """`env` adds variables for the services (SHARDTRAIN_AUTH_TOKEN and the like); secrets stay off argv.
         `shard_flags` go to every `shardtrain shard` (say ["--flush-denormal", "on"]). `hosts` says where each
         service runs: its `coordinator_host`, `shard_host(i)` (the addresses they bind) and `prefix(i)` (the
-        command shard i runs under); Loopback by default, bench.namespaces.SeparateHosts for hosts of their own."""
+        command shard i runs under); Loopback by default, bench.namespaces.SeparateHosts for hosts of their own.
+        `metrics`: every service serves Prometheus metrics on a port the OS picks (`metrics_urls`)."""
         self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="shardtrain-"))
         self.services: list[Service] = []
         self._hosts = hosts or Loopback()
         self._env = dict(env or {})
+        if metrics:
+            self._env["SHARDTRAIN_METRICS_PORT"] = "0"
         # Local shards share this host's cores: each computes on its share of them, not on all of them at once.
         self._env.setdefault("SHARDTRAIN_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_shards))))
         try:
@@ -159,6 +167,11 @@ class LocalServices:
             log.warning("%s ended before the cluster was stopped; logs kept in %s", ", ".join(ended), self.log_dir)
         else:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """The services' Prometheus endpoints by the services' addresses, the coordinator's first."""
+        return {service.address: service.metrics_url for service in self.services if service.metrics_url}
 
     @property
     def pids(self) -> list[int]:

@@ -9,7 +9,7 @@ import sys
 import grpc
 
 from coordinator.servicer import CoordinatorServicer
-from shardtrain import health, logs, rpc, shm
+from shardtrain import health, logs, metrics, rpc, shm
 from shardtrain.lifecycle import die_with_parent
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
@@ -31,7 +31,8 @@ async def build_server(settings: CoordinatorSettings,
 async def serve(settings: CoordinatorSettings) -> None:
     """Runs the coordinator until cancelled, announcing readiness on stdout."""
     server, port, servicer = await build_server(settings)
-    print(json.dumps({"event": "ready", "service": "coordinator", "port": port}), flush=True)
+    print(json.dumps({"event": "ready", "service": "coordinator", "port": port, **metrics.serve_for(settings)}),
+          flush=True)
     try:
         await server.wait_for_termination()
     finally:

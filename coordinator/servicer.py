@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain import auth, optim, partition, schedule
+from shardtrain import auth, metrics, optim, partition, schedule
 from shardtrain.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ShardtrainError
 from shardtrain.residuals import Wiring, route
 from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
@@ -34,6 +34,7 @@ class CoordinatorServicer:
         if holder is not None and holder.instance != request.instance:
             await self._check_takeover(holder, request.instance)
         record = self.registry.register(request.address, request.device, request.memory_bytes, request.instance)
+        metrics.registered_shards(len(self.registry.shards()))  # heartbeats keep it current as others expire
         log.info("registered %s at %s (%s)", record.shard_id, record.address, record.device)
         return coordinator_pb2.RegisterShardResponse(shard_id=record.shard_id)
 
@@ -78,6 +79,7 @@ class CoordinatorServicer:
                      for r in range(replicas)]
         deployment_id, secret = uuid.uuid4().hex[:12], auth.new_deployment_secret()
         await self._ship_all((deployment_id, secret), pipelines, layers, request)
+        metrics.deployed()
         log.info("deployed %s: %s", deployment_id,
                  [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines])
         stage_costs = [row[first:end] for row, (first, end) in zip(partition.rows(costs, len(ranges)), ranges)]

@@ -18,7 +18,7 @@ from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
-from shardtrain import losses
+from shardtrain import losses, metrics
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument
 from shardtrain.residuals import StageResiduals, Wiring
@@ -110,6 +110,9 @@ class ShardRuntime:
                 result, elapsed = await asyncio.get_running_loop().run_in_executor(
                     self._compute, _with_threads, self._threads, function, *args)
             self._durations[name] = elapsed
+            metrics.work(function.__name__, elapsed)
+            if metrics.enabled() and self._stage is not None:
+                metrics.activation_bytes(self._stage.in_flight_bytes)
             return result
 
     def stage_for(self, deployment_id: str) -> Stage:

@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from shard_service.servicer import ShardServicer
-from shardtrain import carrier, health, logs, rpc, shm
+from shardtrain import carrier, health, logs, metrics, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
@@ -89,8 +89,8 @@ async def serve(settings: ShardSettings) -> None:
     server, port, servicer = await build_server(settings)
     try:
         shard_id = await register(settings, servicer.address, servicer.instance)
-        print(json.dumps({"event": "ready", "service": "shard", "address": servicer.address,
-                          "port": port, "shard_id": shard_id}), flush=True)
+        ready = {"event": "ready", "service": "shard", "address": servicer.address, "port": port, "shard_id": shard_id}
+        print(json.dumps({**ready, **metrics.serve_for(settings)}), flush=True)
         heartbeat = asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance))
         try:
             await server.wait_for_termination()

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import torch
 
-from shardtrain import carrier, errors, wire
+from shardtrain import carrier, errors, metrics, wire
 from shardtrain.codec import Frame
 from shardtrain.rpc import status_message, translate
 from shardtrain.v1 import shard_pb2
@@ -54,6 +54,7 @@ class ItemReader:
     def __init__(self) -> None:
         self._pending: shard_pb2.LinkMessage | None = None
         self._tensors = wire.TensorStreamReader()
+        self.shared = False  # the last item's tensor came in a shared segment
 
     def place(self, message: shard_pb2.LinkMessage, nbytes: int) -> memoryview | None:
         """Where the data of a frame about to be fed goes: straight into its item's tensor (carrier.Placer)."""
@@ -72,6 +73,7 @@ class ItemReader:
             if not message.HasField("tensor"):
                 return message, None
             self._pending = message
+            self.shared = message.tensor.HasField("shared")
         elif self._pending is None:
             raise errors.InvalidArgument("link: a tensor chunk arrived outside any item")
         done = self._tensors.feed(frame)
@@ -144,6 +146,8 @@ class LinkEnd:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, ConnectionError) as error:
                 self.broken = await self._why_broken(error)
                 raise self.broken from None
+        if metrics.enabled():
+            _count("sent", message, tensor, items[0].message.tensor.HasField("shared"), self.local)
 
     async def _ready(self) -> None:
         """Returns once items may be sent (at once for the answering end)."""
@@ -175,6 +179,7 @@ class ClientLink(LinkEnd):
         self._call = peer.stub.Link(metadata=peer.metadata, wait_for_ready=False)
         super().__init__(peer.name, self._call.write, opening)
         self._closing = False
+        self._counted = False  # counted among the open links (metrics)
         self._on_item, self._on_broken = on_item, on_broken
         self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._opening = asyncio.ensure_future(self._open(opening))
@@ -205,6 +210,8 @@ class ClientLink(LinkEnd):
             for item in self._first_items:
                 await self._write(Frame(item))
             self._accepted.set_result(None)
+            self._counted = True
+            metrics.link_opened(1)
             await _deliver(self._stream_frames(), self, self._on_item)
         status = await self._call.code()
         if status != grpc.StatusCode.OK:
@@ -259,6 +266,9 @@ class ClientLink(LinkEnd):
     def _broke(self, error: errors.ShardtrainError) -> None:
         if self.broken is None:
             self.broken = error
+        if self._counted:  # open from its acceptance to the first end heard of
+            self._counted = False
+            metrics.link_opened(-1)
         if not self._accepted.done():
             self._accepted.set_exception(error)
             self._accepted.exception()  # retrieved: maybe nobody was about to send
@@ -310,9 +320,11 @@ async def serve(requests, context, name: str, on_open: Callable[[shard_pb2.LinkO
     readers = {asyncio.ensure_future(_read_stream(requests, end, on_item))}
     if offer is not None:
         readers.add(asyncio.ensure_future(_read_carrier(offer, end, on_item)))
+    metrics.link_opened(1)
     try:
         await _until_closed(readers)
     finally:
+        metrics.link_opened(-1)
         for reader in readers:
             reader.cancel()
         if offer is not None:
@@ -381,12 +393,22 @@ async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> s
     return "ended"
 
 
+def _count(direction: str, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None, shared: bool,
+           socket: bool) -> None:
+    """Records one item sent or received, by its kind and the path its tensor took."""
+    path = "shared_memory" if shared else "socket" if socket else "grpc"
+    nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
+    metrics.moved(direction, message.WhichOneof("item") or "", path, nbytes)
+
+
 async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:
     """Hands each item to `on_item` as its last frame arrives, until `frames` (a stream's or a socket's) ends."""
     items = ItemReader()
     async for frame in frames:
         item = items.feed(frame)
         if item is not None:
+            if metrics.enabled():
+                _count("received", item[0], item[1], items.shared, False)
             on_item(end, *item)
 
 
@@ -397,5 +419,7 @@ async def _deliver_carried(local: carrier.Carrier, end: LinkEnd, on_item) -> Non
     def on_frame(frame: Frame) -> None:
         item = items.feed(frame)
         if item is not None:
+            if metrics.enabled():
+                _count("received", item[0], item[1], items.shared, True)
             on_item(end, *item)
     await local.deliver(on_frame, items.place)

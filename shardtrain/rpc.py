@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from google.protobuf import message_factory
 
-from shardtrain import addresses, auth, codec, errors, health, shm, wire
+from shardtrain import addresses, auth, codec, errors, health, metrics, shm, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -259,6 +259,7 @@ def _refusal(error: Exception, where: str, method: str, context) -> tuple[grpc.S
     """status_message, logged once with the method and the caller: an info line for a request the caller got
     wrong, a warning for a failure here or further on."""
     code, message = status_message(error, where)
+    metrics.failed(method, code.name)
     level = logging.INFO if code.name in CALLER_ERRORS else logging.WARNING
     log.log(level, "%s %s from %s: %s %s", "refused" if level == logging.INFO else "failed", method,
             context.peer(), code.name, message)

@@ -80,6 +80,7 @@ class ShardSettings:
     memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
     log_level: str = "info"
     log_format: str = "text"  # or "json": one JSON object a line
+    metrics_port: int | None = None  # serve Prometheus metrics there (0: a port the OS picks); None: no endpoint
     security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -92,6 +93,7 @@ class CoordinatorSettings:
     parent_pid: int = 0
     log_level: str = "info"
     log_format: str = "text"
+    metrics_port: int | None = None
     security: Security = field(default_factory=lambda: Security(role="shard"))  # a service presents the shard token
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -226,11 +228,21 @@ def _seconds(text: str) -> float:
 
 
 def add_log_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """--log-level and --log-format, shared by the services."""
+    """--log-level, --log-format and --metrics-port, shared by the services."""
+    parser.add_argument("--metrics-port", type=_port, default=_env(env, "METRICS_PORT") or None,
+                        help="serve Prometheus metrics on this port of the bind host, at /metrics (0 picks one; "
+                             "HTTPS with the service's TLS certificate; default: no endpoint)")
     parser.add_argument("--log-level", choices=logs.LEVELS, default=_env(env, "LOG_LEVEL", "info"),
                         help="the least severe records logged (default info; every refused request is an info line)")
     parser.add_argument("--log-format", choices=logs.FORMATS, default=_env(env, "LOG_FORMAT", "text"),
                         help="text lines, or json: one object a line with time, level, logger and message")
+
+
+def _port(text: str) -> int:
+    """A TCP port number, 0 to 65535."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; give a number from 0 to 65535")
+    return int(text)
 
 
 _SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -302,8 +314,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          checksums=args.checksums == "on",
                          flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
-                         log_level=args.log_level,
-                         log_format=args.log_format, security=security_from(args, role="shard"),
+                         log_level=args.log_level, log_format=args.log_format,
+                         metrics_port=args.metrics_port, security=security_from(args, role="shard"),
                          timeouts=timeouts_from(args))
 
 
@@ -325,5 +337,7 @@ def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = No
     parser = coordinator_parser(os.environ if env is None else env)
     args = parser.parse_args(list(argv))
     return CoordinatorSettings(bind=args.bind, parent_pid=args.parent_pid, log_level=args.log_level,
-                               log_format=args.log_format, security=security_from(args, role="shard"),
+                               log_format=args.log_format, metrics_port=args.metrics_port,
+                               security=security_from(args, role="shard"),
                                timeouts=timeouts_from(args))
+
