@@ -14,6 +14,7 @@ import torch
 
 from client_sdk import checkpoint
 from client_sdk.autograd import RemoteStages
+from client_sdk.fit import Fit, History
 from client_sdk.inflight import InFlight
 from client_sdk.interface import Interface
 from client_sdk.io_loop import IoLoop
@@ -264,6 +265,24 @@ class DistributedModel:
         batch = Batch(main, inputs, y)
         clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
         return self._io.run(self._train_step(batch, loss_fn, loss_output, microbatches, schedule, clip))
+
+    def fit(self, data, epochs: int = 1, loss_fn="MSELoss", *, microbatches: int | None = None,
+            schedule: str = "1f1b", loop: bool = False, loss_output=None, validation=None,
+            checkpoint_every: int | None = None, checkpoint_dir=None, callbacks=(), progress=True) -> History:
+        """Trains for `epochs` passes over `data` (an iterable of (x, y) batches that can be iterated again, such
+        as a DataLoader or a list; x alone with `loss_output`) and returns the History of every step's loss.
+
+        Each batch is one train_step (`microbatches`, `schedule`, `loss_fn` or `loss_output` as train_step takes
+        them), or with loop=True model(x), backward and step, as a hand-written loop. `validation`: batches whose
+        mean loss is taken after each epoch, in eval mode under torch.no_grad(). `checkpoint_every` N steps,
+        save_checkpoint into `checkpoint_dir`/step-N. `callbacks`: functions of (history, step record) called
+        after each step; one returning True stops the fit there. `progress`: a tqdm bar with the loss and samples
+        per second (a widget in Jupyter), False for none, or a text stream to write it to. Ctrl-C stops after the
+        step under way, with the model and its optimizer state intact; the history says it was interrupted."""
+        self._check_open()
+        run = Fit(self, loss_fn, loss_output, microbatches, schedule, loop, checkpoint_every, checkpoint_dir,
+                  list(callbacks))
+        return run.run(data, epochs, validation, progress)
 
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm of the last train_step that clipped (None before one did), once it settled."""

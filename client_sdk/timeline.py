@@ -1,4 +1,4 @@
-"""The timeline of a planned step: what each stage did when, as spans on one time axis, and a text picture.
+"""The timeline of a planned step: what each stage did when, as spans on one time axis; a text picture and a chart.
 
 Each shard records its spans on its own wall clock; on one host the stages share that clock, across hosts
 they agree as far as the hosts' clocks do (NTP keeps them within a millisecond or so).
@@ -7,13 +7,17 @@ they agree as far as the hosts' clocks do (NTP keeps them within a millisecond o
 from __future__ import annotations
 
 import dataclasses
+import os
 
+from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
 
 KINDS = {shard_pb2.WORK_KIND_FORWARD: "forward", shard_pb2.WORK_KIND_BACKWARD: "backward",
          shard_pb2.WORK_KIND_WEIGHT: "weight", shard_pb2.WORK_KIND_ALLREDUCE: "allreduce",
          shard_pb2.WORK_KIND_OPTIMIZER: "optimizer"}
 _COMPUTE = ("forward", "backward", "weight")  # a stage's own work: what is not its bubble
+_COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:olive", "allreduce": "tab:purple",
+            "optimizer": "tab:green"}
 _MARKS = {"forward": "F", "backward": "B", "weight": "W", "allreduce": "A", "optimizer": "O"}
 
 
@@ -85,6 +89,32 @@ class Timeline:
             rows.append(f"replica {replica} stage {stage:<3d}|{''.join(cells)}|")
         rows.append(f"{'':18}0{'':{width - 1}}{end * 1e3:.0f} ms")
         return "\n".join(rows)
+
+    def plot(self, path: str | os.PathLike | None = None):
+        """A matplotlib Gantt chart: one row per stage, a bar per span (colour by kind), milliseconds on the
+        x axis; saved as PNG when given a path. Needs matplotlib (pip install 'shardtrain[plots]')."""
+        try:
+            from matplotlib import pyplot
+        except ImportError:
+            raise InvalidArgument("plotting needs matplotlib: pip install 'shardtrain[plots]'") from None
+        lanes = list(self.lanes())
+        figure, axes = pyplot.subplots(figsize=(10, 1 + 0.5 * len(lanes)))
+        labelled = set()
+        for span in self.spans:
+            row = lanes.index((span.replica, span.stage))
+            label = None if span.kind in labelled else span.kind
+            labelled.add(span.kind)
+            axes.barh(row, (span.end - span.start) * 1e3, left=span.start * 1e3, height=0.8, label=label,
+                      color=_COLOURS.get(span.kind, "grey"), edgecolor="white", linewidth=0.5)
+        axes.set_yticks(range(len(lanes)), [f"replica {r} stage {s}" for r, s in lanes])
+        axes.invert_yaxis()  # stage 0 on top
+        axes.set_xlabel("ms")
+        axes.set_title(f"bubble {self.bubble():.3f}")
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # outside the bars
+        figure.tight_layout()
+        if path is not None:
+            figure.savefig(path)
+        return figure
 
     def __str__(self) -> str:
         return self.text()
