@@ -87,11 +87,14 @@ class IoLoop:
         try:
             with _InterruptAtAnAwait(self._loop, task) as interrupt:
                 try:
-                    return self._loop.run_until_complete(task)
+                    result = self._loop.run_until_complete(task)
                 except asyncio.CancelledError:
                     if interrupt.fired:
                         raise KeyboardInterrupt from None
                     raise
+                if interrupt.fired:  # it came as the call was ending: the call is complete, then interrupted
+                    raise KeyboardInterrupt
+                return result
         finally:
             self._loop.park()
 
@@ -110,8 +113,9 @@ class _InterruptAtAnAwait:
 
     Python raises KeyboardInterrupt wherever the main thread is, and here that may be the middle of a
     loop callback: a local link's read callback with half a frame cut would leave that link unreadable.
-    Cancelled at an await, the call ends with KeyboardInterrupt and the loop stays whole. A second
-    Ctrl-C raises at once. A SIGINT handler of the script's own is left alone.
+    Cancelled at an await, the call ends with KeyboardInterrupt and the loop stays whole; one that comes as
+    the call ends (its task done, the loop still running the callbacks ready with it) is raised once the call
+    returns. A second Ctrl-C raises at once. A SIGINT handler of the script's own is left alone.
 
     Not asyncio.Runner.run, which does the same: after each call it asks signal.getsignal() whether its
     handler is still installed, and getsignal() turns a handler that is not a signal.Handlers member into
@@ -141,9 +145,11 @@ class _InterruptAtAnAwait:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _on_interrupt(self, signum, frame) -> None:
-        if self.fired or self._task.done():
+        if self.fired:
             raise KeyboardInterrupt
         self.fired = True
+        # A call whose task is done may still be running the loop's other callbacks (a send it started): raised
+        # in one of those, the interrupt would be stored in that task and raised again by whatever awaits it.
         self._task.cancel()
         self._loop.call_soon_threadsafe(lambda: None)  # wakes the selector if it sleeps
 

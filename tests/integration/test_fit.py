@@ -6,11 +6,6 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import matplotlib
 import pytest
@@ -18,7 +13,7 @@ import torch
 from torch import nn
 
 from shardtrain.errors import InvalidArgument
-from tests.integration.training import largest_difference, regression_batches
+from tests.integration.training import interrupted_script, largest_difference, regression_batches
 
 matplotlib.use("Agg")
 SGD = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
@@ -140,17 +135,7 @@ with Cluster.local(num_shards=2) as cluster:
 def test_ctrl_c_stops_fit_after_the_step_under_way_and_training_goes_on(tmp_path):
     script = tmp_path / "interrupted_fit.py"
     script.write_text(INTERRUPTED_FIT)
-    client = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)  # a group of its own, as a terminal's foreground job
-    try:
-        assert client.stdout.readline() == "training\n"
-        time.sleep(1.0)
-        os.killpg(client.pid, signal.SIGINT)
-        output = client.stdout.read()
-        assert client.wait(60) == 0
-    finally:
-        client.kill()
-        client.wait()
+    output = interrupted_script(script)
     assert "fit interrupted after step" in output and "call fit again to go on" in output
     result = json.loads(output.strip().splitlines()[-1])
     assert result["interrupted"] and result["steps"] >= 1 and result["more"] == 1

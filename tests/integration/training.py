@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import torch
 from torch import nn
@@ -98,3 +103,20 @@ SKIP_A_STAGE = [
     (SkipAdd, {"features": 8, "dependencies": ["skip"]}, [(4, 8), (4, 8)]),
     (nn.Linear, {"in_features": 8, "out_features": 1}, (4, 8)),
 ]
+
+
+def interrupted_script(path) -> str:
+    """Runs the Python script at `path` as a terminal's foreground job runs (a process group of its own), sends the
+    group Ctrl-C's SIGINT a second after the script printed "training", and returns what it printed after that;
+    the script must then exit with 0."""
+    client = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert client.stdout.readline() == "training\n"
+        time.sleep(1.0)
+        os.killpg(client.pid, signal.SIGINT)
+        output = client.stdout.read()
+        assert client.wait(60) == 0
+    finally:
+        client.kill()
+        client.wait()
+    return output
