@@ -6,11 +6,12 @@ Every shard adds a fixed delay to each pipelined forward and backward (`--simula
 standing for GPU work, so this 2-core machine does not limit how many stages work at once; the
 layers themselves are real (small) and run as usual. Printed, with the ideal beside each figure:
 
-1. p = 4 stages, m = 8 micro-batches: median step time against the schedule's ideal (its simulated
+1. p = 4 devices, m = 8 micro-batches: median step time against the schedule's ideal (its simulated
    makespan: (m + p - 1) x (t_forward + t_backward) for GPipe and 1F1B; ZB-H1 splits each backward
-   into halves and fills the bubble with the weight halves), and the measured bubble (1 - a stage's
-   busy time / the step time, mean over the stages) against the simulated one; each schedule's step
-   against 1F1B's in the same run. Then where the time beyond the
+   into halves and fills the bubble with the weight halves; interleaved runs 2 stages of half the
+   work on each device, on a second cluster of 4 processes serving 2 shards each), and the measured
+   bubble (1 - a device's busy time / the step time, mean over the devices) against the simulated
+   one; each schedule's step against 1F1B's in the same run. Then where the time beyond the
    ideal goes, from the last step's timeline (every stage's spans on one clock, model.timeline()):
    the median time an action took beyond its simulated time (the layers' real compute and the hand-off
    to the compute thread), the median hand-off between stages (from an action's input being ready
@@ -78,8 +79,17 @@ def bubbles(cluster: Cluster, delay: float, steps: int) -> None:
               f"{bubble:7.3f} {schedules.bubble_fraction(schedule, p, m, delay, delay):7.3f} "
               f"{step / steps_of['1f1b']:6.3f}")
         pictures.append((schedule, step, model.timeline()))
+    step, stats, timeline = interleaved(delay, steps, p, m)
+    ideal = schedules.makespan("interleaved", 2 * p, m, delay, delay, virtual_stages=2)
+    busy = [sum(s["forward_s"] + s["backward_s"] for s in stats if s["stage"] % p == device) for device in range(p)]
+    print(f"   {'interl.':>8} {step * 1e3:7.1f}ms {ideal * 1e3:7.1f}ms {step / ideal:6.3f} "
+          f"{statistics.mean(1 - b / step for b in busy):7.3f} "
+          f"{schedules.bubble_fraction('interleaved', 2 * p, m, delay, delay, virtual_stages=2):7.3f} "
+          f"{step / steps_of['1f1b']:6.3f}   v=2: {2 * p} stages, 2 per shard process")
+    pictures.append(("interleaved", step, timeline))
     for schedule, step, timeline in pictures:
-        extra, handoffs = overheads(timeline, delay, schedule in schedules.SPLIT_BACKWARD)
+        per_action = delay / 2 if schedule in schedules.INTERLEAVED else delay  # a stage is half a device's share
+        extra, handoffs = overheads(timeline, per_action, schedule in schedules.SPLIT_BACKWARD)
         print(f"   {schedule}, the last step: an action took {statistics.median(extra) * 1e3:.2f} ms beyond its "
               f"simulated time (median); a hand-off between stages {statistics.median(handoffs) * 1e3:.2f} ms "
               f"(median of {len(handoffs)}); the timeline spans {timeline.makespan * 1e3:.1f} ms of the "
@@ -87,6 +97,20 @@ def bubbles(cluster: Cluster, delay: float, steps: int) -> None:
         print("   " + timeline.text(88).replace("\n", "\n   "))
     print(f"   of an action's time beyond the simulated: asyncio.sleep({delay:g}) itself overshoots by "
           f"{timer_overshoot(delay) * 1e3:.2f} ms here (median; the event loop's epoll waits round up to whole ms)")
+
+
+def interleaved(delay: float, steps: int, p: int, m: int) -> tuple[float, list[dict], object]:
+    """The interleaved schedule on a cluster of its own: p shard processes serving 2 shards each, 2p stages of
+    half a device's share each (delay / 2 of simulated device time per action). (step, stats, timeline)."""
+    os.environ["SHARDTRAIN_SIMULATE_COMPUTE_MS"] = str(delay * 1e3 / 2)
+    try:
+        with Cluster.local(num_shards=p, virtual_stages=2) as cluster:
+            model = cluster.deploy(stage_model(2 * p), optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=2 * p,
+                                   virtual_stages=2)
+            step, stats = timed_steps(model, 8 * m, m, "interleaved", steps)
+            return step, stats, model.timeline()
+    finally:
+        os.environ["SHARDTRAIN_SIMULATE_COMPUTE_MS"] = str(delay * 1e3)
 
 
 def timer_overshoot(delay: float, repeats: int = 20) -> float:

@@ -49,7 +49,8 @@ class Cluster:
     @classmethod
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
               startup_timeout: float = 120.0, flush_denormal: bool = False,
-              timeouts: Timeouts | None = None, hosts=None, metrics: bool = False) -> Cluster:
+              timeouts: Timeouts | None = None, hosts=None, metrics: bool = False,
+              virtual_stages: int = 1) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike. Without a token
@@ -62,17 +63,20 @@ class Cluster:
         `hosts`: where the services run instead (bench.namespaces.SeparateHosts: a network namespace per
         shard, standing for machines of their own; needs root).
         `metrics`: every service serves Prometheus metrics, at `cluster.metrics_urls`.
+        `virtual_stages`: each shard process serves that many shards on its one device (num_shards x v register),
+        for deploy(virtual_stages=v) and the interleaved schedule.
         """
         security = security or Security()
         if not security.token:
             security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
-        flags = ["--flush-denormal", "on"] if flush_denormal else []
+        flags = (["--flush-denormal", "on"] if flush_denormal else []) + \
+            (["--virtual-stages", str(virtual_stages)] if virtual_stages != 1 else [])
         timeouts = timeouts or Timeouts()
         services = LocalServices(num_shards, device, env={**security_env(security), **timeouts_env(timeouts)},
                                  startup_timeout=startup_timeout, shard_flags=flags, hosts=hosts, metrics=metrics)
         try:
             cluster = cls(services.coordinator_address, security=security, timeouts=timeouts, services=services)
-            cluster.wait_for_shards(num_shards, startup_timeout)
+            cluster.wait_for_shards(num_shards * virtual_stages, startup_timeout)
             return cluster
         except BaseException:
             services.stop()
@@ -111,7 +115,7 @@ class Cluster:
                layers_per_stage: Sequence[int] = (), num_stages: int = 0,
                compression: str | dict[str, str] = "none", replicas: int = 1,
                dynamic_shapes=None, balance: str = "", example_inputs: tuple = (),
-               example_kwargs: dict | None = None) -> DistributedModel:
+               example_kwargs: dict | None = None, virtual_stages: int = 1) -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: any nn.Module torch.export can capture. An nn.Sequential, a LayerList or a seed layer list
@@ -139,6 +143,9 @@ class Cluster:
         "residuals": ...} (kinds left out stay exact). Only floating-point tensors are compressed.
         replicas: copies of the pipeline (replicas x stages shards) for data parallelism; they train
         together through model.train_step, summing gradients with NCCL (a GPU each) or gloo collectives.
+        virtual_stages: stages per device, for train_step's "interleaved" schedule: stage s goes to device
+        s mod (stages / v), each device a shard process serving v shards (`shardtrain shard --virtual-stages v`,
+        Cluster.local(virtual_stages=v)); the stages count must be a multiple of v.
         A deploy replaces the cluster's previous deployment; its handle stops working once the new one is sent
         to the coordinator. A model refused before that (it cannot be captured, a bad argument) leaves the
         previous deployment as it was.
@@ -147,6 +154,8 @@ class Cluster:
         """
         if replicas < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise InvalidArgument(f"virtual_stages must be a whole number >= 1, got {virtual_stages!r}")
         module = layer_tools.as_module(model)
         layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
                                                      dynamic_shapes)
@@ -169,7 +178,8 @@ class Cluster:
             partition=coordinator_pb2.PartitionSpec(num_stages=num_stages,
                                                     split_points=layer_tools.split_indexes(layers, split_points),
                                                     layers_per_stage=layers_per_stage,
-                                                    balance_by_time=balance == "time"),
+                                                    balance_by_time=balance == "time",
+                                                    virtual_stages=virtual_stages),
             replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs)
         layer_tools.mark_state(request.layers, module)
         if balance == "time":
@@ -189,6 +199,7 @@ class Cluster:
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
         distributed.train(module.training)
+        distributed.virtual_stages = virtual_stages
         self._models.append(distributed)
         return distributed
 

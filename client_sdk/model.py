@@ -24,6 +24,7 @@ from client_sdk.pipeline import Batch, PipelineTrainer
 from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
 from shardtrain import optim
+from shardtrain import schedule as schedules
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument
 from shardtrain.v1 import shard_pb2
 
@@ -85,6 +86,7 @@ class DistributedModel:
         self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
         self._loss_specs = LossSpecs(self._predict)
         self.placements = list(placements)
+        self.virtual_stages = 1  # stages per device (deploy(virtual_stages=)), for the interleaved schedule
         self._owners = owners
         self._holders = holders or dict(owners)  # a tied weight: several stages
         self._parameters = list(parameters)
@@ -263,8 +265,20 @@ class DistributedModel:
             raise InvalidArgument("with loss_output the model computes its loss itself: pass its targets among its "
                                   "inputs (x), not as y")
         batch = Batch(main, inputs, y)
+        self._check_schedule(schedule, microbatches)
         clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
         return self._io.run(self._train_step(batch, loss_fn, loss_output, microbatches, schedule, clip))
+
+    def _check_schedule(self, schedule: str, microbatches: int) -> None:
+        """InvalidArgument, before anything is sent, for a schedule that cannot order this deployment's stages."""
+        if schedule in schedules.INTERLEAVED and self.virtual_stages < 2:
+            raise InvalidArgument(f"the {schedule} schedule needs several stages per device: "
+                                  "deploy(..., virtual_stages=2) on shards serving that many each")
+        stages = len({placement.stage for placement in self.placements})
+        per_device = self.virtual_stages if schedule in schedules.INTERLEAVED else 1
+        if schedule in schedules.SCHEDULES and isinstance(microbatches, int) and not isinstance(microbatches, bool) \
+                and 1 <= microbatches <= schedules.MAX_MICROBATCHES:  # else the trainer says what is wrong
+            schedules.device_actions(schedule, 0, stages, microbatches, per_device)
 
     def fit(self, data, epochs: int = 1, loss_fn="MSELoss", *, microbatches: int | None = None,
             schedule: str = "1f1b", loop: bool = False, loss_output=None, validation=None,

@@ -24,7 +24,8 @@ class ShardRecord:
     address: str
     device: str
     memory_bytes: int = 0  # what a stage there may use; 0: unknown
-    instance: str = ""     # the shard process's own random name: a restart at the address has another
+    instance: str = ""     # the shard's own random name: a restart at the address has another
+    device_group: str = ""  # shards that compute on one device name the same group; empty: a device of its own
 
 
 class ShardRegistry:
@@ -46,7 +47,8 @@ class ShardRegistry:
         self._expire()
         return self._by_address.get(address)
 
-    def register(self, address: str, device: str, memory_bytes: int = 0, instance: str = "") -> ShardRecord:
+    def register(self, address: str, device: str, memory_bytes: int = 0, instance: str = "",
+                 device_group: str = "") -> ShardRecord:
         """Adds or refreshes a shard; InvalidArgument for an address that is not host:port, ResourceExhausted
         once MAX_SHARDS have registered."""
         if not is_host_port(address):  # what a stage plan will name it by (shard_service/stage_plan.py)
@@ -58,7 +60,8 @@ class ShardRegistry:
         if previous is None and len(self._by_address) >= MAX_SHARDS:
             raise ResourceExhausted(f"{MAX_SHARDS} shards have registered, the most this coordinator keeps")
         shard_id = previous.shard_id if previous else f"shard-{next(self._ids)}"
-        self._by_address[address] = ShardRecord(shard_id, address, device or "cpu", max(memory_bytes, 0), instance)
+        self._by_address[address] = ShardRecord(shard_id, address, device or "cpu", max(memory_bytes, 0), instance,
+                                                device_group[:64])
         self._heard[address] = self._clock()
         return self._by_address[address]
 
@@ -76,6 +79,26 @@ class ShardRegistry:
         now = self._clock()
         for address in [a for a, heard in self._heard.items() if now - heard > self._expiry]:
             self.forget(address)
+
+    def by_device(self, num_stages: int, replicas: int, per_device: int) -> list[ShardRecord]:
+        """Shards for `replicas` pipelines of `num_stages` stages with `per_device` stages per device, in the order
+        take() gives them (replica by replica, stage by stage): stage s of replica r on device r x p + s mod p
+        (p = num_stages / per_device), the (s div p)-th shard of that device's group. Devices in the order their
+        first shard registered; FailedPrecondition if too few have `per_device` shards."""
+        if num_stages % per_device:
+            raise InvalidArgument(f"{num_stages} stages do not split into devices of {per_device} stages each; "
+                                  f"give num_stages a multiple of virtual_stages")
+        groups: dict[str, list[ShardRecord]] = {}
+        for shard in self.shards():
+            groups.setdefault(shard.device_group or shard.address, []).append(shard)
+        devices = [members for members in groups.values() if len(members) >= per_device]
+        per_pipeline = num_stages // per_device
+        if len(devices) < per_pipeline * replicas:
+            raise FailedPrecondition(f"{replicas} x {num_stages} stages at {per_device} per device need "
+                                     f"{per_pipeline * replicas} devices serving {per_device} shards each "
+                                     f"(shardtrain shard --virtual-stages {per_device}); {len(devices)} have registered")
+        return [devices[r * per_pipeline + s % per_pipeline][s // per_pipeline]
+                for r in range(replicas) for s in range(num_stages)]
 
     def take(self, count: int) -> list[ShardRecord]:
         """The first `count` shards; FailedPrecondition if fewer have registered."""

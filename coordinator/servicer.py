@@ -33,7 +33,8 @@ class CoordinatorServicer:
         holder = self.registry.holder(request.address)
         if holder is not None and holder.instance != request.instance:
             await self._check_takeover(holder, request.instance)
-        record = self.registry.register(request.address, request.device, request.memory_bytes, request.instance)
+        record = self.registry.register(request.address, request.device, request.memory_bytes, request.instance,
+                                        request.device_group)
         metrics.registered_shards(len(self.registry.shards()))  # heartbeats keep it current as others expire
         log.info("registered %s at %s (%s)", record.shard_id, record.address, record.device)
         return coordinator_pb2.RegisterShardResponse(shard_id=record.shard_id)
@@ -42,7 +43,7 @@ class CoordinatorServicer:
     async def ListShards(self, request, context):
         return coordinator_pb2.ListShardsResponse(shards=[
             coordinator_pb2.ShardInfo(shard_id=s.shard_id, address=s.address, device=s.device,
-                                      memory_bytes=s.memory_bytes)
+                                      memory_bytes=s.memory_bytes, device_group=s.device_group)
             for s in self.registry.shards()])
 
     @boundary
@@ -52,6 +53,7 @@ class CoordinatorServicer:
         if request.optimizer.name not in optim.ALLOWED:
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
         spec, replicas = request.partition, max(request.replicas, 1)
+        per_device = max(spec.virtual_stages, 1)
 
         def stage_count(registered: int) -> int:
             # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
@@ -66,14 +68,15 @@ class CoordinatorServicer:
         count = stage_count(available * replicas)
         costs, memory, unit = [layer.cost for layer in layers], [max(layer.memory_bytes, 0) for layer in layers], \
             PARAMETERS
-        candidates = self._stage_shards(count, replicas)
+        candidates = self._stage_shards(count, replicas, per_device)
         if spec.balance_by_time and not (spec.split_points or spec.layers_per_stage) and candidates:
             costs, memory, unit = *await self._measure(layers, candidates), MEASURED
         capacities = [min(shard.memory_bytes for shard in shards) for shards in candidates]
         ranges = partition.plan(costs, num_stages, spec.split_points, spec.layers_per_stage, memory, capacities)
         routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges,
                        request.inputs, request.outputs)
-        shards = self.registry.take(len(ranges) * replicas)
+        shards = self.registry.take(len(ranges) * replicas) if per_device == 1 else \
+            self.registry.by_device(len(ranges), replicas, per_device)
         tied = tied_stages(ranges, [[entry.tied_to for entry in layer.state if entry.tied_to] for layer in layers])
         pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)], tied)
                      for r in range(replicas)]
@@ -117,10 +120,15 @@ class CoordinatorServicer:
                  [sum(row) for row in costs])
         return costs, memory
 
-    def _stage_shards(self, count: int, replicas: int) -> list[list[ShardRecord]]:
+    def _stage_shards(self, count: int, replicas: int, per_device: int = 1) -> list[list[ShardRecord]]:
         """Per stage of `count`, the shards its replicas will run on (replica r's stage i goes to the
-        (r x count + i)-th shard, as registry.take hands them out); none when too few have registered."""
+        (r x count + i)-th shard, as registry.take or by_device hand them out); none when too few have registered."""
         registered = self.registry.shards()
+        if per_device > 1:
+            try:
+                registered = self.registry.by_device(count, replicas, per_device)
+            except ShardtrainError:
+                return []  # by_device refuses the deploy, with the numbers
         if count * replicas > len(registered):
             return []  # take() refuses the deploy, with the numbers
         return [[registered[r * count + i] for r in range(replicas)] for i in range(count)]
@@ -176,7 +184,8 @@ class CoordinatorServicer:
             raise InvalidArgument(f"a plan of {request.num_stages} stages x {request.microbatches} micro-batches has "
                                   f"{per_microbatch * request.num_stages * request.microbatches} actions; at most "
                                   f"{schedule.MAX_PLAN_ACTIONS} are planned at once")
-        plans = [schedule.stage_actions(request.schedule, stage, request.num_stages, request.microbatches)
+        per_device = max(request.virtual_stages, 1)
+        plans = [schedule.stage_actions(request.schedule, stage, request.num_stages, request.microbatches, per_device)
                  for stage in range(max(request.num_stages, 1))]
         return coordinator_pb2.PlanScheduleResponse(stages=[
             coordinator_pb2.StageActions(stage=stage, actions=[
@@ -189,6 +198,7 @@ class CoordinatorServicer:
         plan = shard_pb2.StagePlan(
             stage=placement.stage, num_stages=num_stages, previous_address=placement.previous_address,
             next_address=placement.next_address, replica=replica, num_replicas=num_replicas, rendezvous=rendezvous,
+            virtual_stages=max(deploy.partition.virtual_stages, 1),
             incoming_residuals=[shard_pb2.ResidualSource(name=n, producer_stage=s, producer_address=a)
                                 for n, (s, a) in placement.incoming.items()],
             outgoing_residuals=[shard_pb2.ResidualSink(name=n, consumer_stages=c,

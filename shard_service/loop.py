@@ -495,7 +495,8 @@ class LinkedLoop:
             send_residuals=lambda key, outgoing: self._send_residuals(key, outgoing, to_client=False),
             no_client_gradients=lambda key: self._no_client_gradients(stage, key),
             residual_gradients=lambda key: shard.residual_gradients(stage, key),
-            send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients)
+            send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients,
+            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1))
 
     async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
         what = f"the target of step {key.step} micro-batch {key.microbatch}"

@@ -53,13 +53,16 @@ class PlannedRun:
         self.ports = ports
         self.step = step
         self.plan = plan
-        self.actions = _actions(plan, ports.index, ports.num_stages)
+        self.actions = _actions(plan, ports.index, ports.num_stages, ports.virtual_stages)
         self.split = plan.schedule in schedule.SPLIT_BACKWARD  # backward as B (input gradient), then W
+        # Several stages on this device: their actions take turns in the device's order.
+        self.turns = plan.schedule in schedule.INTERLEAVED and ports.device is not None
         self.final_backward = self.actions[-1].microbatch if self.actions else -1
         self.figures = Figures()
         self._inbox: dict[tuple[int, str], asyncio.Future] = {}
         self._held = 0  # bytes of the items that wait in the inbox
         self.task: asyncio.Task | None = None  # what runs execute(), once started
+        self.began = 0.0  # when the last piece of work started (time.time()), for its span
         self.done = False     # every action ran
         self.aborted = False  # the step failed, here or on another stage
 
@@ -116,13 +119,27 @@ class PlannedRun:
         if self.figures.allreduce_backend:
             self.figures.span(shard_pb2.WORK_KIND_ALLREDUCE, wall)
 
-    async def _timed(self, function, *args, simulated: float = 1.0):
-        """Runs stage work; with simulated compute (benchmarks), then waits `simulated` times its device time."""
-        start = time.perf_counter()
-        result = await self.ports.run(function, *args)
-        if simulated and self.ports.simulate_compute:
-            await asyncio.sleep(self.ports.simulate_compute * simulated)
-        return result, time.perf_counter() - start
+    async def _timed(self, function, *args, simulated: float = 1.0, action: tuple[str, int] | None = None):
+        """Runs stage work (action `action`'s, in its turn on a shared device); with simulated compute (benchmarks),
+        then waits `simulated` times its device time. `began` says when it started (time.time())."""
+        if self.turns and action is not None:
+            await self.ports.device.turn(self.step, self._device_order, (self.ports.index, *action), self.ports.timeout)
+        try:
+            start, self.began = time.perf_counter(), time.time()
+            result = await self.ports.run(function, *args)
+            if simulated and self.ports.simulate_compute:
+                await asyncio.sleep(self.ports.simulate_compute * simulated)
+            return result, time.perf_counter() - start
+        finally:
+            if self.turns and action is not None:
+                self.ports.device.turn_done(self.step)
+
+    def _device_order(self) -> list[tuple[int, str, int]]:
+        """Every action of this step on this stage's device, its other stages' included, in the device's order."""
+        ports = self.ports
+        devices = ports.num_stages // ports.virtual_stages
+        return [(stage, action.op, action.microbatch) for stage, action in schedule.device_actions(
+            self.plan.schedule, ports.index % devices, ports.num_stages, self.plan.microbatches, ports.virtual_stages)]
 
     async def _forward(self, k: int) -> None:
         ports = self.ports
@@ -131,9 +148,9 @@ class PlannedRun:
         await ports.after_optimizer_step(header.after_optimizer_step)
         if header.zero_grad:
             await ports.run(ports.stage.zero_grad)
-        wall = time.time()
         (output, outgoing), seconds = await self._timed(ports.stage.forward, (self.step, k), x, incoming, True,
-                                                        False, not header.eval_mode)
+                                                        False, not header.eval_mode, action=(schedule.FORWARD, k))
+        wall = self.began
         self.figures.forward_seconds += seconds
         self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, ports.stage.in_flight_bytes)
         if ports.is_last:
@@ -159,12 +176,12 @@ class PlannedRun:
         residual_grads = await ports.residual_gradients((self.step, k))
         if not self.split:
             ports.averager_arm(k == self.final_backward)
-        wall = time.time()
         work = ports.stage.backward_input if self.split else ports.stage.backward
         (grad_input, incoming_grads), seconds = await self._timed(work, (self.step, k), grad, residual_grads,
-                                                                  simulated=0.5 if self.split else 1.0)
+                                                                  simulated=0.5 if self.split else 1.0,
+                                                                  action=(schedule.BACKWARD, k))
         self.figures.backward_seconds += seconds
-        self.figures.span(shard_pb2.WORK_KIND_BACKWARD, wall, k)
+        self.figures.span(shard_pb2.WORK_KIND_BACKWARD, self.began, k)
         if ports.index > 0:  # None when the loss does not depend on this stage's input (the stage before skips it)
             await ports.send_input_gradient(key, grad_input)
         await ports.send_residual_gradients(key, incoming_grads)
@@ -172,14 +189,16 @@ class PlannedRun:
     async def _weight(self, k: int) -> None:
         """The weight-gradient half of a split backward: nothing waits for it, so it fills the stage's idle time."""
         self.ports.averager_arm(k == self.final_backward)
-        wall = time.time()
-        _, seconds = await self._timed(self.ports.stage.backward_weight, (self.step, k), simulated=0.5)
+        _, seconds = await self._timed(self.ports.stage.backward_weight, (self.step, k), simulated=0.5,
+                                       action=(schedule.WEIGHT, k))
         self.figures.backward_seconds += seconds
-        self.figures.span(shard_pb2.WORK_KIND_WEIGHT, wall, k)
+        self.figures.span(shard_pb2.WORK_KIND_WEIGHT, self.began, k)
 
     def abort(self) -> None:
         """Drops what waits in the inbox and fails every wait for an item that will not come now."""
         self.aborted = True
+        if self.turns:
+            self.ports.device.give_up(self.step)
         for slot in self._inbox.values():
             if not slot.done():
                 slot.set_exception(errors.Cancelled(f"step {self.step} failed on another stage"))
@@ -197,7 +216,7 @@ class StagePorts:
                  averager: Callable[[str], Awaitable], averager_arm: Callable[[bool], None],
                  incoming_residuals, after_optimizer_step, target, loss, send_loss, send_activation,
                  send_residuals, no_client_gradients, residual_gradients, send_input_gradient,
-                 send_residual_gradients):
+                 send_residual_gradients, device=None, virtual_stages: int = 1):
         self.stage, self.index, self.num_stages = stage, index, num_stages
         self.is_last = index == num_stages - 1
         self.deployment_id, self.timeout, self.simulate_compute = deployment_id, timeout, simulate_compute
@@ -208,6 +227,7 @@ class StagePorts:
         self.no_client_gradients = no_client_gradients
         self.residual_gradients = residual_gradients
         self.send_input_gradient, self.send_residual_gradients = send_input_gradient, send_residual_gradients
+        self.device, self.virtual_stages = device, virtual_stages  # shard_service.device.Device, stages on it
 
 
 def check_plan(plan: shard_pb2.StepPlan) -> None:
@@ -219,9 +239,10 @@ def check_plan(plan: shard_pb2.StepPlan) -> None:
                                      f"got {plan.microbatches}")
 
 
-def _actions(plan: shard_pb2.StepPlan, stage: int, num_stages: int) -> list[schedule.Action]:
+def _actions(plan: shard_pb2.StepPlan, stage: int, num_stages: int, virtual_stages: int) -> list[schedule.Action]:
     check_plan(plan)
-    return schedule.stage_actions(plan.schedule, stage, num_stages, plan.microbatches)
+    per_device = virtual_stages if plan.schedule in schedule.INTERLEAVED else 1  # others order stages one by one
+    return schedule.stage_actions(plan.schedule, stage, num_stages, plan.microbatches, per_device)
 
 
 def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:

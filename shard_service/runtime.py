@@ -9,10 +9,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from shard_service.device import Device
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
@@ -53,7 +53,7 @@ def summed(grads: list) -> torch.Tensor | None:
 class ShardRuntime:
     """One shard's stage and the state around it, for the current deployment."""
 
-    def __init__(self, settings: ShardSettings, address: str):
+    def __init__(self, settings: ShardSettings, address: str, device: Device | None = None):
         self.settings = settings
         self.address = address
         self.deployment_id = ""
@@ -66,13 +66,13 @@ class ShardRuntime:
         self._losses: dict[bytes, tuple] = {}
         self.order = StepOrder()        # what this shard has settled: optimizer steps and backwards
         self.forgetters: list[Callable[[int], None]] = []  # what else drops a step's leftovers (loop, servicer)
-        self._stage_lock = asyncio.Lock()
         self._durations: dict[str, float] = {}
         self._threads = settings.threads or torch.get_num_threads()
-        # One stage, one thread, in order. OpenMP thread counts are per thread, so _with_threads sets
-        # the count where the work runs: set only in the main thread, the compute thread would start
-        # a team per core and spin against the other shards on the same host.
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage")
+        # One device, one thread, in order (shared with this process's other stages, --virtual-stages). OpenMP
+        # thread counts are per thread, so _with_threads sets the count where the work runs: set only in the
+        # main thread, the compute thread would start a team per core and spin against the other shards.
+        self.device = device or Device()
+        self._owns_device = device is None
 
     @property
     def location(self) -> str:
@@ -102,13 +102,13 @@ class ShardRuntime:
         small work itself. Longer work goes to the compute thread so the loop keeps reading streams
         (a planned step's next micro-batch) and serving deadlines meanwhile.
         """
-        async with self._stage_lock:
+        async with self.device.lock:
             name = work_kind(function.__name__, args)
             if self._durations.get(name, INLINE_SECONDS) < INLINE_SECONDS:
                 result, elapsed = _with_threads(self._threads, function, *args)
             else:
                 result, elapsed = await asyncio.get_running_loop().run_in_executor(
-                    self._compute, _with_threads, self._threads, function, *args)
+                    self.device.executor, _with_threads, self._threads, function, *args)
             self._durations[name] = elapsed
             metrics.work(function.__name__, elapsed)
             if metrics.enabled() and self._stage is not None:
@@ -220,7 +220,8 @@ class ShardRuntime:
             self._averager.arm(last_microbatch)
 
     async def close(self) -> None:
-        """Closes the compute thread and the replicas' averager."""
-        self._compute.shutdown(wait=False, cancel_futures=True)
+        """Closes the compute thread (if the device is this shard's alone) and the replicas' averager."""
+        if self._owns_device:
+            self.device.close()
         if self._averager is not None:
             self._averager.close()

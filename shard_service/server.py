@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -13,6 +15,7 @@ import time
 import grpc
 import torch
 
+from shard_service.device import Device
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, logs, metrics, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
@@ -23,11 +26,14 @@ from shardtrain.v1 import coordinator_pb2
 log = logging.getLogger("shardtrain.shard")
 
 
-async def build_server(settings: ShardSettings, bind: str | None = None) -> tuple[grpc.aio.Server, int, ShardServicer]:
-    """Starts a shard server on `bind` (default settings.bind; port 0 picks one); returns it, its port and servicer."""
+async def build_server(settings: ShardSettings, bind: str | None = None,
+                       device: Device | None = None) -> tuple[grpc.aio.Server, int, ShardServicer]:
+    """Starts a shard server on `bind` (default settings.bind; port 0 picks one), computing on `device` (its own
+    by default); returns it, its port and servicer."""
     server = rpc.new_server(settings.security)
     port = rpc.bind(server, bind or settings.bind, settings.security)
-    servicer = ShardServicer(settings, settings.advertise or f"{_reachable_host(bind or settings.bind)}:{port}")
+    servicer = ShardServicer(settings, settings.advertise or f"{_reachable_host(bind or settings.bind)}:{port}",
+                             device)
     rpc.add_service(server, servicer, rpc.SHARD_SERVICE)
     servicer.health = rpc.add_health(server, rpc.SHARD_SERVICE)
     await server.start()
@@ -40,13 +46,13 @@ def _reachable_host(bind: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
 
 
-async def keep_registered(settings: ShardSettings, address: str, instance: str = "") -> None:
+async def keep_registered(settings: ShardSettings, address: str, instance: str = "", group: str = "") -> None:
     """Registers again every settings.timeouts.heartbeat seconds: the coordinator forgets a shard it has not heard
     from for settings.timeouts.expiry."""
     while True:
         await asyncio.sleep(settings.timeouts.heartbeat)
         try:
-            await register(settings, address, instance)
+            await register(settings, address, instance, group)
         except ShardtrainError as error:  # the coordinator is away: try again at the next beat
             log.warning("could not renew the registration with %s: %s", settings.coordinator, error)
 
@@ -61,9 +67,10 @@ def device_memory(device: str) -> int:
         return 0
 
 
-async def register(settings: ShardSettings, address: str, instance: str = "") -> str:
-    """Registers with the coordinator as `instance` (this process's random name), retrying until it answers or
-    settings.timeouts.connect runs out."""
+async def register(settings: ShardSettings, address: str, instance: str = "", group: str = "") -> str:
+    """Registers with the coordinator as `instance` (this shard's random name) of device group `group` (the
+    shards of this process, when it serves several), retrying until it answers or settings.timeouts.connect runs
+    out. The device's memory is split evenly between them."""
     coordinator = rpc.Peer(f"coordinator at {settings.coordinator}", settings.coordinator,
                            rpc.COORDINATOR_SERVICE, settings.security,
                            settings.timeouts.control)
@@ -71,9 +78,10 @@ async def register(settings: ShardSettings, address: str, instance: str = "") ->
     try:
         while True:
             try:
+                memory = (settings.memory_bytes or device_memory(settings.device)) // settings.virtual_stages
                 request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
-                                                               memory_bytes=settings.memory_bytes or
-                                                               device_memory(settings.device), instance=instance)
+                                                               memory_bytes=memory, instance=instance,
+                                                               device_group=group)
                 return (await coordinator.call("RegisterShard", request)).shard_id
             except Unavailable:
                 if time.monotonic() > deadline:
@@ -85,21 +93,42 @@ async def register(settings: ShardSettings, address: str, instance: str = "") ->
 
 
 async def serve(settings: ShardSettings) -> None:
-    """Runs one shard until cancelled: serve, register, announce readiness on stdout."""
-    server, port, servicer = await build_server(settings)
+    """Runs this process's shards (settings.virtual_stages of them, on one device) until cancelled: serve,
+    register, announce readiness on stdout."""
+    device = Device()
+    group = secrets.token_hex(8) if settings.virtual_stages > 1 else ""
+    shards = []
     try:
-        shard_id = await register(settings, servicer.address, servicer.instance)
-        ready = {"event": "ready", "service": "shard", "address": servicer.address, "port": port, "shard_id": shard_id}
+        for index in range(settings.virtual_stages):
+            own = dataclasses.replace(settings, advertise=_moved(settings.advertise, index))
+            shards.append(await build_server(own, _moved(settings.bind, index), device))
+        ids = [await register(settings, servicer.address, servicer.instance, group) for _, _, servicer in shards]
+        first = shards[0][2]
+        ready = {"event": "ready", "service": "shard", "address": first.address, "port": shards[0][1],
+                 "shard_id": ids[0]}
+        if len(shards) > 1:
+            ready.update(addresses=[servicer.address for _, _, servicer in shards], shard_ids=ids)
         print(json.dumps({**ready, **metrics.serve_for(settings)}), flush=True)
-        heartbeat = asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance))
+        heartbeats = [asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance, group))
+                      for _, _, servicer in shards]
         try:
-            await server.wait_for_termination()
+            await asyncio.gather(*(server.wait_for_termination() for server, _, _ in shards))
         finally:
-            heartbeat.cancel()
+            for heartbeat in heartbeats:
+                heartbeat.cancel()
     finally:
-        servicer.health.set_all(health.NOT_SERVING)
-        await servicer.close()
-        await server.stop(grace=1)
+        for server, _, servicer in shards:
+            servicer.health.set_all(health.NOT_SERVING)
+            await servicer.close()
+            await server.stop(grace=1)
+        device.close()
+
+
+def _moved(address: str, index: int) -> str:
+    """host:port with the port moved on by `index`, for a process's index-th shard; port 0 (each picks its own)
+    and an empty address stay as they are."""
+    host, _, port = address.rpartition(":")
+    return address if not index or not port.isdigit() or int(port) == 0 else f"{host}:{int(port) + index}"
 
 
 def flush_denormals() -> None:

@@ -39,11 +39,11 @@ def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
 class ShardServicer:
     """The gRPC face of one shard."""
 
-    def __init__(self, settings: ShardSettings, address: str):
+    def __init__(self, settings: ShardSettings, address: str, device=None):
         self.settings = settings
         self.address = address
-        self.instance = secrets.token_hex(8)  # what it registers with: no other process can take its address
-        self.runtime = ShardRuntime(settings, address)
+        self.instance = secrets.token_hex(8)  # what it registers with: no other shard can take its address
+        self.runtime = ShardRuntime(settings, address, device)  # on a device of its own, or its process's
         self.peers = Peers(settings)  # channels to the other shards, and how tensors reach each
         self.loop = LinkedLoop(self.runtime, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
         self.local_links = _listener(settings, address)  # sockets that carry Link items instead of gRPC streams

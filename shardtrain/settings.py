@@ -78,6 +78,7 @@ class ShardSettings:
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
     memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
+    virtual_stages: int = 1   # shards this process serves on its one device (the interleaved schedule)
     log_level: str = "info"
     log_format: str = "text"  # or "json": one JSON object a line
     metrics_port: int | None = None  # serve Prometheus metrics there (0: a port the OS picks); None: no endpoint
@@ -295,10 +296,20 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--memory", type=_size, default=_env(env, "MEMORY", "0"),
                         help="bytes a stage on this shard may use, e.g. 12G or 512M (default: the device's memory, "
                              "a GPU's or the host's); deploy refuses a split that does not fit")
+    parser.add_argument("--virtual-stages", type=_virtual_stages, default=_env(env, "VIRTUAL_STAGES", "1"),
+                        help="serve this many shards on one device, each holding a stage (the interleaved "
+                             "schedule's stages per device); with a fixed --bind port they take it and the ports "
+                             "after it (default 1)")
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
     return parser
+
+
+def _virtual_stages(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 16:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of stages per device from 1 to 16")
+    return int(text)
 
 
 def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ShardSettings:
@@ -314,6 +325,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          checksums=args.checksums == "on",
                          flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
+                         virtual_stages=args.virtual_stages,
                          log_level=args.log_level, log_format=args.log_format,
                          metrics_port=args.metrics_port, security=security_from(args, role="shard"),
                          timeouts=timeouts_from(args))

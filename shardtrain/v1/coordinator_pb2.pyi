@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterShardRequest(_message.Message):
-    __slots__ = ("address", "device", "memory_bytes", "instance")
+    __slots__ = ("address", "device", "memory_bytes", "instance", "device_group")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_GROUP_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     memory_bytes: int
     instance: str
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    device_group: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., device_group: _Optional[str] = ...) -> None: ...
 
 class RegisterShardResponse(_message.Message):
     __slots__ = ("shard_id",)
@@ -27,16 +29,18 @@ class RegisterShardResponse(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard_id", "address", "device", "memory_bytes")
+    __slots__ = ("shard_id", "address", "device", "memory_bytes", "device_group")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_GROUP_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     address: str
     device: str
     memory_bytes: int
-    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    device_group: str
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., device_group: _Optional[str] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ()
@@ -49,16 +53,18 @@ class ListShardsResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
 
 class PartitionSpec(_message.Message):
-    __slots__ = ("num_stages", "split_points", "layers_per_stage", "balance_by_time")
+    __slots__ = ("num_stages", "split_points", "layers_per_stage", "balance_by_time", "virtual_stages")
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     SPLIT_POINTS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_PER_STAGE_FIELD_NUMBER: _ClassVar[int]
     BALANCE_BY_TIME_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_STAGES_FIELD_NUMBER: _ClassVar[int]
     num_stages: int
     split_points: _containers.RepeatedScalarFieldContainer[int]
     layers_per_stage: _containers.RepeatedScalarFieldContainer[int]
     balance_by_time: bool
-    def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ..., balance_by_time: _Optional[bool] = ...) -> None: ...
+    virtual_stages: int
+    def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ..., balance_by_time: _Optional[bool] = ..., virtual_stages: _Optional[int] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
     __slots__ = ("layers", "optimizer", "partition", "encodings", "replicas", "inputs", "outputs")
@@ -111,14 +117,16 @@ class DeployResponse(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., deployment_secret: _Optional[str] = ..., cost_unit: _Optional[str] = ...) -> None: ...
 
 class PlanScheduleRequest(_message.Message):
-    __slots__ = ("num_stages", "microbatches", "schedule")
+    __slots__ = ("num_stages", "microbatches", "schedule", "virtual_stages")
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_STAGES_FIELD_NUMBER: _ClassVar[int]
     num_stages: int
     microbatches: int
     schedule: str
-    def __init__(self, num_stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ...) -> None: ...
+    virtual_stages: int
+    def __init__(self, num_stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., schedule: _Optional[str] = ..., virtual_stages: _Optional[int] = ...) -> None: ...
 
 class StageActions(_message.Message):
     __slots__ = ("stage", "actions")

@@ -181,10 +181,12 @@ def test_calls_on_a_model_of_several_inputs_are_refused_as_the_calls_carry_one(c
 
 @pytest.mark.parametrize("name", schedules.SCHEDULES)
 def test_plan_schedule_answers_each_stage_s_actions_as_the_stages_run_them(cluster4, name):
-    request = coordinator_pb2.PlanScheduleRequest(num_stages=3, microbatches=5, schedule=name)
+    stages, per_device = (4, 2) if name in schedules.INTERLEAVED else (3, 1)
+    request = coordinator_pb2.PlanScheduleRequest(num_stages=stages, microbatches=6, schedule=name,
+                                                  virtual_stages=per_device)
     answer = cluster4._io.run(cluster4._coordinator.call("PlanSchedule", request))
     ops = {(True, False): schedules.BACKWARD, (False, True): schedules.WEIGHT, (False, False): schedules.FORWARD}
-    assert [entry.stage for entry in answer.stages] == [0, 1, 2]
+    assert [entry.stage for entry in answer.stages] == list(range(stages))
     for entry in answer.stages:
         got = [schedules.Action(ops[(a.backward, a.weight)], a.microbatch) for a in entry.actions]
-        assert got == schedules.stage_actions(name, entry.stage, 3, 5)
+        assert got == schedules.stage_actions(name, entry.stage, stages, 6, per_device)

@@ -117,3 +117,31 @@ def test_a_forgotten_shard_leaves_the_list_and_frees_its_place():
     registry.forget("nowhere:1")  # forgetting one that is not there is no error
     assert [s.address for s in registry.shards()] == ["a:1", "c:1"]
     assert [s.address for s in registry.take(2)] == ["a:1", "c:1"]
+
+
+def grouped(*groups: tuple[str, int]) -> ShardRegistry:
+    """A registry of devices, each (group, shards): the shards of one process register one after another."""
+    registry = ShardRegistry()
+    port = 7000
+    for group, count in groups:
+        for _ in range(count):
+            port += 1
+            registry.register(f"h:{port}", "cpu", device_group=group)
+    return registry
+
+
+def test_by_device_puts_stage_s_on_device_s_mod_p():
+    registry = grouped(("a", 2), ("b", 2), ("c", 2), ("d", 2))
+    assert [s.address for s in registry.by_device(4, 1, 2)] == ["h:7001", "h:7003", "h:7002", "h:7004"]
+    by_replica = [s.device_group for s in registry.by_device(4, 2, 2)]
+    assert by_replica == ["a", "b", "a", "b", "c", "d", "c", "d"]  # replica 1 on devices of its own
+
+
+def test_by_device_skips_devices_with_too_few_shards_and_says_what_it_needs():
+    registry = grouped(("a", 1), ("b", 2), ("c", 3))
+    assert [s.device_group for s in registry.by_device(4, 1, 2)] == ["b", "c", "b", "c"]
+    with pytest.raises(FailedPrecondition, match=r"1 x 6 stages at 3 per device need 2 devices serving 3 shards "
+                                                 r"each \(shardtrain shard --virtual-stages 3\); 1 have registered"):
+        registry.by_device(6, 1, 3)
+    with pytest.raises(InvalidArgument, match="5 stages do not split into devices of 2 stages each"):
+        registry.by_device(5, 1, 2)

@@ -7,11 +7,12 @@ import pytest
 from shardtrain import schedule
 from shardtrain.errors import InvalidArgument
 from shardtrain.schedule import (
-    SCHEDULES, SPLIT_BACKWARD, Action, bubble_fraction, ideal_bubble_fraction, makespan, peak_in_flight,
-    stage_actions, timeline,
+    INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, Action, bubble_fraction, device_actions, ideal_bubble_fraction, makespan,
+    peak_in_flight, stage_actions, timeline,
 )
 
-ONE_PASS = [name for name in SCHEDULES if name not in SPLIT_BACKWARD]
+PER_STAGE = [name for name in SCHEDULES if name not in INTERLEAVED]  # one stage per device
+ONE_PASS = [name for name in PER_STAGE if name not in SPLIT_BACKWARD]
 OPS = {"F": "forward", "B": "backward", "W": "weight"}
 
 # (p, m) pairs covering m > p, m == p, m < p, m == 1 and p == 1.
@@ -113,7 +114,7 @@ def test_1f1b_timeline_p3_m4_by_hand():
     assert makespan("1f1b", 3, 4) == 12
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", PER_STAGE)
 @pytest.mark.parametrize(("p", "m"), GRID)
 def test_every_action_once_and_forward_before_backward(name, p, m):
     ops = ("forward", "backward", "weight") if name in SPLIT_BACKWARD else ("forward", "backward")
@@ -167,7 +168,7 @@ def dependencies(s: int, p: int, action: Action) -> list[tuple[int, Action]]:
     return deps + [(s + 1, Action("backward", k))] if s < p - 1 else deps
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", PER_STAGE)
 @pytest.mark.parametrize(("p", "m"), GRID)
 @pytest.mark.parametrize(("f", "b"), [(1.0, 2.0), (2.0, 1.0), (0.3, 0.7), (1.0, 3.0)])
 def test_uneven_times_respect_dependencies(name, p, m, f, b):
@@ -212,7 +213,7 @@ def test_backward_before_own_forward_deadlocks(monkeypatch):
 
 BAD_SHAPES = [
     # schedule, stage, num_stages, microbatches, words the message must contain
-    ("pipedream", 0, 2, 2, "'pipedream'.*gpipe, 1f1b"),
+    ("pipedream", 0, 2, 2, "'pipedream'.*gpipe, 1f1b, zb-h1, interleaved"),
     ("", 0, 2, 2, "''.*gpipe, 1f1b"),
     ("1f1b", 2, 2, 2, r"stage 2.*\[0, 2\)"),
     ("1f1b", -1, 2, 2, r"stage -1.*\[0, 2\)"),
@@ -234,7 +235,7 @@ def test_stage_actions_rejects(name, stage, p, m, message):
 
 @pytest.mark.parametrize("function", [timeline, makespan, bubble_fraction])
 @pytest.mark.parametrize(("name", "p", "m", "message"), [
-    ("interleaved", 2, 2, "'interleaved'.*gpipe, 1f1b"),
+    ("zigzag", 2, 2, "'zigzag'.*gpipe, 1f1b"),
     ("gpipe", 0, 2, "num_stages 0"),
     ("1f1b", 2, 0, "microbatches 0"),
 ])
@@ -269,3 +270,59 @@ def test_timeline_is_pure():
 def test_timeline_rejects_bad_weight_share(share):
     with pytest.raises(InvalidArgument, match=f"weight_share {share!r}.*fraction in"):
         timeline("zb-h1", 2, 2, 1.0, 1.0, share)
+
+
+# Interleaved: worked out by hand from the definition (p = 2 devices, v = 2 stages each, m = 4 in 2 rounds of 2;
+# device d warms up with (v - 1) x 2 + 2 x (p - 1 - d) forwards). Stage s sits on device s mod 2.
+INTERLEAVED_P2_V2_M4 = [
+    "0:F0 0:F1 2:F0 2:F1 0:F2 2:B0 0:F3 2:B1 2:F2 0:B0 2:F3 0:B1 2:B2 2:B3 0:B2 0:B3",
+    "1:F0 1:F1 3:F0 3:B0 3:F1 3:B1 1:F2 1:B0 1:F3 1:B1 3:F2 3:B2 3:F3 3:B3 1:B2 1:B3",
+]
+
+
+def test_interleaved_device_orders_by_hand():
+    lanes = [" ".join(f"{s}:{fmt([a])}" for s, a in device_actions("interleaved", d, 4, 4, 2)) for d in range(2)]
+    assert lanes == INTERLEAVED_P2_V2_M4
+    assert fmt(stage_actions("interleaved", 2, 4, 4, 2)) == "F0 F1 B0 B1 F2 F3 B2 B3"
+
+
+SHAPES = [(p, v, m) for p in (1, 2, 3, 4) for v in (2, 3) for m in (1, 2, 3, 4, 6, 8, 12)
+          if m % max(1, m // p) == 0]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), SHAPES)
+def test_interleaved_runs_every_action_once_one_at_a_time_per_device(p, v, m):
+    n = p * v
+    for s in range(n):
+        actions = stage_actions("interleaved", s, n, m, v)
+        assert sorted(actions, key=lambda a: (a.op, a.microbatch)) == sorted(
+            {Action(op, k) for op in ("forward", "backward") for k in range(m)}, key=lambda a: (a.op, a.microbatch))
+        assert [a.microbatch for a in actions if a.op == "forward"] == list(range(m))
+    lanes = timeline("interleaved", n, m, 1.0, 2.0, virtual_stages=v)  # deadlock-free, or it raises
+    for device in range(p):
+        spans = sorted(span for s, lane in lanes.items() if s % p == device for span in lane)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one action at a time on a device
+        assert all(end - start == pytest.approx((1.0 if a.op == "forward" else 2.0) / v) for start, end, a in spans)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(p, v, m) for p, v, m in SHAPES if m >= p and m % p == 0])
+def test_interleaved_bubble_is_1f1b_s_divided_by_v(p, v, m):
+    # Narayanan et al. (2021): the bubble shrinks from (p - 1)(F + B) to (p - 1)(F + B) / v.
+    assert makespan("interleaved", p * v, m, 1.0, 2.0, virtual_stages=v) == pytest.approx(
+        m * 3.0 + (p - 1) * 3.0 / v)
+    assert bubble_fraction("interleaved", p * v, m, 1.0, 2.0, virtual_stages=v) == pytest.approx(
+        (p - 1) / v / (m + (p - 1) / v))
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: stage_actions("interleaved", 0, 4, 4), "virtual_stages >= 2 dividing the 4 stages, got 1"),
+    (lambda: stage_actions("interleaved", 0, 5, 4, 2), "virtual_stages >= 2 dividing the 5 stages, got 2"),
+    (lambda: stage_actions("interleaved", 0, 8, 9, 2), r"9 over 4 devices does not split into 2 rounds; "
+                                                       r"use one of \[5, 6, 7, 8, 10, 12\]"),
+    (lambda: device_actions("1f1b", 0, 4, 4, 2), "orders one stage per device; with 2 stages per device use"),
+    (lambda: device_actions("interleaved", 2, 4, 4, 2), r"device 2 is invalid; expected a device index in \[0, 2\)"),
+    (lambda: timeline("interleaved", 4, 4, virtual_stages=0), "virtual_stages 0 is invalid"),
+])
+def test_interleaved_refusals_say_what_fits(call, message):
+    with pytest.raises(InvalidArgument, match=message):
+        call()

@@ -1,0 +1,86 @@
+"""The device a shard computes on, shared by the stages a shard process holds (--virtual-stages): one compute
+thread and one lock, so their work runs one piece at a time, and, in an interleaved planned step, the turns
+that make their actions follow the device's order (shardtrain/schedule.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from shardtrain import errors
+
+Key = tuple[int, str, int]  # (stage, op, micro-batch)
+
+
+class Device:
+    """One device: its compute thread, its lock, and the order of each interleaved step's actions on it."""
+
+    def __init__(self) -> None:
+        # One thread, in order. OpenMP thread counts are per thread: the work sets its own where it runs.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage")
+        self.lock = asyncio.Lock()
+        self._steps: dict[int, _Turns] = {}
+
+    async def turn(self, step: int, order: Callable[[], list[Key]], key: Key, timeout: float) -> None:
+        """Waits until `key` is the next action of `step` on this device; `order` gives the step's order, asked
+        once per step by whichever stage comes first. DeadlineExceeded after `timeout`, Cancelled if the step
+        was given up."""
+        turns = self._steps.get(step)
+        if turns is None:
+            turns = self._steps[step] = _Turns(order())
+        await turns.wait(key, timeout)
+
+    def turn_done(self, step: int) -> None:
+        """The action whose turn it was is over: the next one may go."""
+        turns = self._steps.get(step)
+        if turns is not None and turns.advance():
+            del self._steps[step]
+
+    def give_up(self, step: int) -> None:
+        """The step failed: whoever waits for a turn in it hears so."""
+        turns = self._steps.pop(step, None)
+        if turns is not None:
+            turns.cancel(errors.Cancelled(f"step {step} failed on another stage"))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Turns:
+    """One step's order on a device and how far it got."""
+
+    def __init__(self, order: list[Key]):
+        self.order = order
+        self.position = 0
+        self._waiting: dict[Key, asyncio.Future] = {}
+
+    async def wait(self, key: Key, timeout: float) -> None:
+        if key not in self.order:
+            raise errors.InternalError(f"action {key} is not in this device's order of the step")
+        if self.position < len(self.order) and self.order[self.position] == key:
+            return
+        future = self._waiting[key] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            expected = self.order[self.position] if self.position < len(self.order) else None
+            raise errors.DeadlineExceeded(f"action {key} waited {timeout:g} s for its turn on the device; "
+                                          f"the device waits for {expected}") from None
+        finally:
+            self._waiting.pop(key, None)
+
+    def advance(self) -> bool:
+        """Moves on to the next action; whether the order is over."""
+        self.position += 1
+        if self.position >= len(self.order):
+            return True
+        waiting = self._waiting.get(self.order[self.position])
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+        return False
+
+    def cancel(self, error: BaseException) -> None:
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(error)
