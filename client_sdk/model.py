@@ -244,8 +244,9 @@ class DistributedModel:
         while stage i+1 works on k, under `schedule` "1f1b" (stage s holds at most p - s micro-batches between
         forward and backward), "gpipe" (all forwards, then all backwards) or "zb-h1" (1F1B with each backward
         split into the input gradient the stage before waits for and the weight gradient, which fills the stage's
-        idle time: a smaller bubble for the same memory). It runs on the same Links as the loop; no call is
-        opened per step.
+        idle time) or "interleaved" (a deployment of several stages per device, deploy(virtual_stages=v): each
+        device runs its stages' actions in interleaved 1F1B's order, the bubble divided by v). It runs on the same
+        Links as the loop; no call is opened per step.
 
         The loss is computed on the last stage: `loss_fn(output, y)` on the model's (first) output, with a
         torch.nn loss by name ("MSELoss"), class or instance from the allow-list, or a loss module of your own

@@ -410,6 +410,10 @@ class LinkedLoop:
             self._check_room(item[1])
             run.deliver(key.microbatch, "backward" if backward else "forward", item)
         except errors.ShardtrainError as error:
+            if key.step not in self._runs and key.step > self._forwarded:
+                # The step could not start here (its plan was refused): its backward will never run, so its
+                # optimizer step must be refused here rather than wait for it.
+                self._spawn(self._runtime.order.backward_finished(key.step, str(error)))
             self._spawn(self._report(key, error, backward))
 
     def _start_run(self, key: shard_pb2.StepKey, plan: shard_pb2.StepPlan) -> PlannedRun:

@@ -69,3 +69,17 @@ def test_what_the_interleaved_schedule_cannot_do_is_refused(two_devices):
     plain = two_devices.deploy(TEST_RESIDUAL_SMALL, optimizer=SGD, num_stages=2)
     with pytest.raises(errors.InvalidArgument, match=r"needs several stages per device: deploy\(\.\.\., virtual_stages=2\)"):
         plain.train_step(x, y, "MSELoss", microbatches=4, schedule="interleaved")
+
+
+def test_a_plan_a_shard_refuses_fails_its_step_at_once_and_the_next_step_trains(two_devices):
+    torch.manual_seed(0)
+    reference = LayerList(TEST_RESIDUAL_SMALL)
+    batches = regression_batches(steps=2, batch=16, features=1)
+    model = two_devices.deploy(TEST_RESIDUAL_SMALL, optimizer=SGD, num_stages=2)
+    model.load_state_dict(reference.state_dict())
+    model._check_schedule = lambda *_: None  # as a client in another language that sends the plan unchecked
+    with pytest.raises(errors.InvalidArgument, match=r"\(stage 0\): the interleaved schedule puts several stages"):
+        model.train_step(*batches[0], "MSELoss", microbatches=4, schedule="interleaved")
+    model.train_step(*batches[1], "MSELoss", microbatches=4, schedule="1f1b")  # no stage waits for the refused one
+    expected, _ = train_full_batch(reference, batches[1:], SGD)
+    assert largest_difference(model.state_dict(), expected) <= 1e-5
