@@ -21,6 +21,7 @@ from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
 from client_sdk.pipeline import Batch, PipelineTrainer
+from client_sdk.reports import ShardReport
 from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
 from shardtrain import optim
@@ -222,9 +223,10 @@ class DistributedModel:
         the model's weights, as for a local module."""
         return iter(self._parameters)
 
-    def describe(self) -> list:
-        """Each shard's own report: address, device, stage, layers, steps in flight, whether it flushes denormals."""
-        return self._io.run(self._clients.describe())
+    def describe(self) -> list[ShardReport]:
+        """Each stage's shard's own report, in stage order: address, device, stage, layers, parameters, steps in
+        flight, whether it flushes denormals."""
+        return [ShardReport.from_message(answer) for answer in self._io.run(self._clients.describe())]
 
     @property
     def replicas(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -125,7 +126,14 @@ def test_no_grad_forward_keeps_no_state_and_matches_local(cluster4):
         pred = model(x)
     assert not pred.requires_grad
     torch.testing.assert_close(pred, net(x).detach(), rtol=0, atol=1e-6)
-    assert all(not report.in_flight_steps for report in model.describe())
+    reports = model.describe()
+    assert all(not report.in_flight_steps for report in reports)
+    # Plain data, in stage order: what a person prints, or compares with the placements.
+    assert [(r.stage, r.address, r.layer_indexes) for r in reports] == [
+        (p.stage, p.shard_address, tuple(range(p.first_layer, p.end_layer))) for p in model.placements]
+    assert [r.parameter_count for r in reports] == [3 * 8 + 8, 8 * 2 + 2]
+    assert all(r.deployment_id == model.deployment_id and r.device == "cpu" and r.instance for r in reports)
+    assert "ShardReport(address=" in repr(reports[0]) and dataclasses.asdict(reports[0])["stage"] == 0
 
 
 def test_gradient_accumulation_over_two_forwards(cluster4):
