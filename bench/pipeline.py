@@ -68,24 +68,15 @@ def bubbles(cluster: Cluster, delay: float, steps: int) -> None:
     p, m = 4, 8
     model = cluster.deploy(stage_model(p), optimizer=(torch.optim.SGD, {"lr": 0.01}), num_stages=p)
     print(f"1. p={p} stages, m={m} micro-batches, {delay * 1e3:.0f} ms per forward and per backward")
-    print(f"   {'schedule':>8} {'step':>9} {'ideal':>9} {'ratio':>6} {'bubble':>7} {'theory':>7} {'/1f1b':>6}")
-    pictures, steps_of = [], {}
+    print(f"   {'schedule':>11} {'step':>9} {'ideal':>9} {'ratio':>6} {'bubble':>7} {'theory':>7} {'/1f1b':>6}")
+    pictures, base = [], None
     for schedule in ("1f1b", "gpipe", "zb-h1"):  # 1F1B first: the others are compared with it
         step, stats = timed_steps(model, 8 * m, m, schedule, steps)
-        steps_of[schedule] = step
-        ideal = schedules.makespan(schedule, p, m, delay, delay)
-        bubble = statistics.mean(1 - (s["forward_s"] + s["backward_s"]) / step for s in stats)
-        print(f"   {schedule:>8} {step * 1e3:7.1f}ms {ideal * 1e3:7.1f}ms {step / ideal:6.3f} "
-              f"{bubble:7.3f} {schedules.bubble_fraction(schedule, p, m, delay, delay):7.3f} "
-              f"{step / steps_of['1f1b']:6.3f}")
+        base = base or step
+        report(schedule, step, stats, base, p, m, delay)
         pictures.append((schedule, step, model.timeline()))
     step, stats, timeline = interleaved(delay, steps, p, m)
-    ideal = schedules.makespan("interleaved", 2 * p, m, delay, delay, virtual_stages=2)
-    busy = [sum(s["forward_s"] + s["backward_s"] for s in stats if s["stage"] % p == device) for device in range(p)]
-    print(f"   {'interl.':>8} {step * 1e3:7.1f}ms {ideal * 1e3:7.1f}ms {step / ideal:6.3f} "
-          f"{statistics.mean(1 - b / step for b in busy):7.3f} "
-          f"{schedules.bubble_fraction('interleaved', 2 * p, m, delay, delay, virtual_stages=2):7.3f} "
-          f"{step / steps_of['1f1b']:6.3f}   v=2: {2 * p} stages, 2 per shard process")
+    report("interleaved", step, stats, base, p, m, delay, virtual_stages=2)
     pictures.append(("interleaved", step, timeline))
     for schedule, step, timeline in pictures:
         per_action = delay / 2 if schedule in schedules.INTERLEAVED else delay  # a stage is half a device's share
@@ -97,6 +88,19 @@ def bubbles(cluster: Cluster, delay: float, steps: int) -> None:
         print("   " + timeline.text(88).replace("\n", "\n   "))
     print(f"   of an action's time beyond the simulated: asyncio.sleep({delay:g}) itself overshoots by "
           f"{timer_overshoot(delay) * 1e3:.2f} ms here (median; the event loop's epoll waits round up to whole ms)")
+
+
+def report(schedule: str, step: float, stats: list[dict], base: float, p: int, m: int, delay: float,
+           virtual_stages: int = 1) -> None:
+    """One row of part 1: the step against the schedule's ideal and against 1F1B's (`base`), and the measured
+    bubble (1 - a device's busy time / the step, mean over the p devices) against the simulated one."""
+    stages = p * virtual_stages
+    ideal = schedules.makespan(schedule, stages, m, delay, delay, virtual_stages=virtual_stages)
+    theory = schedules.bubble_fraction(schedule, stages, m, delay, delay, virtual_stages=virtual_stages)
+    busy = [sum(s["forward_s"] + s["backward_s"] for s in stats if s["stage"] % p == device) for device in range(p)]
+    note = f"   v={virtual_stages}: {stages} stages, {virtual_stages} per shard process" if virtual_stages > 1 else ""
+    print(f"   {schedule:>11} {step * 1e3:7.1f}ms {ideal * 1e3:7.1f}ms {step / ideal:6.3f} "
+          f"{statistics.mean(1 - b / step for b in busy):7.3f} {theory:7.3f} {step / base:6.3f}{note}")
 
 
 def interleaved(delay: float, steps: int, p: int, m: int) -> tuple[float, list[dict], object]:

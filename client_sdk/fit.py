@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client_sdk import charts
 from shardtrain.errors import InvalidArgument
 
 Callback = Callable[["History", "StepRecord"], object]  # returns True to stop after this step
@@ -45,10 +46,9 @@ class History:
     def plot(self, path: str | os.PathLike | None = None):
         """A matplotlib figure of the training loss per step and each epoch's validation loss; saved as PNG when
         given a path."""
-        pyplot = _pyplot()
-        figure, axes = pyplot.subplots(figsize=(7, 4))
+        figure, axes = charts.pyplot().subplots(figsize=(7, 4))
         axes.plot([r.step for r in self.steps], self.losses, label="training loss", linewidth=1)
-        ends = _epoch_ends(self.steps)
+        ends = {record.epoch: record.step for record in self.steps}  # each epoch's last step
         validated = [(ends[e["epoch"]], e["val_loss"]) for e in self.epochs if e["val_loss"] is not None]
         if validated:
             axes.plot(*zip(*validated), "o-", label="validation loss")
@@ -58,25 +58,7 @@ class History:
             axes.set_yscale("log")
         axes.legend()
         axes.grid(alpha=0.3)
-        figure.tight_layout()
-        if path is not None:
-            figure.savefig(path)
-        return figure
-
-
-def _epoch_ends(steps: list[StepRecord]) -> dict[int, int]:
-    ends: dict[int, int] = {}
-    for record in steps:
-        ends[record.epoch] = record.step
-    return ends
-
-
-def _pyplot():
-    try:
-        from matplotlib import pyplot
-    except ImportError:
-        raise InvalidArgument("plotting needs matplotlib: pip install 'shardtrain[plots]'") from None
-    return pyplot
+        return charts.finished(figure, path)
 
 
 class Fit:

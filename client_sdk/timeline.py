@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from shardtrain.errors import InvalidArgument
+from client_sdk import charts
 from shardtrain.v1 import shard_pb2
 
 KINDS = {shard_pb2.WORK_KIND_FORWARD: "forward", shard_pb2.WORK_KIND_BACKWARD: "backward",
@@ -93,12 +93,8 @@ class Timeline:
     def plot(self, path: str | os.PathLike | None = None):
         """A matplotlib Gantt chart: one row per stage, a bar per span (colour by kind), milliseconds on the
         x axis; saved as PNG when given a path. Needs matplotlib (pip install 'shardtrain[plots]')."""
-        try:
-            from matplotlib import pyplot
-        except ImportError:
-            raise InvalidArgument("plotting needs matplotlib: pip install 'shardtrain[plots]'") from None
         lanes = list(self.lanes())
-        figure, axes = pyplot.subplots(figsize=(10, 1 + 0.5 * len(lanes)))
+        figure, axes = charts.pyplot().subplots(figsize=(10, 1 + 0.5 * len(lanes)))
         labelled = set()
         for span in self.spans:
             row = lanes.index((span.replica, span.stage))
@@ -111,10 +107,7 @@ class Timeline:
         axes.set_xlabel("ms")
         axes.set_title(f"bubble {self.bubble():.3f}")
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # outside the bars
-        figure.tight_layout()
-        if path is not None:
-            figure.savefig(path)
-        return figure
+        return charts.finished(figure, path)
 
     def __str__(self) -> str:
         return self.text()

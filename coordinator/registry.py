@@ -96,7 +96,8 @@ class ShardRegistry:
         if len(devices) < per_pipeline * replicas:
             raise FailedPrecondition(f"{replicas} x {num_stages} stages at {per_device} per device need "
                                      f"{per_pipeline * replicas} devices serving {per_device} shards each "
-                                     f"(shardtrain shard --virtual-stages {per_device}); {len(devices)} have registered")
+                                     f"(shardtrain shard --virtual-stages {per_device}); "
+                                     f"{len(devices)} have registered")
         return [devices[r * per_pipeline + s % per_pipeline][s // per_pipeline]
                 for r in range(replicas) for s in range(num_stages)]
 

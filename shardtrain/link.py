@@ -146,8 +146,7 @@ class LinkEnd:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, ConnectionError) as error:
                 self.broken = await self._why_broken(error)
                 raise self.broken from None
-        if metrics.enabled():
-            _count("sent", message, tensor, items[0].message.tensor.HasField("shared"), self.local)
+        _count("sent", message, tensor, items[0].message.tensor.HasField("shared"), self.local)
 
     async def _ready(self) -> None:
         """Returns once items may be sent (at once for the answering end)."""
@@ -395,7 +394,9 @@ async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> s
 
 def _count(direction: str, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None, shared: bool,
            socket: bool) -> None:
-    """Records one item sent or received, by its kind and the path its tensor took."""
+    """Records one item sent or received, by its kind and the path its tensor took (when metrics are on)."""
+    if not metrics.enabled():
+        return
     path = "shared_memory" if shared else "socket" if socket else "grpc"
     nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
     metrics.moved(direction, message.WhichOneof("item") or "", path, nbytes)
@@ -407,8 +408,7 @@ async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:
     async for frame in frames:
         item = items.feed(frame)
         if item is not None:
-            if metrics.enabled():
-                _count("received", item[0], item[1], items.shared, False)
+            _count("received", item[0], item[1], items.shared, False)
             on_item(end, *item)
 
 
@@ -419,7 +419,6 @@ async def _deliver_carried(local: carrier.Carrier, end: LinkEnd, on_item) -> Non
     def on_frame(frame: Frame) -> None:
         item = items.feed(frame)
         if item is not None:
-            if metrics.enabled():
-                _count("received", item[0], item[1], items.shared, True)
+            _count("received", item[0], item[1], items.shared, True)
             on_item(end, *item)
     await local.deliver(on_frame, items.place)

@@ -67,7 +67,8 @@ def test_what_the_interleaved_schedule_cannot_do_is_refused(two_devices):
     with pytest.raises(errors.InvalidArgument, match="3 stages do not split into devices of 2 stages each"):
         two_devices.deploy(TEST_RESIDUAL_SMALL, optimizer=SGD, num_stages=3, virtual_stages=2)
     plain = two_devices.deploy(TEST_RESIDUAL_SMALL, optimizer=SGD, num_stages=2)
-    with pytest.raises(errors.InvalidArgument, match=r"needs several stages per device: deploy\(\.\.\., virtual_stages=2\)"):
+    needs = r"needs several stages per device: deploy\(\.\.\., virtual_stages=2\)"
+    with pytest.raises(errors.InvalidArgument, match=needs):
         plain.train_step(x, y, "MSELoss", microbatches=4, schedule="interleaved")
 
 
