@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import secrets
 import warnings
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ class Cluster:
         self._services = services
         self._io = shared_loop()
         self._models: list[DistributedModel] = []
+        self.spares = 0  # shards Cluster.local started beyond those a deploy uses by default
         self._coordinator = self._io.run(self._open_coordinator())
 
     async def _open_coordinator(self) -> Peer:
@@ -50,7 +52,7 @@ class Cluster:
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
               startup_timeout: float = 120.0, flush_denormal: bool = False,
               timeouts: Timeouts | None = None, hosts=None, metrics: bool = False,
-              virtual_stages: int = 1) -> Cluster:
+              virtual_stages: int = 1, spares: int = 0) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike. Without a token
@@ -65,6 +67,8 @@ class Cluster:
         `metrics`: every service serves Prometheus metrics, at `cluster.metrics_urls`.
         `virtual_stages`: each shard process serves that many shards on its one device (num_shards x v register),
         for deploy(virtual_stages=v) and the interleaved schedule.
+        `spares`: that many more shard processes, which a deploy leaves idle unless told to use them; one takes the
+        place of a shard that dies under a replicated deployment (deploy(replicas=2)) and training goes on.
         """
         security = security or Security()
         if not security.token:
@@ -72,11 +76,14 @@ class Cluster:
         flags = (["--flush-denormal", "on"] if flush_denormal else []) + \
             (["--virtual-stages", str(virtual_stages)] if virtual_stages != 1 else [])
         timeouts = timeouts or Timeouts()
-        services = LocalServices(num_shards, device, env={**security_env(security), **timeouts_env(timeouts)},
+        if not isinstance(spares, int) or spares < 0:
+            raise InvalidArgument(f"spares must be a whole number >= 0, got {spares!r}")
+        services = LocalServices(num_shards + spares, device, env={**security_env(security), **timeouts_env(timeouts)},
                                  startup_timeout=startup_timeout, shard_flags=flags, hosts=hosts, metrics=metrics)
         try:
             cluster = cls(services.coordinator_address, security=security, timeouts=timeouts, services=services)
-            cluster.wait_for_shards(num_shards * virtual_stages, startup_timeout)
+            cluster.wait_for_shards((num_shards + spares) * virtual_stages, startup_timeout)
+            cluster.spares = spares * virtual_stages
             return cluster
         except BaseException:
             services.stop()
@@ -181,6 +188,9 @@ class Cluster:
                                                     balance_by_time=balance == "time",
                                                     virtual_stages=virtual_stages),
             replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs)
+        if self.spares and not (num_stages or split_points or layers_per_stage):  # the spares stay idle
+            in_use = len(self.shards()) - self.spares
+            request.partition.num_stages = max(1, min(in_use // replicas, len(request.layers)))
         layer_tools.mark_state(request.layers, module)
         if balance == "time":
             layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
@@ -200,8 +210,23 @@ class Cluster:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
         distributed.train(module.training)
         distributed.virtual_stages = virtual_stages
+        distributed._redeploy = functools.partial(self._redeploy, request, (encodings, parameter_keys, spec, shapes,
+                                                                            list(module.state_dict()), interface))
         self._models.append(distributed)
         return distributed
+
+    async def _redeploy(self, request: coordinator_pb2.DeployRequest, handle_arguments: tuple,
+                        prefer: list[str], layers_per_stage: list[int]) -> tuple[list[StageClients], DistributedModel]:
+        """Deploys `request` again with the same split, each stage on `prefer`'s shard where it lives (a spare
+        elsewhere); the new deployment's replicas and a handle to it (whose weights are still to be restored)."""
+        again = coordinator_pb2.DeployRequest()
+        again.CopyFrom(request)
+        again.partition.CopyFrom(coordinator_pb2.PartitionSpec(layers_per_stage=layers_per_stage,
+                                                               virtual_stages=request.partition.virtual_stages))
+        again.prefer_addresses[:] = prefer
+        response = await self._coordinator.call("Deploy", again, timeout=self.timeouts.rpc)
+        handle = await self._handle(response, request.layers, *handle_arguments)
+        return handle._trainer.replicas, handle
 
     @staticmethod
     def _split(module: torch.nn.Module, example_input, example_inputs: tuple, example_kwargs: dict | None,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from client_sdk import checkpoint
+from client_sdk import checkpoint, recovery
 from client_sdk.autograd import RemoteStages
 from client_sdk.fit import Fit, History
 from client_sdk.inflight import InFlight
@@ -26,12 +26,13 @@ from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
 from shardtrain import optim
 from shardtrain import schedule as schedules
-from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument
+from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, ShardtrainError
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
 
 MAX_AWAITING = 64  # forwards whose backward may still come: as many steps as a shard keeps in flight
+MAX_RECOVERIES = 3  # dead shards replaced within one train_step call before its failure is raised
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,11 @@ class DistributedModel:
         self._async_steps: list[int] = []
         self._inflight = InFlight(on_failure=self._abandon_deferred_work)
         self._closed = False
+        # Replicated deployments survive a dead shard: the cluster's redeploy, and the train_step calls whose
+        # optimizer step may not have been applied yet (numbered by it), to run again on the restored state.
+        self._redeploy: recovery.Redeploy | None = None
+        self._recent: list[tuple[int, tuple]] = []
+        self._refused: set[int] = set()  # optimizer steps sent by calls that raised: no recovery runs them again
         self.training = True  # as nn.Module's: train() and eval() set it; every forward says which graphs run
 
     @property
@@ -270,7 +276,8 @@ class DistributedModel:
         batch = Batch(main, inputs, y)
         self._check_schedule(schedule, microbatches)
         clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
-        return self._io.run(self._train_step(batch, loss_fn, loss_output, microbatches, schedule, clip))
+        call = (batch, loss_fn, loss_output, microbatches, schedule, clip, self._hyperparameters.all())
+        return self._io.run(self._train_step_surviving(call))
 
     def _check_schedule(self, schedule: str, microbatches: int) -> None:
         """InvalidArgument, before anything is sent, for a schedule that cannot order this deployment's stages."""
@@ -352,8 +359,65 @@ class DistributedModel:
         return await self._io.wrap(self._read_state())
 
     # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
+    async def _train_step_surviving(self, call: tuple) -> float:
+        """Runs train_step's `call`; in a replicated deployment, a dead shard is replaced from a live replica of
+        its stage (client_sdk/recovery.py) and the steps the restored state lacks run again, this one last."""
+        pending, recoveries = [call], 0
+        while True:
+            number = self._optimizer_steps + 1  # the optimizer step it is about to be
+            self._recent = [entry for entry in self._recent if entry[0] < number][-1:] + [(number, pending[0])]
+            try:
+                loss = await self._train_step(*pending[0][:-1], hyperparameters=pending[0][-1] if recoveries else None)
+            except ShardtrainError as error:
+                try:
+                    recovered = None
+                    if self._redeploy is not None and self.replicas > 1 and recoveries < MAX_RECOVERIES:
+                        recovered = await recovery.recover(self._trainer.replicas,
+                                                           [p.end_layer - p.first_layer for p in self.placements],
+                                                           self._redeploy, self._clients.probe_timeout)
+                    if recovered is None:
+                        raise error  # every shard answers: the failure was not a dead shard
+                except ShardtrainError:
+                    self._recent.pop()  # the call fails: a later recovery does not run it again
+                    if self._optimizer_steps >= number:
+                        self._refused = {n for n in self._refused if n > number - MAX_AWAITING} | {number}
+                    raise
+                restored, handle = recovered
+                await self._adopt(handle)
+                lost = [entry for entry in self._recent if entry[0] > restored]
+                first = restored + 1
+                while first in self._refused:  # optimizer steps the shards refused: nothing to run again
+                    first += 1
+                self._recent, self._refused = [], set()
+                if lost and lost[0][0] != first:
+                    raise FailedPrecondition(f"a dead shard was replaced and the model restored at optimizer step "
+                                             f"{restored}, but step {first} is no longer kept to run again: load a "
+                                             "checkpoint, or go on from here") from error
+                recoveries += 1
+                if not lost:  # this call's step was applied everywhere; its loss died with the shard
+                    log.warning("a dead shard was replaced after its step was applied; that step's loss is lost")
+                    pending.pop(0)
+                    if not pending:
+                        return math.nan
+                pending = [entry[1] for entry in lost] + pending[1:]
+                continue
+            pending.pop(0)
+            if not pending:
+                return loss
+
+    async def _adopt(self, other: DistributedModel) -> None:
+        """Takes over `other`'s deployment (a redeploy of the same model with the same split): this handle, its
+        optimizer and its hyperparameters stay the user's."""
+        old = self._trainer.replicas
+        for name in ("_trainer", "_clients", "placements", "_steps", "_last_step", "_optimizer_steps",
+                     "_settle_before_forward", "_backward_steps", "_zero_grad_pending", "_awaiting_backward", "_stale",
+                     "_has_gradients", "_async_steps", "_inflight"):
+            setattr(self, name, getattr(other, name))
+        other._closed = True
+        await asyncio.gather(*(clients.close() for clients in old), return_exceptions=True)
+
     async def _train_step(self, batch: Batch, loss_fn, loss_output, microbatches: int, schedule: str,
-                          clip=None) -> float:
+                          clip=None, hyperparameters: str | None = None) -> float:
         self._inflight.raise_failures()
         if self._backward_steps:
             await self._synchronize()  # a loop backward still running would add to the step's fresh gradients
@@ -374,7 +438,8 @@ class DistributedModel:
         try:
             loss, settled = await self._trainer.run(step, batch, spec, microbatches, schedule, after,
                                                     self._optimizer_steps, eval_mode=not self.training,
-                                                    hyperparameters=self._hyperparameters.changes(), clip=clip)
+                                                    hyperparameters=self._hyperparameters.changes()
+                                                    if hyperparameters is None else hyperparameters, clip=clip)
             self.optimizer._opt_called = True  # what torch's lr schedulers check: an optimizer step ran
         except BaseException:
             self._abandon_deferred_work()

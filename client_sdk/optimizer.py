@@ -149,6 +149,14 @@ class Hyperparameters:
         self._sent = current
         return text
 
+    def all(self) -> str:
+        """The groups' hyperparameters as JSON, whether sent or not (what a step run again must apply); "" if they do
+        not fit in JSON (changes() says so)."""
+        try:
+            return json.dumps(self._current())
+        except (TypeError, ValueError):
+            return ""
+
     def loaded(self, groups: list[dict]) -> None:
         """The shards took these groups' hyperparameters from a loaded optimizer state: the client's follow."""
         for group, state in zip(self._optimizer.param_groups, groups):

@@ -34,7 +34,7 @@ class StageClients:
         self._encodings = encodings or tensor_pb2.WireEncodings()
         self._segments: shm.SegmentPool | None = None
         self._checksums = checksums_from_env()
-        self._probe_timeout = timeouts.probe
+        self.probe_timeout = timeouts.probe
         self._links = SdkLinks(deployment_id, self.stages[0], self.stages[-1], self._options, timeouts.rpc,
                                diagnose=self.silent_stages)
 
@@ -156,7 +156,7 @@ class StageClients:
         of a wait that ran out: the stage a step waits on is often not the one that stopped."""
         async def answers(stage: Peer) -> bool:
             try:
-                await stage.call("Describe", shard_pb2.DescribeRequest(), timeout=self._probe_timeout)
+                await stage.call("Describe", shard_pb2.DescribeRequest(), timeout=self.probe_timeout)
                 return True
             except errors.ShardtrainError:
                 return False
@@ -164,7 +164,7 @@ class StageClients:
         silent = [stage.name for stage, ok in zip(self.stages, answered) if not ok]
         if not silent:
             return "; every stage answers, so it is still working on it or an item was lost"
-        return f"; {', '.join(silent)} did not answer within {self._probe_timeout:g} s (stopped, hung or gone)"
+        return f"; {', '.join(silent)} did not answer within {self.probe_timeout:g} s (stopped, hung or gone)"
 
     async def close(self) -> None:
         """Closes every channel."""

@@ -6,7 +6,7 @@ import itertools
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardtrain.addresses import is_host_port
@@ -101,9 +101,15 @@ class ShardRegistry:
         return [devices[r * per_pipeline + s % per_pipeline][s // per_pipeline]
                 for r in range(replicas) for s in range(num_stages)]
 
-    def take(self, count: int) -> list[ShardRecord]:
-        """The first `count` shards; FailedPrecondition if fewer have registered."""
+    def take(self, count: int, prefer: Sequence[str] = ()) -> list[ShardRecord]:
+        """`count` shards: slot i takes the shard at prefer[i] where one is registered there, every other slot the
+        next shard in registration order that no slot took (a spare); FailedPrecondition if fewer have registered."""
         shards = self.shards()
         if count > len(shards):
             raise FailedPrecondition(f"{count} stages need {count} shards but {len(shards)} have registered")
-        return shards[:count]
+        by_address = {shard.address: shard for shard in shards}
+        slots = [by_address.get(address) for address in list(prefer)[:count]]
+        slots += [None] * (count - len(slots))
+        taken = {shard.address for shard in slots if shard is not None}
+        spares = iter([shard for shard in shards if shard.address not in taken])
+        return [shard or next(spares) for shard in slots]

@@ -59,7 +59,10 @@ class CoordinatorServicer:
             # By default one stage per shard (of a replica), but never an empty stage when there are fewer layers.
             num_stages = spec.num_stages or min(registered // replicas, len(layers))
             return len(spec.split_points) + 1 if spec.split_points else len(spec.layers_per_stage) or num_stages
-        await self._forget_silent_shards(lambda registered: stage_count(registered) * replicas)
+        prefer = list(request.prefer_addresses) if per_device == 1 else []
+        await self._forget_silent_shards(
+            lambda registered: self.registry.take(min(stage_count(len(registered)) * replicas, len(registered)),
+                                                  prefer))
         available = len(self.registry.shards()) // replicas
         if available < 1:
             raise FailedPrecondition(f"{replicas} replicas need at least {replicas} shards; "
@@ -75,7 +78,7 @@ class CoordinatorServicer:
         ranges = partition.plan(costs, num_stages, spec.split_points, spec.layers_per_stage, memory, capacities)
         routes = route([Wiring(tuple(layer.dependencies), tuple(layer.out_variables)) for layer in layers], ranges,
                        request.inputs, request.outputs)
-        shards = self.registry.take(len(ranges) * replicas) if per_device == 1 else \
+        shards = self.registry.take(len(ranges) * replicas, prefer) if per_device == 1 else \
             self.registry.by_device(len(ranges), replicas, per_device)
         tied = tied_stages(ranges, [[entry.tied_to for entry in layer.state if entry.tied_to] for layer in layers])
         pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)], tied)
@@ -133,15 +136,14 @@ class CoordinatorServicer:
             return []  # take() refuses the deploy, with the numbers
         return [[registered[r * count + i] for r in range(replicas)] for i in range(count)]
 
-    async def _forget_silent_shards(self, wanted: Callable[[int], int]) -> None:
-        """Probes the shards a deploy will take (the first `wanted(number registered)`, in registration order) and
-        drops each that does not answer now (it died, or its registration was never a shard's), then probes the
-        next ones in their place, until the shards it will take all answer or too few are left. Only those are
-        probed, however many have registered; a live one that was dropped registers again at its next heartbeat."""
+    async def _forget_silent_shards(self, wanted: Callable[[list[ShardRecord]], list[ShardRecord]]) -> None:
+        """Probes the shards a deploy will take (`wanted(the registered shards)`) and drops each that does not answer
+        now (it died, or its registration was never a shard's), then probes the ones that take their place, until
+        the shards it will take all answer or too few are left. Only those are probed, however many have
+        registered; a live one that was dropped registers again at its next heartbeat."""
         answered: set[str] = set()
         while True:
-            registered = self.registry.shards()
-            shards = [shard for shard in registered[:wanted(len(registered))] if shard.address not in answered]
+            shards = [shard for shard in wanted(self.registry.shards()) if shard.address not in answered]
             if not shards:
                 return
             for shard, answer in zip(shards, await asyncio.gather(*(self._describe(s.address) for s in shards))):

@@ -85,6 +85,7 @@ class LinkedLoop:
         self._tasks: set[asyncio.Task] = set()
         self._held = [0, 0]  # forwards and backwards received and not yet run: how many, and their tensors' bytes
         self._runs: dict[int, PlannedRun] = {}  # planned steps, by step
+        self._after_runs: dict[int, asyncio.Future] = {}  # replicated: step -> why the stages after failed it, or ""
         self._targets = Mailbox()     # last stage: a planned step's loss targets, by (step, microbatch)
         self._target_bytes = 0        # their tensors' bytes
         self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
@@ -112,6 +113,7 @@ class LinkedLoop:
             await client.close()
         self._residuals.discard_where(lambda key: True)
         self._runs.clear()
+        self._after_runs.clear()
         self._tied.discard_where(lambda key: True)
         self._tied_summed.clear()
         self.calls.forget(float("inf"))
@@ -342,6 +344,8 @@ class LinkedLoop:
         elif kind == "tied_gradient":
             item = message.tied_gradient
             self._tied.put((item.optimizer_step, item.key, item.from_stage), tensor)
+        elif kind == "run_done":
+            self._after_run(message.run_done.key.step, "")
         elif kind == "error":
             self._spawn(self._pass_error(end, message))
         else:
@@ -473,7 +477,30 @@ class LinkedLoop:
             await self._runtime.order.backward_finished(run.step, status_message(error, self._runtime.location)[1])
             return
         run.done = True
-        await self._runtime.order.backward_finished(run.step, "")
+        replicated, plan = self._runtime.plan.num_replicas > 1, self._runtime.plan
+        # Replicated: the step is over here once it is over on every stage after this one too (run_done).
+        failure = await self._runs_after(run.step) if replicated and plan.next_address else ""
+        await self._runtime.order.backward_finished(run.step, failure)
+        if replicated and plan.stage > 0 and not failure:
+            key = shard_pb2.StepKey(deployment_id=self._deployment_id, step=run.step)
+            await self._send(self._up(run.step), shard_pb2.LinkMessage(run_done=shard_pb2.TensorKey(key=key)))
+
+    def _after_run(self, step: int, failure: str) -> None:
+        """The stages after this one finished planned step `step` ("") or failed it (why); the first word counts."""
+        outcome = self._after_runs.setdefault(step, asyncio.get_running_loop().create_future())
+        if not outcome.done():
+            outcome.set_result(failure)
+
+    async def _runs_after(self, step: int) -> str:
+        """Why the stages after this one failed planned step `step`, or "" once they all finished it."""
+        wait = self._runtime.settings.timeouts.peer_wait
+        outcome = self._after_runs.setdefault(step, asyncio.get_running_loop().create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(outcome), wait)
+        except TimeoutError:
+            return f"the stages after this one did not finish step {step} within {wait:g} s"
+        finally:
+            self._after_runs.pop(step, None)
 
     def _abort_run(self, step: int, reason: str) -> bool:
         """Ends a planned step that failed on another stage; False if there is none running here."""
@@ -690,6 +717,7 @@ class LinkedLoop:
                 await self._sum_tied(stage, request.optimizer_step)
                 started = time.perf_counter()
                 await shard.run(stage.step, request.gradient_scale)
+                shard.applied_step = request.optimizer_step
                 self._record_stats(request, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
@@ -772,6 +800,8 @@ class LinkedLoop:
             # A forward that failed before it reached the last stage, with no SDK here to hear of it: a client of
             # the per-call RPCs started it, and fetches its output from here.
             self._by_call.add(error.key.step)
+        if error.HasField("key") and from_below:
+            self._after_run(error.key.step, error.message)
         if error.HasField("key") and error.backward == from_below and not aborted:
             await self._runtime.order.backward_finished(error.key.step, error.message)
         await self._tell(message, up=from_below, either_way=False)
@@ -782,6 +812,8 @@ class LinkedLoop:
         self._targets.discard_where(lambda key: key[0] <= up_to_step)
         # Recounted: a target sent twice replaced the first in the mailbox, and was counted twice.
         self._target_bytes = sum(tensor_bytes(target) for _, target in self._targets.delivered())
+        for step in [step for step in self._after_runs if step <= up_to_step]:
+            del self._after_runs[step]
         for step in [step for step in self._runs if step <= up_to_step]:
             run = self._runs.pop(step)
             run.abort()

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
-from shardtrain import auth, shm, wire
+from shard_service.snapshots import Snapshot
+from shardtrain import auth, optim, shm, wire
 from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import ShardSettings
+from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 
@@ -52,6 +54,22 @@ class Peers:
                          *(a for r in plan.outgoing_residuals for a in r.consumer_addresses)}
             await asyncio.gather(*(self.peer(address).probe() for address in addresses if address))
         self.encodings = encodings
+
+    async def read_snapshot(self, address: str, name: str, secret: str) -> Snapshot:
+        """Snapshot `name` of the shard at `address` (weights, then optimizer state, each chunk checked), on a
+        channel of its own: the call carries the secret of the deployment that took it, not the current one's."""
+        peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security, self.settings.timeouts.rpc)
+        peer.metadata = auth.with_deployment(peer.metadata, secret)
+        request = shard_pb2.ReadStateRequest(snapshot=name)
+        try:
+            weights = await wire.collect(peer.stream("ReadState", request))
+            reader = RequestReader(peer.stream("ReadOptimizerState", request))
+            header = await reader.header()
+            state = optim.KeyedState.parse(header.layout, await reader.tensors())
+        finally:
+            await peer.close()
+        return Snapshot(header.deployment_id, secret, -1, tuple(header.snapshot_layer_indexes),
+                        header.snapshot_optimizer_step, weights, state)
 
     async def close(self) -> None:
         """Closes every channel and unlinks this shard's shared segments."""

@@ -128,10 +128,15 @@ class GradientAverager:
             bucket.write_back()
 
     def close(self) -> None:
-        """Removes the hooks; the group and store go with the averager."""
+        """Removes the hooks and lets go of the group and its store on a thread of their own: a group with a
+        collective still pending (a replica died mid-step) is destroyed only once its peers hang up or its timeout
+        passes, and the caller (a LoadStage on the event loop) must not wait for that."""
         for hook in self._hooks:
             hook.remove()
-        self._group = None
+        held = [self._group, self._store, self._works]
+        self._group = self._store = None
+        self._works = []
+        threading.Thread(target=held.clear, name="replica-group-release", daemon=True).start()
 
 
 class _Bucket:

@@ -65,6 +65,7 @@ class ShardRuntime:
         self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
         self._losses: dict[bytes, tuple] = {}
         self.order = StepOrder()        # what this shard has settled: optimizer steps and backwards
+        self.applied_step = 0           # the last optimizer step the stage applied (StepRequest numbering)
         self.forgetters: list[Callable[[int], None]] = []  # what else drops a step's leftovers (loop, servicer)
         self._durations: dict[str, float] = {}
         self._threads = settings.threads or torch.get_num_threads()
@@ -151,6 +152,7 @@ class ShardRuntime:
         self._averager = await asyncio.to_thread(GradientAverager.for_plan, plan, stage, self.address,
                                                  self.settings.timeouts.peer_wait)
         self.order = StepOrder()
+        self.applied_step = 0
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,
@@ -209,9 +211,11 @@ class ShardRuntime:
 
     async def averager_call(self, name: str):
         """Runs the replicas' averager's `name` ("connect" before a planned step, which answers the collectives'
-        backend, "finish" after its backwards)."""
+        backend, "finish" after its backwards). Both wait for the other replicas, not for this device: they run
+        outside its lock, so that the device's other work, a snapshot or a new LoadStage is not held up by a
+        replica that died."""
         if self._averager is not None:
-            return await self.run(getattr(self._averager, name))
+            return await asyncio.to_thread(getattr(self._averager, name))
         return None
 
     def averager_arm(self, last_microbatch: bool) -> None:

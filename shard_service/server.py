@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = shard_settings(sys.argv[1:] if argv is None else argv)
     logs.configure(settings.log_level, settings.log_format)
     die_with_parent(settings.parent_pid)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack into the log
     keep_freed_memory()
     shm.sweep()  # segments left by shardtrain processes that were killed
     carrier.sweep()  # and their local-link sockets

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 
@@ -12,6 +13,7 @@ from shard_service.loop import LinkedLoop
 from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
+from shard_service import snapshots
 from shard_service.stage import Stage
 from shardtrain import auth, carrier, link, optim, rpc, shm, wire
 from shardtrain.errors import InvalidArgument, PermissionDenied
@@ -47,6 +49,7 @@ class ShardServicer:
         self.peers = Peers(settings)  # channels to the other shards, and how tensors reach each
         self.loop = LinkedLoop(self.runtime, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
         self.local_links = _listener(settings, address)  # sockets that carry Link items instead of gRPC streams
+        self.snapshots = snapshots.Snapshots()  # stage states kept apart from the deployment, to restore a later one from
         self.health = None  # the server's grpc.health.v1 status (set by build_server)
 
     @property
@@ -84,22 +87,75 @@ class ShardServicer:
         loaded = await self.runtime.run(stage.load_state, await reader.tensors())
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
+    def _snapshot(self, context, name: str) -> snapshots.Snapshot:
+        """A snapshot, for a call that carries the secret of the deployment that took it."""
+        snapshot = self.snapshots.get(name)
+        auth.check_deployment(context, snapshot.secret, f"snapshot {name!r} of deployment {snapshot.deployment_id}")
+        return snapshot
+
     @boundary
     async def ReadState(self, request, context):
-        stage = self._owned(context, request.deployment_id)
-        options = wire.SendOptions(self.settings.chunk_bytes, checksum=self.settings.checksums)
-        for name, tensor in (await self.runtime.run(stage.state)).items():
+        if request.snapshot:  # another shard restoring from it: checked chunk by chunk
+            weights, checksum = self._snapshot(context, request.snapshot).weights, True
+        else:
+            stage = self._owned(context, request.deployment_id)
+            weights, checksum = await self.runtime.run(stage.state), self.settings.checksums
+        options = wire.SendOptions(self.settings.chunk_bytes, checksum=checksum)
+        for name, tensor in weights.items():
             for frame in wire.tensor_frames(tensor, name, options):
                 yield frame  # weights always travel exact
 
     @boundary
     async def ReadOptimizerState(self, request, context):
-        stage = self._owned(context, request.deployment_id)
-        state = await self.runtime.run(stage.optimizer_state)
-        header = shard_pb2.OptimizerStateHeader(deployment_id=request.deployment_id, layout=state.layout())
+        header = shard_pb2.OptimizerStateHeader(deployment_id=request.deployment_id)
+        if request.snapshot:
+            snapshot = self._snapshot(context, request.snapshot)
+            state, checksum = snapshot.optimizer, True
+            header.deployment_id = snapshot.deployment_id
+            header.snapshot_optimizer_step = snapshot.optimizer_step
+            header.snapshot_layer_indexes.extend(snapshot.layer_indexes)
+        else:
+            stage = self._owned(context, request.deployment_id)
+            state, checksum = await self.runtime.run(stage.optimizer_state), self.settings.checksums
+        header.layout = state.layout()
         for frame in wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors,
-                                 wire.SendOptions(self.settings.chunk_bytes, checksum=self.settings.checksums)):
+                                 wire.SendOptions(self.settings.chunk_bytes, checksum=checksum)):
             yield frame  # exact, as weights
+
+    @boundary
+    async def Snapshot(self, request, context):
+        stage = self._owned(context, request.deployment_id)
+        name = snapshots.Snapshots.check_name(request.name)
+        snapshot = await self.runtime.run(snapshots.take, stage, request.deployment_id, self.runtime.secret,
+                                          self.runtime.applied_step, request.copy)
+        self.snapshots.keep(name, snapshot)
+        return shard_pb2.SnapshotResponse(optimizer_step=snapshot.optimizer_step, bytes=snapshot.bytes,
+                                          stage=snapshot.stage, layer_indexes=snapshot.layer_indexes)
+
+    @boundary
+    async def RestoreStage(self, request, context):
+        stage = self._owned(context, request.deployment_id)
+        if request.source_address in ("", self.address):
+            snapshot = self.snapshots.get(request.snapshot)
+            if not hmac.compare_digest(snapshot.secret.encode(), request.source_deployment_secret.encode()):
+                raise PermissionDenied(f"snapshot {request.snapshot!r} belongs to another deployment: "
+                                       "source_deployment_secret is not its secret")
+            moved = 0
+        else:
+            snapshot = await self.peers.read_snapshot(request.source_address, request.snapshot,
+                                                      request.source_deployment_secret)
+            moved = snapshot.bytes
+        if tuple(stage.layer_indexes) != snapshot.layer_indexes:
+            raise InvalidArgument(f"snapshot {request.snapshot!r} holds layers {list(snapshot.layer_indexes)}; "
+                                  f"this stage holds layers {stage.layer_indexes}")
+        await self.runtime.run(stage.load_optimizer_state, snapshot.optimizer, True)  # refused: nothing changes
+        await self.runtime.run(stage.load_state, snapshot.weights)
+        await self.runtime.run(stage.load_optimizer_state, snapshot.optimizer)
+        return shard_pb2.RestoreStageResponse(optimizer_step=snapshot.optimizer_step, bytes=moved)
+
+    @boundary
+    async def DropSnapshot(self, request, context):
+        return shard_pb2.DropSnapshotResponse(dropped=self.snapshots.drop(request.name))
 
     @boundary
     async def LoadOptimizerState(self, request_iterator, context):

@@ -42,6 +42,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/GradientNorm": _TRAINING,
     "ShardService/Describe": _READING,
     "ShardService/ProbeSharedMemory": _READING,
+    "ShardService/Snapshot": frozenset({CLIENT}),
+    "ShardService/RestoreStage": frozenset({CLIENT}),
+    "ShardService/DropSnapshot": frozenset({CLIENT}),
     "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)
     "ServerReflection/ServerReflectionInfo": _READING,  # the contract, as protos/ has it
 }

@@ -239,20 +239,80 @@ class LoadStateResponse(_message.Message):
     def __init__(self, loaded: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadStateRequest(_message.Message):
-    __slots__ = ("deployment_id",)
+    __slots__ = ("deployment_id", "snapshot")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
-    def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
+    snapshot: str
+    def __init__(self, deployment_id: _Optional[str] = ..., snapshot: _Optional[str] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("deployment_id", "name", "copy")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    name: str
+    copy: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., name: _Optional[str] = ..., copy: _Optional[bool] = ...) -> None: ...
+
+class SnapshotResponse(_message.Message):
+    __slots__ = ("optimizer_step", "bytes", "stage", "layer_indexes")
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    optimizer_step: int
+    bytes: int
+    stage: int
+    layer_indexes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, optimizer_step: _Optional[int] = ..., bytes: _Optional[int] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RestoreStageRequest(_message.Message):
+    __slots__ = ("deployment_id", "source_address", "snapshot", "source_deployment_secret")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DEPLOYMENT_SECRET_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    source_address: str
+    snapshot: str
+    source_deployment_secret: str
+    def __init__(self, deployment_id: _Optional[str] = ..., source_address: _Optional[str] = ..., snapshot: _Optional[str] = ..., source_deployment_secret: _Optional[str] = ...) -> None: ...
+
+class RestoreStageResponse(_message.Message):
+    __slots__ = ("optimizer_step", "bytes")
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    optimizer_step: int
+    bytes: int
+    def __init__(self, optimizer_step: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class DropSnapshotRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DropSnapshotResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
 
 class OptimizerStateHeader(_message.Message):
-    __slots__ = ("deployment_id", "layout", "check_only")
+    __slots__ = ("deployment_id", "layout", "check_only", "snapshot_optimizer_step", "snapshot_layer_indexes")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_LAYER_INDEXES_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     layout: str
     check_only: bool
-    def __init__(self, deployment_id: _Optional[str] = ..., layout: _Optional[str] = ..., check_only: _Optional[bool] = ...) -> None: ...
+    snapshot_optimizer_step: int
+    snapshot_layer_indexes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, deployment_id: _Optional[str] = ..., layout: _Optional[str] = ..., check_only: _Optional[bool] = ..., snapshot_optimizer_step: _Optional[int] = ..., snapshot_layer_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizerStateMessage(_message.Message):
     __slots__ = ("header", "tensor")
@@ -587,7 +647,7 @@ class TensorKey(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "target", "loss", "tied_gradient", "tensor")
+    __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "target", "loss", "tied_gradient", "run_done", "tensor")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -601,6 +661,7 @@ class LinkMessage(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TIED_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    RUN_DONE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     open: LinkOpen
     forward: ForwardHeader
@@ -615,8 +676,9 @@ class LinkMessage(_message.Message):
     target: LossTarget
     loss: StepLoss
     tied_gradient: TiedGradient
+    run_done: TensorKey
     tensor: _tensor_pb2.TensorChunk
-    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., target: _Optional[_Union[LossTarget, _Mapping]] = ..., loss: _Optional[_Union[StepLoss, _Mapping]] = ..., tied_gradient: _Optional[_Union[TiedGradient, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[LinkOpen, _Mapping]] = ..., forward: _Optional[_Union[ForwardHeader, _Mapping]] = ..., backward: _Optional[_Union[BackwardHeader, _Mapping]] = ..., step: _Optional[_Union[LinkStep, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., residual: _Optional[_Union[TensorKey, _Mapping]] = ..., residual_gradient: _Optional[_Union[TensorKey, _Mapping]] = ..., output: _Optional[_Union[TensorKey, _Mapping]] = ..., backward_done: _Optional[_Union[TensorKey, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ..., target: _Optional[_Union[LossTarget, _Mapping]] = ..., loss: _Optional[_Union[StepLoss, _Mapping]] = ..., tied_gradient: _Optional[_Union[TiedGradient, _Mapping]] = ..., run_done: _Optional[_Union[TensorKey, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class TiedGradient(_message.Message):
     __slots__ = ("optimizer_step", "key", "from_stage")

@@ -105,6 +105,21 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/shardtrain.v1.ShardService/Snapshot',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
+        self.RestoreStage = channel.unary_unary(
+                '/shardtrain.v1.ShardService/RestoreStage',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.RestoreStageRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.RestoreStageResponse.FromString,
+                _registered_method=True)
+        self.DropSnapshot = channel.unary_unary(
+                '/shardtrain.v1.ShardService/DropSnapshot',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotResponse.FromString,
+                _registered_method=True)
         self.Link = channel.stream_stream(
                 '/shardtrain.v1.ShardService/Link',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
@@ -219,6 +234,30 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Keeps the stage's weights and optimizer state under a name, apart from the deployment: it outlives a
+        LoadStage, so that a later deployment's stages can restore from it (here, or from another shard through
+        ReadState and ReadOptimizerState with ReadStateRequest.snapshot).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreStage(self, request, context):
+        """Replaces the stage's weights and optimizer state with a snapshot's, held here or by another shard, after
+        checking that it is of the same layers, names, shapes and optimizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropSnapshot(self, request, context):
+        """Forgets a snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Link(self, request_iterator, context):
         """The PyTorch-shaped loop's data path: one long-lived stream between two parties of a deployment
         (the SDK and the first or last stage, a stage and the next one, a residual's producer and its
@@ -301,6 +340,21 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ProbeSharedMemory,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'RestoreStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreStage,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.RestoreStageRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.RestoreStageResponse.SerializeToString,
+            ),
+            'DropSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropSnapshot,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotResponse.SerializeToString,
             ),
             'Link': grpc.stream_stream_rpc_method_handler(
                     servicer.Link,
@@ -686,6 +740,87 @@ class ShardService:
             '/shardtrain.v1.ShardService/ProbeSharedMemory',
             shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.ProbeSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/Snapshot',
+            shardtrain_dot_v1_dot_shard__pb2.SnapshotRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/RestoreStage',
+            shardtrain_dot_v1_dot_shard__pb2.RestoreStageRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.RestoreStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/DropSnapshot',
+            shardtrain_dot_v1_dot_shard__pb2.DropSnapshotRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.DropSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

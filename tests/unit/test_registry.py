@@ -67,6 +67,13 @@ def test_take_all():
     assert len(registry_of("a:1", "b:2").take(2)) == 2
 
 
+def test_take_keeps_each_preferred_shard_in_its_slot_and_fills_a_gone_one_with_a_spare():
+    registry = registry_of("a:1", "b:2", "c:3", "d:4", "e:5")
+    registry.forget("b:2")  # died: the first shard that no slot prefers takes its place
+    assert [s.address for s in registry.take(4, prefer=["d:4", "b:2", "a:1", "c:3"])] == ["d:4", "e:5", "a:1", "c:3"]
+    assert [s.address for s in registry.take(3, prefer=["c:3"])] == ["c:3", "a:1", "d:4"]
+
+
 def test_take_more_than_registered_is_failed_precondition():
     with pytest.raises(FailedPrecondition, match="3 stages need 3 shards but 2 have registered"):
         registry_of("a:1", "b:2").take(3)

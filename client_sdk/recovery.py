@@ -1,0 +1,106 @@
+"""Replacing a dead shard of a replicated deployment, with nothing lost.
+
+When a step fails and some shard no longer answers, every surviving shard snapshots its stage (weights and
+optimizer state, and the last optimizer step it applied); the model is deployed again with the same split, each
+stage on the shard that held it where that shard lives and on a spare otherwise; every new stage restores from a
+survivor's snapshot of the same stage (its own, or a live replica's, read shard to shard); then the steps the
+restored state lacks run again (DistributedModel.train_step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from shardtrain import errors
+from shardtrain.rpc import Peer
+from shardtrain.v1 import shard_pb2
+
+log = logging.getLogger("shardtrain.sdk.recovery")
+
+# redeploy(prefer_addresses, layers_per_stage) -> the new deployment's replicas' StageClients and its handle
+Redeploy = Callable[[list[str], list[int]], Awaitable]
+
+
+async def answers(peer: Peer, timeout: float) -> bool:
+    """Whether the shard answers a Describe within `timeout` seconds."""
+    try:
+        await peer.call("Describe", shard_pb2.DescribeRequest(), timeout=timeout)
+        return True
+    except errors.ShardtrainError:
+        return False
+
+
+async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Redeploy, probe_timeout: float):
+    """Replaces the shards of `replicas` (StageClients, one per replica) that do not answer. Returns (the last
+    optimizer step of the restored state, in the old deployment's numbering; the new handle), or None when every
+    shard answers (the failure was something else). Unavailable when some stage has no live replica left,
+    FailedPrecondition when the survivors' stages are at different steps."""
+    grid = [list(clients.stages) for clients in replicas]  # [replica][stage] Peer
+    alive = await asyncio.gather(*(answers(peer, probe_timeout) for row in grid for peer in row))
+    width = len(grid[0])
+    dead = [(r, s) for r, row in enumerate(grid) for s in range(width) if not alive[r * width + s]]
+    if not dead:
+        return None
+    old = replicas[0]
+    log.warning("deployment %s: %s did not answer; replacing it from the live replicas", old.deployment_id,
+                ", ".join(grid[r][s].name for r, s in dead))
+    name = f"recovery-{old.deployment_id}"
+    request = shard_pb2.SnapshotRequest(deployment_id=old.deployment_id, name=name, copy=True)
+    survivors = [(r, s) for r in range(len(grid)) for s in range(width) if (r, s) not in dead]
+
+    async def snapshot(r: int, s: int):
+        try:
+            return (await grid[r][s].call("Snapshot", request)).optimizer_step
+        except errors.ShardtrainError as error:  # died meanwhile, or cannot: not a source
+            log.warning("%s could not snapshot its stage: %s", grid[r][s].name, error)
+            return None
+    steps = dict(zip(survivors, await asyncio.gather(*(snapshot(r, s) for r, s in survivors))))
+    try:
+        restored = _common_step(steps, len(grid), width, grid)
+        sources = {s: [r for r in range(len(grid)) if steps.get((r, s)) == restored] for s in range(width)}
+        try:
+            new_replicas, handle = await redeploy([peer.address for row in grid for peer in row], layers_per_stage)
+        except errors.ShardtrainError as error:  # no spare, most often: the model stays as it was
+            raise errors.Unavailable(f"{', '.join(grid[r][s].name for r, s in dead)} did not answer, and no shard "
+                                     f"could take its place (start one, and it registers as a spare): {error}") \
+                from None
+        restores = []
+        for r, clients in enumerate(new_replicas):
+            for s, peer in enumerate(clients.stages):
+                source = r if r in sources[s] else sources[s][0]  # its own state where it lives, else a replica's
+                restores.append(peer.call("RestoreStage", shard_pb2.RestoreStageRequest(
+                    deployment_id=clients.deployment_id, source_address=grid[source][s].address, snapshot=name,
+                    source_deployment_secret=old.secret)))
+        moved = sum(answer.bytes for answer in await asyncio.gather(*restores))
+        log.warning("deployment %s replaces %s: restored at optimizer step %d (%d bytes moved between shards)",
+                    new_replicas[0].deployment_id, old.deployment_id, restored, moved)
+        return restored, handle
+    finally:
+        await asyncio.gather(*(_drop(grid[r][s], name) for r, s in steps))
+
+
+def _common_step(steps: dict[tuple[int, int], int | None], num_replicas: int, width: int, grid) -> int:
+    """The latest optimizer step at which every stage has a live snapshot."""
+    at: list[set[int]] = []
+    for s in range(width):
+        found = {step for (r, stage), step in steps.items() if stage == s and step is not None}
+        if not found:
+            lost = ", ".join(grid[r][s].address for r in range(num_replicas))
+            raise errors.Unavailable(f"stage {s} lost every replica ({lost}): its weights survive only in a "
+                                     "checkpoint; deploy again and load_checkpoint")
+        at.append(found)
+    common = set.intersection(*at)
+    if not common:
+        raise errors.FailedPrecondition(f"the surviving stages stopped at different optimizer steps "
+                                        f"({[sorted(found) for found in at]} by stage), so no state of the whole "
+                                        "model is left; deploy again and load_checkpoint")
+    return max(common)
+
+
+async def _drop(peer: Peer, name: str) -> None:
+    try:
+        await peer.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name=name))
+    except errors.ShardtrainError:  # it died since: its snapshot went with it
+        pass

@@ -1,0 +1,84 @@
+"""Snapshots of a stage's weights and optimizer state, held by name apart from the deployment.
+
+A snapshot outlives the LoadStage that replaces its stage: when a shard dies, the redeployed stages restore from
+the snapshots their survivors took, on the same shard or on another one (a replacement shard reads a live
+replica's through ReadState and ReadOptimizerState). A snapshot taken without `copy` keeps the stage's own
+tensors; one with `copy` clones them, so the stage can train on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from shard_service.stage import Stage
+from shardtrain import optim
+from shardtrain.errors import InvalidArgument, NotFound, ResourceExhausted
+
+MAX_SNAPSHOTS = 8  # held at once by one shard: each may be a whole stage's weights and optimizer state
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A stage's state at one optimizer step, and what it belongs to."""
+
+    deployment_id: str
+    secret: str               # the deployment's: what a peer reading the snapshot must present
+    stage: int
+    layer_indexes: tuple[int, ...]
+    optimizer_step: int       # the last optimizer step the stage applied when the snapshot was taken
+    weights: dict[str, torch.Tensor]
+    optimizer: optim.KeyedState
+
+    @property
+    def bytes(self) -> int:
+        tensors = [*self.weights.values(), *self.optimizer.tensors.values()]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def take(stage: Stage, deployment_id: str, secret: str, optimizer_step: int, copy: bool) -> Snapshot:
+    """The stage's state now (runs on the stage's compute thread: it reads the optimizer's tensors)."""
+    weights = stage.state()
+    keyed = stage.optimizer_state()
+    if copy:
+        weights = {key: tensor.clone() for key, tensor in weights.items()}
+        keyed = optim.KeyedState([dict(group) for group in keyed.groups],
+                                 {key: tensor.clone() for key, tensor in keyed.tensors.items()}, dict(keyed.values))
+    return Snapshot(deployment_id, secret, stage.index, tuple(stage.layer_indexes), optimizer_step, weights, keyed)
+
+
+class Snapshots:
+    """The snapshots one shard holds, by name."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Snapshot] = {}
+
+    @staticmethod
+    def check_name(name: str) -> str:
+        if not _NAME.fullmatch(name):
+            raise InvalidArgument(f"snapshot name {name[:80]!r} must be 1 to 64 of A-Z a-z 0-9 _ . -")
+        return name
+
+    def keep(self, name: str, snapshot: Snapshot) -> None:
+        """Holds `snapshot` as `name`, replacing one of that name; ResourceExhausted beyond MAX_SNAPSHOTS."""
+        self.check_name(name)
+        if name not in self._held and len(self._held) >= MAX_SNAPSHOTS:
+            raise ResourceExhausted(f"this shard holds {MAX_SNAPSHOTS} snapshots, the most it keeps; drop one "
+                                    f"first (held: {sorted(self._held)})")
+        self._held[name] = snapshot
+
+    def get(self, name: str) -> Snapshot:
+        """The snapshot called `name`; NotFound naming those held."""
+        snapshot = self._held.get(self.check_name(name))
+        if snapshot is None:
+            raise NotFound(f"no snapshot {name!r} is held here; held: {sorted(self._held)}")
+        return snapshot
+
+    def drop(self, name: str) -> bool:
+        return self._held.pop(self.check_name(name), None) is not None
+
+    def clear(self) -> None:
+        self._held.clear()

@@ -1,0 +1,162 @@
+"""A replicated deployment survives a dead shard: a spare takes its place, restores the stage from a live replica,
+and the steps the survivors had not applied run again; the weights end as if nothing had happened."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from client_sdk import Cluster
+from shardtrain import errors
+from shardtrain.v1 import shard_pb2
+from tests.integration.test_errors import kill_shard
+from tests.integration.training import largest_difference, regression_batches
+
+ADAM = (torch.optim.Adam, {"lr": 0.01})
+STEPS, KILLED_IN = 6, 3  # the shard dies during the fourth train_step call (or just before it)
+SIMULATED_MS = 100  # per forward and backward: a step of 2 micro-batches over 2 stages takes about 0.6 s
+
+
+def reference_model() -> nn.Module:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def schedule(optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A learning rate that changes every step: a step run again must apply the one of its time."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def trained_locally(batches) -> dict[str, torch.Tensor]:
+    local = copy.deepcopy(reference_model())
+    optimizer = torch.optim.Adam(local.parameters(), lr=0.01)
+    rates = schedule(optimizer)
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        optimizer.step()
+        rates.step()
+    return local.state_dict()
+
+
+@pytest.fixture
+def spared_cluster(monkeypatch):
+    """Two replicas of two stages on four shards, and one spare; every forward and backward takes 100 ms more."""
+    monkeypatch.setenv("SHARDTRAIN_SIMULATE_COMPUTE_MS", str(SIMULATED_MS))
+    cluster = Cluster.local(num_shards=4, spares=1)
+    logs = cluster._services.log_dir
+    yield cluster
+    cluster.close()
+    shutil.rmtree(logs, ignore_errors=True)  # kept by close() because a shard died: here on purpose
+
+
+def train_with_a_kill(cluster, batches, replica: int, stage: int, after_seconds: float | None) -> tuple:
+    """Trains with train_step, SIGKILLing the shard of (replica, stage) `after_seconds` into call KILLED_IN (None:
+    just before it). Returns (the model, the victim's address, how long that call took)."""
+    model = cluster.deploy(reference_model(), optimizer=ADAM, num_stages=2, replicas=2)
+    rates = schedule(model.optimizer)
+    victim = model._trainer.replicas[replica].stages[stage].address
+    took = 0.0
+    for index, (x, y) in enumerate(batches):
+        started = time.monotonic()
+        if index == KILLED_IN:
+            if after_seconds is None:
+                kill_shard(cluster, victim)
+            else:
+                threading.Timer(after_seconds, kill_shard, (cluster, victim)).start()
+        model.train_step(x, y, "MSELoss", microbatches=2)
+        rates.step()
+        if index == KILLED_IN:
+            took = time.monotonic() - started
+    return model, victim, took
+
+
+@pytest.mark.parametrize("replica, stage, after_seconds", [
+    (0, 1, None),   # between steps: the previous step's backwards and all-reduce may still be under way
+    (1, 0, 0.1),    # in a forward
+    (0, 0, 0.35),   # in a backward, on the shard that hosts the stage's all-reduce rendezvous
+    (1, 1, 0.55),   # late in the step: all-reduce or optimizer step
+])
+def test_a_dead_shard_is_replaced_from_a_live_replica_and_training_ends_as_if_it_had_not_died(
+        spared_cluster, replica, stage, after_seconds):
+    batches = regression_batches(steps=STEPS, batch=20, features=4)
+    model, victim, took = train_with_a_kill(spared_cluster, batches, replica, stage, after_seconds)
+    assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
+    addresses = {clients.stages[s].address for clients in model._trainer.replicas for s in range(2)}
+    spare = set(spared_cluster._services.shard_addresses) - addresses - {victim}
+    assert victim not in addresses and not spare, "the spare took the dead shard's place, the others kept theirs"
+    assert took < 30
+
+
+def test_without_a_spare_the_step_fails_naming_the_dead_shard_and_a_shard_started_later_takes_its_place(
+        own_cluster):
+    own_cluster.wait_for_shards(2)
+    model = own_cluster.deploy(reference_model(), optimizer=ADAM, num_stages=1, replicas=2)
+    rates = schedule(model.optimizer)
+    batches = regression_batches(steps=4, batch=20, features=4)
+    x, y = batches[0]
+    model.train_step(x, y, "MSELoss")
+    rates.step()
+    victim = model._trainer.replicas[1].stages[0].address
+    kill_shard(own_cluster, victim)
+    x, y = batches[1]
+    with pytest.raises(errors.Unavailable, match=rf"{victim}.*did not answer, and no shard could take its place"):
+        model.train_step(x, y, "MSELoss")
+    own_cluster._services.add_shard()
+    for x, y in batches[1:]:  # the failed call is made again, as a script would after starting a shard
+        model.train_step(x, y, "MSELoss")
+        rates.step()
+    assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
+
+
+def test_snapshot_calls_refuse_bad_input_and_the_shard_serves_on(cluster4):
+    model = cluster4.deploy(reference_model(), optimizer=ADAM, num_stages=2)
+    first, second = model._clients.stages
+    deployment, secret = model.deployment_id, model._clients.secret
+    run = model._io.run
+    with pytest.raises(errors.InvalidArgument, match="snapshot name 'no/slash' must be 1 to 64 of"):
+        run(first.call("Snapshot", shard_pb2.SnapshotRequest(deployment_id=deployment, name="no/slash")))
+    taken = run(first.call("Snapshot", shard_pb2.SnapshotRequest(deployment_id=deployment, name="s0", copy=True)))
+    assert (taken.stage, taken.optimizer_step, list(taken.layer_indexes)) == (0, 0, [0])
+    assert taken.bytes == 4 * 16 * 4 + 16 * 4  # the first Linear's weights; Adam keeps no state before a step
+    with pytest.raises(errors.NotFound, match=r"no snapshot 'missing' is held here; held: \['s0'\]"):
+        run(second.call("RestoreStage", shard_pb2.RestoreStageRequest(
+            deployment_id=deployment, source_address=first.address, snapshot="missing",
+            source_deployment_secret=secret)))
+    with pytest.raises(errors.InvalidArgument, match=r"snapshot 's0' holds layers \[0\]; this stage holds layers"):
+        run(second.call("RestoreStage", shard_pb2.RestoreStageRequest(
+            deployment_id=deployment, source_address=first.address, snapshot="s0", source_deployment_secret=secret)))
+    with pytest.raises(errors.PermissionDenied, match="must carry its secret"):
+        run(second.call("RestoreStage", shard_pb2.RestoreStageRequest(
+            deployment_id=deployment, source_address=first.address, snapshot="s0", source_deployment_secret="x")))
+    assert run(first.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="s0"))).dropped
+    assert not run(first.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="s0"))).dropped
+    x, y = regression_batches(steps=1, batch=8, features=4)[0]
+    assert model.train_step(x, y, "MSELoss") > 0  # both shards serve on
+
+
+def test_a_stage_restores_from_its_own_snapshot_exactly(cluster4):
+    model = cluster4.deploy(reference_model(), optimizer=ADAM, num_stages=2)
+    batches = regression_batches(steps=3, batch=8, features=4)
+    model.train_step(*batches[0], "MSELoss")
+    first = model._clients.stages[0]
+    request = shard_pb2.SnapshotRequest(deployment_id=model.deployment_id, name="kept", copy=True)
+    assert model._io.run(first.call("Snapshot", request)).optimizer_step == 1
+    before = (model.state_dict(), model.optimizer_state_dict())
+    model.train_step(*batches[1], "MSELoss")
+    restored = model._io.run(first.call("RestoreStage", shard_pb2.RestoreStageRequest(
+        deployment_id=model.deployment_id, source_address=first.address, snapshot="kept",
+        source_deployment_secret=model._clients.secret)))
+    assert (restored.optimizer_step, restored.bytes) == (1, 0)  # nothing moved: it was held here
+    after = model.state_dict()
+    assert all(torch.equal(after[key], before[0][key]) for key in ("0.weight", "0.bias"))
+    assert not torch.equal(after["2.weight"], before[0]["2.weight"])  # stage 1 was not restored
+    state = model.optimizer_state_dict()["state"]
+    assert torch.equal(state[0]["exp_avg"], before[1]["state"][0]["exp_avg"])
+    model._io.run(first.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="kept")))
