@@ -51,8 +51,16 @@ class InFlight:
             self._cancel_all()
             raise
 
-    def _cancel_all(self) -> None:
+    def abandon(self) -> None:
+        """Lets go of every call: pending ones are cancelled, and the errors of failed ones count as seen (one of
+        them was raised, or their deployment was replaced)."""
         for call in self._previous + self._current:
-            call.cancel()
+            if call.done() and not call.cancelled():
+                call.exception()
+            else:
+                call.cancel()
         self._previous, self._current = [], []
+
+    def _cancel_all(self) -> None:
+        self.abandon()
         self._on_failure()

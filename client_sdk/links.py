@@ -169,7 +169,10 @@ class SdkLinks:
             raise
         finally:
             self._loss_parts.pop(step, None)
-        return value, asyncio.ensure_future(self._planned_outcome(step, number, settled, failed))
+        outcome = asyncio.ensure_future(self._planned_outcome(step, number, settled, failed))
+        # Seen, even if nobody awaits it: a step that failed on another replica, or a replaced deployment's.
+        outcome.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return value, outcome
 
     def _send_later(self, sending, settled: asyncio.Future) -> None:
         """Sends in a task of its own; if that fails, the step it was for fails with it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -119,6 +120,7 @@ class DistributedModel:
         self._redeploy: recovery.Redeploy | None = None
         self._recent: list[tuple[int, tuple]] = []
         self._refused: set[int] = set()  # optimizer steps sent by calls that raised: no recovery runs them again
+        self.recoveries: list[recovery.Recovery] = []  # the dead shards replaced so far, and what it took
         self.training = True  # as nn.Module's: train() and eval() set it; every forward says which graphs run
 
     @property
@@ -382,7 +384,7 @@ class DistributedModel:
                     if self._optimizer_steps >= number:
                         self._refused = {n for n in self._refused if n > number - MAX_AWAITING} | {number}
                     raise
-                restored, handle = recovered
+                restored, handle, record = recovered
                 await self._adopt(handle)
                 lost = [entry for entry in self._recent if entry[0] > restored]
                 first = restored + 1
@@ -394,6 +396,7 @@ class DistributedModel:
                                              f"{restored}, but step {first} is no longer kept to run again: load a "
                                              "checkpoint, or go on from here") from error
                 recoveries += 1
+                self.recoveries.append(dataclasses.replace(record, steps_run_again=len(lost)))
                 if not lost:  # this call's step was applied everywhere; its loss died with the shard
                     log.warning("a dead shard was replaced after its step was applied; that step's loss is lost")
                     pending.pop(0)
@@ -409,6 +412,7 @@ class DistributedModel:
         """Takes over `other`'s deployment (a redeploy of the same model with the same split): this handle, its
         optimizer and its hyperparameters stay the user's."""
         old = self._trainer.replicas
+        self._inflight.abandon()  # the old deployment's calls: failed, or never to finish
         for name in ("_trainer", "_clients", "placements", "_steps", "_last_step", "_optimizer_steps",
                      "_settle_before_forward", "_backward_steps", "_zero_grad_pending", "_awaiting_backward", "_stale",
                      "_has_gradients", "_async_steps", "_inflight"):

@@ -128,7 +128,10 @@ async def _all_or_nothing(calls: list) -> list:
         return [task.result() for task in tasks]
     finally:
         for task in tasks:
-            task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # seen: only the first failure is raised
+            else:
+                task.cancel()
 
 
 def _stats_dict(stats: shard_pb2.StageStats) -> dict:

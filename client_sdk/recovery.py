@@ -11,16 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from shardtrain import errors
 from shardtrain.rpc import Peer
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk.recovery")
+SNAPSHOT_RETRIES, SNAPSHOT_RETRY_SECONDS = 5, 0.2  # snapshots taken again of survivors a step behind the others
 
 # redeploy(prefer_addresses, layers_per_stage) -> the new deployment's replicas' StageClients and its handle
 Redeploy = Callable[[list[str], list[int]], Awaitable]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One dead shard (or several) replaced: model.recoveries lists them."""
+
+    dead: tuple[str, ...]     # the addresses that stopped answering
+    replaced_by: tuple[str, ...]  # the shards that took their places
+    steps_run_again: int      # train_step calls whose optimizer step the survivors had not applied
+    bytes_moved: int          # state streamed between shards to restore the stages
+    seconds: float            # from finding the dead shard to every stage restored
 
 
 async def answers(peer: Peer, timeout: float) -> bool:
@@ -34,9 +48,11 @@ async def answers(peer: Peer, timeout: float) -> bool:
 
 async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Redeploy, probe_timeout: float):
     """Replaces the shards of `replicas` (StageClients, one per replica) that do not answer. Returns (the last
-    optimizer step of the restored state, in the old deployment's numbering; the new handle), or None when every
+    optimizer step of the restored state, in the old deployment's numbering; the new handle; a Recovery whose
+    steps_run_again the caller fills in), or None when every
     shard answers (the failure was something else). Unavailable when some stage has no live replica left,
     FailedPrecondition when the survivors' stages are at different steps."""
+    started = time.perf_counter()
     grid = [list(clients.stages) for clients in replicas]  # [replica][stage] Peer
     alive = await asyncio.gather(*(answers(peer, probe_timeout) for row in grid for peer in row))
     width = len(grid[0])
@@ -57,6 +73,13 @@ async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Red
             log.warning("%s could not snapshot its stage: %s", grid[r][s].name, error)
             return None
     steps = dict(zip(survivors, await asyncio.gather(*(snapshot(r, s) for r, s in survivors))))
+    for _ in range(SNAPSHOT_RETRIES):  # a step's verdict may still be on its way down to a survivor: wait for it
+        latest = max((step for step in steps.values() if step is not None), default=0)
+        behind = [key for key, step in steps.items() if step is not None and step < latest]
+        if not behind or _common(steps, width):
+            break
+        await asyncio.sleep(SNAPSHOT_RETRY_SECONDS)
+        steps.update(zip(behind, await asyncio.gather(*(snapshot(r, s) for r, s in behind))))
     try:
         restored = _common_step(steps, len(grid), width, grid)
         sources = {s: [r for r in range(len(grid)) if steps.get((r, s)) == restored] for s in range(width)}
@@ -76,21 +99,31 @@ async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Red
         moved = sum(answer.bytes for answer in await asyncio.gather(*restores))
         log.warning("deployment %s replaces %s: restored at optimizer step %d (%d bytes moved between shards)",
                     new_replicas[0].deployment_id, old.deployment_id, restored, moved)
-        return restored, handle
+        replaced_by = tuple(new_replicas[r].stages[s].address for r, s in dead)
+        return restored, handle, Recovery(tuple(grid[r][s].address for r, s in dead), replaced_by, 0, moved,
+                                          time.perf_counter() - started)
     finally:
         await asyncio.gather(*(_drop(grid[r][s], name) for r, s in steps))
 
 
+def _by_stage(steps: dict[tuple[int, int], int | None], width: int) -> list[set[int]]:
+    """Per stage, the optimizer steps its live snapshots are at."""
+    return [{step for (_, stage), step in steps.items() if stage == s and step is not None} for s in range(width)]
+
+
+def _common(steps: dict[tuple[int, int], int | None], width: int) -> set[int]:
+    """The optimizer steps at which every stage has a live snapshot."""
+    return set.intersection(*_by_stage(steps, width))
+
+
 def _common_step(steps: dict[tuple[int, int], int | None], num_replicas: int, width: int, grid) -> int:
     """The latest optimizer step at which every stage has a live snapshot."""
-    at: list[set[int]] = []
-    for s in range(width):
-        found = {step for (r, stage), step in steps.items() if stage == s and step is not None}
+    at = _by_stage(steps, width)
+    for s, found in enumerate(at):
         if not found:
             lost = ", ".join(grid[r][s].address for r in range(num_replicas))
             raise errors.Unavailable(f"stage {s} lost every replica ({lost}): its weights survive only in a "
                                      "checkpoint; deploy again and load_checkpoint")
-        at.append(found)
     common = set.intersection(*at)
     if not common:
         raise errors.FailedPrecondition(f"the surviving stages stopped at different optimizer steps "

@@ -198,6 +198,9 @@ class LinkedLoop:
         attempt = self._reopening.pop(client, None)
         quiet = attempt is not None and not client.accepted
         self._spawn(self._runtime.order.backwards_lost(self._forwarded, str(error)))
+        if address == self._runtime.plan.next_address:  # no run_done comes back on it for the steps under way
+            for step in [step for step in self._runs if step <= self._forwarded]:
+                self._after_run(step, f"the link to {client.name} broke: {error}")
         if not quiet:
             log.warning("%s: the link to %s broke: %s", self._runtime.location, client.name, error)
             self._tell_soon(self._break_item(error), up=True)
@@ -716,8 +719,7 @@ class LinkedLoop:
                     await shard.run(stage.zero_grad)
                 await self._sum_tied(stage, request.optimizer_step)
                 started = time.perf_counter()
-                await shard.run(stage.step, request.gradient_scale)
-                shard.applied_step = request.optimizer_step
+                await shard.run(stage.step, request.gradient_scale, request.optimizer_step)
                 self._record_stats(request, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),

@@ -65,7 +65,6 @@ class ShardRuntime:
         self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
         self._losses: dict[bytes, tuple] = {}
         self.order = StepOrder()        # what this shard has settled: optimizer steps and backwards
-        self.applied_step = 0           # the last optimizer step the stage applied (StepRequest numbering)
         self.forgetters: list[Callable[[int], None]] = []  # what else drops a step's leftovers (loop, servicer)
         self._durations: dict[str, float] = {}
         self._threads = settings.threads or torch.get_num_threads()
@@ -152,7 +151,6 @@ class ShardRuntime:
         self._averager = await asyncio.to_thread(GradientAverager.for_plan, plan, stage, self.address,
                                                  self.settings.timeouts.peer_wait)
         self.order = StepOrder()
-        self.applied_step = 0
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,

@@ -127,7 +127,7 @@ class ShardServicer:
         stage = self._owned(context, request.deployment_id)
         name = snapshots.Snapshots.check_name(request.name)
         snapshot = await self.runtime.run(snapshots.take, stage, request.deployment_id, self.runtime.secret,
-                                          self.runtime.applied_step, request.copy)
+                                          request.copy)
         self.snapshots.keep(name, snapshot)
         return shard_pb2.SnapshotResponse(optimizer_step=snapshot.optimizer_step, bytes=snapshot.bytes,
                                           stage=snapshot.stage, layer_indexes=snapshot.layer_indexes)

@@ -39,15 +39,17 @@ class Snapshot:
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def take(stage: Stage, deployment_id: str, secret: str, optimizer_step: int, copy: bool) -> Snapshot:
-    """The stage's state now (runs on the stage's compute thread: it reads the optimizer's tensors)."""
+def take(stage: Stage, deployment_id: str, secret: str, copy: bool) -> Snapshot:
+    """The stage's state now, and the last optimizer step in it (run under the device's lock, so that no step is
+    half applied)."""
     weights = stage.state()
     keyed = stage.optimizer_state()
     if copy:
         weights = {key: tensor.clone() for key, tensor in weights.items()}
         keyed = optim.KeyedState([dict(group) for group in keyed.groups],
                                  {key: tensor.clone() for key, tensor in keyed.tensors.items()}, dict(keyed.values))
-    return Snapshot(deployment_id, secret, stage.index, tuple(stage.layer_indexes), optimizer_step, weights, keyed)
+    return Snapshot(deployment_id, secret, stage.index, tuple(stage.layer_indexes), stage.applied_step, weights,
+                    keyed)
 
 
 class Snapshots:

@@ -55,6 +55,7 @@ class Stage:
     def __init__(self, index: int, sources: Sequence[LayerSource], residuals: StageResiduals,
                  optimizer: tuple, device: str, max_in_flight: int = 64):
         self.index = index
+        self.applied_step = 0  # the last optimizer step applied (StepRequest numbering); 0: none
         self.device = torch.device(device)
         self.residuals = residuals
         self.layer_indexes = [source.index for source in sources]
@@ -307,16 +308,16 @@ class Stage:
         if self._optimizer is not None:
             optim.set_hyperparameters(self._optimizer, hyperparameters_json)
 
-    def step(self, gradient_scale: float = 0.0) -> None:
+    def step(self, gradient_scale: float = 0.0, number: int = 0) -> None:
         """Applies the optimizer to the accumulated gradients, first scaled by `gradient_scale` when it is above 0
-        (global norm clipping)."""
-        if self._optimizer is None:
-            return
-        if gradient_scale > 0:
-            for parameter in self.parameters:
-                if parameter.grad is not None:
-                    parameter.grad.mul_(gradient_scale)
-        self._optimizer.step()
+        (global norm clipping), as optimizer step `number` (applied_step says which was the last)."""
+        if self._optimizer is not None:
+            if gradient_scale > 0:
+                for parameter in self.parameters:
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(gradient_scale)
+            self._optimizer.step()
+        self.applied_step = number
 
     def gradient_norm(self, norm_type: float, leave_out: Sequence[str] = ()) -> float:
         """The p-norm of every gradient the stage holds, taken as one vector (as clip_grad_norm_ takes them), but

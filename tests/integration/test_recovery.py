@@ -92,6 +92,9 @@ def test_a_dead_shard_is_replaced_from_a_live_replica_and_training_ends_as_if_it
     spare = set(spared_cluster._services.shard_addresses) - addresses - {victim}
     assert victim not in addresses and not spare, "the spare took the dead shard's place, the others kept theirs"
     assert took < 30
+    [record] = model.recoveries
+    assert record.dead == (victim,) and record.replaced_by[0] in addresses
+    assert 1 <= record.steps_run_again <= 2 and record.bytes_moved > 0 and 0 < record.seconds < took
 
 
 def test_without_a_spare_the_step_fails_naming_the_dead_shard_and_a_shard_started_later_takes_its_place(
