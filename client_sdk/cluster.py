@@ -122,7 +122,8 @@ class Cluster:
                layers_per_stage: Sequence[int] = (), num_stages: int = 0,
                compression: str | dict[str, str] = "none", replicas: int = 1,
                dynamic_shapes=None, balance: str = "", example_inputs: tuple = (),
-               example_kwargs: dict | None = None, virtual_stages: int = 1) -> DistributedModel:
+               example_kwargs: dict | None = None, virtual_stages: int = 1,
+               snapshot_every: int = 0) -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: any nn.Module torch.export can capture. An nn.Sequential, a LayerList or a seed layer list
@@ -153,14 +154,20 @@ class Cluster:
         virtual_stages: stages per device, for train_step's "interleaved" schedule: stage s goes to device
         s mod (stages / v), each device a shard process serving v shards (`shardtrain shard --virtual-stages v`,
         Cluster.local(virtual_stages=v)); the stages count must be a multiple of v.
-        A deploy replaces the cluster's previous deployment; its handle stops working once the new one is sent
-        to the coordinator. A model refused before that (it cannot be captured, a bad argument) leaves the
-        previous deployment as it was.
+        snapshot_every: without replicas, every stage snapshots its weights and optimizer state every that many
+        train_step calls (and before the first), and the next stage's shard keeps a copy; when a shard dies, a spare
+        takes its place, every stage goes back to the snapshots and train_step raises RolledBack naming the step to
+        train again from (fit does that itself). 0: none. With replicas a dead shard costs no step at all.
+        A deploy replaces the cluster's previous deployment; its handle stops working once the coordinator took
+        the new one. A model refused before that (it cannot be captured, a bad argument, too few shards) leaves
+        the previous deployment training.
         The handle starts in the model's mode (training, or eval after model.eval()); its train() and eval()
         switch it. Deploying leaves `model` as it was: weights, buffers, modes and torch's random stream.
         """
         if replicas < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
+        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
+            raise InvalidArgument(f"snapshot_every must be a whole number >= 0, got {snapshot_every!r}")
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise InvalidArgument(f"virtual_stages must be a whole number >= 1, got {virtual_stages!r}")
         module = layer_tools.as_module(model)
@@ -195,9 +202,11 @@ class Cluster:
         if balance == "time":
             layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
         layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
-        self._close_models()  # shards hold one deployment at a time: finish the previous one first
+        for previous in self._models:  # shards hold one deployment at a time: the previous one's calls end first
+            previous.settle()
         # A data-plane deadline: the coordinator has the shards measure the layers and load their stages.
         response = self._io.run(self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc))
+        self._close_models()  # only now: a deploy the coordinator refused leaves the previous model training
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
             [name for name, _ in module.named_parameters()]
@@ -210,6 +219,7 @@ class Cluster:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
         distributed.train(module.training)
         distributed.virtual_stages = virtual_stages
+        distributed.snapshot_every = snapshot_every
         distributed._redeploy = functools.partial(self._redeploy, request, (encodings, parameter_keys, spec, shapes,
                                                                             list(module.state_dict()), interface))
         self._models.append(distributed)

@@ -4,6 +4,7 @@ and a history to plot; Ctrl-C stops after the step under way with the model inta
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import time
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from client_sdk import charts
-from shardtrain.errors import InvalidArgument
+from shardtrain.errors import InvalidArgument, RolledBack
+
+log = logging.getLogger("shardtrain.sdk.fit")
 
 Callback = Callable[["History", "StepRecord"], object]  # returns True to stop after this step
 
@@ -77,6 +80,7 @@ class Fit:
         self.callbacks = callbacks
         self.history = History()
         self._client_loss = None  # the loss computed here: the loop's, and validation's
+        self._since_snapshot: list = []  # with model.snapshot_every: the batches trained on since the last snapshot
 
     def run(self, data: Iterable, epochs: int, validation: Iterable | None, progress) -> History:
         if not isinstance(epochs, int) or epochs < 1:
@@ -105,7 +109,7 @@ class Fit:
         """Trains one pass over `data`; whether a callback asked to stop."""
         self.model.train()
         for batch in data:
-            loss, rows = self._step(batch)
+            loss, rows = self._step_surviving(batch)
             record = StepRecord(len(self.history.steps) + 1, epoch, loss, rows, time.perf_counter() - started)
             self.history.steps.append(record)
             if self.checkpoint_every and record.step % self.checkpoint_every == 0:
@@ -117,6 +121,25 @@ class Fit:
             if any(callback(self.history, record) is True for callback in self.callbacks):
                 return True
         return False
+
+    def _step_surviving(self, batch) -> tuple[float, int]:
+        """One step on `batch`. With model.snapshot_every, the batches since the last snapshot are kept: when a dead
+        shard sends the model back to that snapshot (RolledBack), they are trained on again, then `batch`."""
+        while True:
+            try:
+                result = self._step(batch)
+                break
+            except RolledBack as rolled:
+                lost, self._since_snapshot = self._since_snapshot, []  # the steps since that snapshot
+                log.warning("%s; fit trains again on the %d batches since", rolled, len(lost))
+                for again in lost:
+                    self._step_surviving(again)
+        if self.model.snapshot_every and not self.loop:
+            if self.model.steps_done % self.model.snapshot_every == 0:  # a snapshot was taken after it
+                self._since_snapshot = []
+            else:
+                self._since_snapshot.append(batch)
+        return result
 
     def _step(self, batch) -> tuple[float, int]:
         if self.loss_output is not None:

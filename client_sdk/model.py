@@ -27,7 +27,7 @@ from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
 from shardtrain import optim
 from shardtrain import schedule as schedules
-from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, ShardtrainError
+from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, RolledBack, ShardtrainError
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
@@ -121,6 +121,10 @@ class DistributedModel:
         self._recent: list[tuple[int, tuple]] = []
         self._refused: set[int] = set()  # optimizer steps sent by calls that raised: no recovery runs them again
         self.recoveries: list[recovery.Recovery] = []  # the dead shards replaced so far, and what it took
+        # Without replicas: every snapshot_every train_step calls each stage snapshots itself (client_sdk/recovery.py).
+        self.snapshot_every = 0
+        self.steps_done = 0  # train_step calls whose step the model holds (after a roll-back, the snapshot's)
+        self._periodic: recovery.Periodic | None = None
         self.training = True  # as nn.Module's: train() and eval() set it; every forward says which graphs run
 
     @property
@@ -365,6 +369,9 @@ class DistributedModel:
         """Runs train_step's `call`; in a replicated deployment, a dead shard is replaced from a live replica of
         its stage (client_sdk/recovery.py) and the steps the restored state lacks run again, this one last."""
         pending, recoveries = [call], 0
+        if self.snapshot_every and self.replicas == 1 and self._periodic is None:  # the state to go back to
+            await self._synchronize()
+            self._periodic = await recovery.take_snapshots(self._clients, self.steps_done)
         while True:
             number = self._optimizer_steps + 1  # the optimizer step it is about to be
             self._recent = [entry for entry in self._recent if entry[0] < number][-1:] + [(number, pending[0])]
@@ -374,11 +381,14 @@ class DistributedModel:
                 try:
                     recovered = None
                     if self._redeploy is not None and self.replicas > 1 and recoveries < MAX_RECOVERIES:
-                        recovered = await recovery.recover(self._trainer.replicas,
-                                                           [p.end_layer - p.first_layer for p in self.placements],
+                        recovered = await recovery.recover(self._trainer.replicas, self._layers_per_stage(),
                                                            self._redeploy, self._clients.probe_timeout)
+                    elif self._redeploy is not None and self._periodic is not None:
+                        await self._roll_back(error)
                     if recovered is None:
                         raise error  # every shard answers: the failure was not a dead shard
+                except RolledBack:
+                    raise
                 except ShardtrainError:
                     self._recent.pop()  # the call fails: a later recovery does not run it again
                     if self._optimizer_steps >= number:
@@ -397,6 +407,7 @@ class DistributedModel:
                                              "checkpoint, or go on from here") from error
                 recoveries += 1
                 self.recoveries.append(dataclasses.replace(record, steps_run_again=len(lost)))
+                self.steps_done -= sum(1 for entry in lost if entry[1] is not pending[0])  # counted when they ran
                 if not lost:  # this call's step was applied everywhere; its loss died with the shard
                     log.warning("a dead shard was replaced after its step was applied; that step's loss is lost")
                     pending.pop(0)
@@ -405,8 +416,32 @@ class DistributedModel:
                 pending = [entry[1] for entry in lost] + pending[1:]
                 continue
             pending.pop(0)
+            self.steps_done += 1
+            if self.snapshot_every and self._periodic is not None and self.steps_done % self.snapshot_every == 0:
+                await self._synchronize()  # every stage at the same step
+                self._periodic = await recovery.take_snapshots(self._clients, self.steps_done)
             if not pending:
                 return loss
+
+    def _layers_per_stage(self) -> list[int]:
+        return [placement.end_layer - placement.first_layer for placement in self.placements]
+
+    async def _roll_back(self, error: ShardtrainError) -> None:
+        """A shard of a deployment without replicas died: a spare takes its place, every stage goes back to the last
+        snapshots, and RolledBack says from which step to train again. Raises `error` if every shard answers."""
+        rolled = await recovery.roll_back(self._clients, self._periodic, self._layers_per_stage(), self._redeploy,
+                                          self._clients.probe_timeout)
+        if rolled is None:
+            raise error
+        handle, record = rolled
+        await self._adopt(handle)
+        self._recent, self._refused = [], set()
+        self.recoveries.append(dataclasses.replace(record, steps_run_again=self.steps_done - self._periodic.steps_done))
+        self.steps_done = self._periodic.steps_done
+        self._periodic = await recovery.take_snapshots(self._clients, self.steps_done)  # the spare holds none yet
+        raise RolledBack(f"{', '.join(record.dead)} died; {', '.join(record.replaced_by)} took its place and the "
+                         f"model went back to its snapshot after train_step call {self.steps_done} "
+                         f"(model.steps_done): train again on the batches after it", self.steps_done) from error
 
     async def _adopt(self, other: DistributedModel) -> None:
         """Takes over `other`'s deployment (a redeploy of the same model with the same split): this handle, its
@@ -595,12 +630,14 @@ class DistributedModel:
     async def _load_optimizer_state(self, per_stage) -> None:
         """Every stage checks its share before any loads it: a state that one stage refuses changes none."""
         await self._synchronize()
+        self._periodic = None
         for check_only in (True, False):
             await asyncio.gather(*(clients.load_optimizer_state(per_stage, check_only)
                                    for clients in self._trainer.replicas))
 
     async def _load_state(self, per_stage) -> None:
         await self._synchronize()
+        self._periodic = None  # the snapshots no longer hold this state: the next train_step takes new ones
         await asyncio.gather(*(clients.load_state(per_stage) for clients in self._trainer.replicas))
 
     async def _close(self) -> None:
@@ -610,6 +647,15 @@ class DistributedModel:
             log.warning("deployment %s: calls still in flight at close failed: %s", self.deployment_id, error)
         finally:
             await asyncio.gather(*(clients.close() for clients in self._trainer.replicas))
+
+    def settle(self) -> None:
+        """Waits for the calls still in flight; a failure among them is logged, not raised (a deploy is next)."""
+        if self._closed:
+            return
+        try:
+            self._io.run(self._synchronize())
+        except Exception as error:  # noqa: BLE001 - reported already, or moot once another model is deployed
+            log.warning("deployment %s: calls still in flight failed: %s", self.deployment_id, error)
 
     def close(self) -> None:
         """Waits for calls still in flight, then closes the channels (the shards keep the model)."""

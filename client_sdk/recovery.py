@@ -83,12 +83,8 @@ async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Red
     try:
         restored = _common_step(steps, len(grid), width, grid)
         sources = {s: [r for r in range(len(grid)) if steps.get((r, s)) == restored] for s in range(width)}
-        try:
-            new_replicas, handle = await redeploy([peer.address for row in grid for peer in row], layers_per_stage)
-        except errors.ShardtrainError as error:  # no spare, most often: the model stays as it was
-            raise errors.Unavailable(f"{', '.join(grid[r][s].name for r, s in dead)} did not answer, and no shard "
-                                     f"could take its place (start one, and it registers as a spare): {error}") \
-                from None
+        new_replicas, handle = await _redeploy(redeploy, [peer.address for row in grid for peer in row],
+                                               layers_per_stage, [grid[r][s].name for r, s in dead])
         restores = []
         for r, clients in enumerate(new_replicas):
             for s, peer in enumerate(clients.stages):
@@ -132,8 +128,84 @@ def _common_step(steps: dict[tuple[int, int], int | None], num_replicas: int, wi
     return max(common)
 
 
+async def _redeploy(redeploy: Redeploy, prefer: list[str], layers_per_stage: list[int], dead: list[str]):
+    """The redeploy's (replicas, handle); Unavailable naming the dead shards when it is refused (no spare, most
+    often: the model stays as it was)."""
+    try:
+        return await redeploy(prefer, layers_per_stage)
+    except errors.ShardtrainError as error:
+        raise errors.Unavailable(f"{', '.join(dead)} did not answer, and no shard could take its place (start one, "
+                                 f"and it registers as a spare): {error}") from None
+
+
 async def _drop(peer: Peer, name: str) -> None:
     try:
         await peer.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name=name))
     except errors.ShardtrainError:  # it died since: its snapshot went with it
         pass
+
+
+PERIODIC = "periodic"  # each stage's own snapshot every snapshot_every steps; the next stage's shard keeps a copy
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """The snapshots a deployment without replicas last took: every stage at optimizer step `optimizer_step`,
+    when `steps_done` train_step calls stood."""
+
+    optimizer_step: int
+    steps_done: int
+    secret: str  # the deployment's that took them
+
+
+async def take_snapshots(clients, steps_done: int) -> Periodic:
+    """Snapshots every stage of `clients` (settled: every stage at the same step), and has the next stage's shard
+    (the last's: the first's) keep a copy of each, so that one dead shard loses no snapshot."""
+    request = shard_pb2.SnapshotRequest(deployment_id=clients.deployment_id, name=PERIODIC, copy=True)
+    answers = await asyncio.gather(*(stage.call("Snapshot", request) for stage in clients.stages))
+    steps = {answer.optimizer_step for answer in answers}
+    if len(steps) != 1:
+        raise errors.InternalError(f"the stages snapshotted at different optimizer steps {sorted(steps)}, though "
+                                   "every step had settled")
+    stages, count = clients.stages, len(clients.stages)
+    if count > 1:
+        await asyncio.gather(*(stages[(s + 1) % count].call("CopySnapshot", shard_pb2.CopySnapshotRequest(
+            name=f"{PERIODIC}-of-{s}", source_address=stages[s].address, snapshot=PERIODIC,
+            source_deployment_secret=clients.secret)) for s in range(count)))
+    return Periodic(steps.pop(), steps_done, clients.secret)
+
+
+async def roll_back(clients, periodic: Periodic, layers_per_stage: list[int], redeploy: Redeploy,
+                    probe_timeout: float):
+    """Replaces the shards of a deployment without replicas that do not answer, and restores every stage from
+    the last snapshots: its own shard's, or for the replacement the copy on the next stage's shard. Returns (the
+    new handle, a Recovery), or None when every shard answers. Unavailable when a stage's shard and the one
+    holding the copy of its snapshot both died, or no shard can take the dead one's place."""
+    started = time.perf_counter()
+    stages = list(clients.stages)
+    alive = await asyncio.gather(*(answers(stage, probe_timeout) for stage in stages))
+    dead = [s for s, answered in enumerate(alive) if not answered]
+    if not dead:
+        return None
+    count = len(stages)
+    log.warning("deployment %s: %s did not answer; going back to the snapshots of optimizer step %d",
+                clients.deployment_id, ", ".join(stages[s].name for s in dead), periodic.optimizer_step)
+    sources = []
+    for s in range(count):
+        keeper = (s + 1) % count
+        if alive[s]:
+            sources.append((stages[s].address, PERIODIC))
+        elif count > 1 and alive[keeper]:
+            sources.append((stages[keeper].address, f"{PERIODIC}-of-{s}"))
+        else:
+            raise errors.Unavailable(f"{stages[s].name} died, and so did {stages[keeper].name}, which kept the copy "
+                                     "of its snapshot: go on from a checkpoint")
+    new_replicas, handle = await _redeploy(redeploy, [stage.address for stage in stages], layers_per_stage,
+                                           [stages[s].name for s in dead])
+    new = new_replicas[0]
+    restored = await asyncio.gather(*(stage.call("RestoreStage", shard_pb2.RestoreStageRequest(
+        deployment_id=new.deployment_id, source_address=address, snapshot=name,
+        source_deployment_secret=periodic.secret)) for stage, (address, name) in zip(new.stages, sources)))
+    moved = sum(answer.bytes for answer in restored)
+    return handle, Recovery(tuple(stages[s].address for s in dead), tuple(new.stages[s].address for s in dead),
+                            0, moved, time.perf_counter() - started)

@@ -68,7 +68,7 @@ class Peers:
             state = optim.KeyedState.parse(header.layout, await reader.tensors())
         finally:
             await peer.close()
-        return Snapshot(header.deployment_id, secret, -1, tuple(header.snapshot_layer_indexes),
+        return Snapshot(header.deployment_id, secret, header.snapshot_stage, tuple(header.snapshot_layer_indexes),
                         header.snapshot_optimizer_step, weights, state)
 
     async def close(self) -> None:

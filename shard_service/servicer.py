@@ -114,6 +114,7 @@ class ShardServicer:
             header.deployment_id = snapshot.deployment_id
             header.snapshot_optimizer_step = snapshot.optimizer_step
             header.snapshot_layer_indexes.extend(snapshot.layer_indexes)
+            header.snapshot_stage = snapshot.stage
         else:
             stage = self._owned(context, request.deployment_id)
             state, checksum = await self.runtime.run(stage.optimizer_state), self.settings.checksums
@@ -127,7 +128,7 @@ class ShardServicer:
         stage = self._owned(context, request.deployment_id)
         name = snapshots.Snapshots.check_name(request.name)
         snapshot = await self.runtime.run(snapshots.take, stage, request.deployment_id, self.runtime.secret,
-                                          request.copy)
+                                          request.copy, self.snapshots.held(name))
         self.snapshots.keep(name, snapshot)
         return shard_pb2.SnapshotResponse(optimizer_step=snapshot.optimizer_step, bytes=snapshot.bytes,
                                           stage=snapshot.stage, layer_indexes=snapshot.layer_indexes)
@@ -148,10 +149,24 @@ class ShardServicer:
         if tuple(stage.layer_indexes) != snapshot.layer_indexes:
             raise InvalidArgument(f"snapshot {request.snapshot!r} holds layers {list(snapshot.layer_indexes)}; "
                                   f"this stage holds layers {stage.layer_indexes}")
-        await self.runtime.run(stage.load_optimizer_state, snapshot.optimizer, True)  # refused: nothing changes
-        await self.runtime.run(stage.load_state, snapshot.weights)
-        await self.runtime.run(stage.load_optimizer_state, snapshot.optimizer)
+        state = snapshot.optimizer
+        await self.runtime.run(stage.load_optimizer_state, state, True)  # refused: nothing changes
+        await self.runtime.run(stage.load_state, snapshot.weights)  # copied into the stage's tensors
+        if not moved:  # torch's optimizer keeps the tensors it loads: the snapshot held here keeps its own
+            state = optim.KeyedState(state.groups, {key: t.clone() for key, t in state.tensors.items()}, state.values)
+        await self.runtime.run(stage.load_optimizer_state, state)
         return shard_pb2.RestoreStageResponse(optimizer_step=snapshot.optimizer_step, bytes=moved)
+
+    @boundary
+    async def CopySnapshot(self, request, context):
+        name = snapshots.Snapshots.check_name(request.name)
+        if request.source_address in ("", self.address):
+            raise InvalidArgument("CopySnapshot copies another shard's snapshot: source_address must name that shard")
+        snapshot = await self.peers.read_snapshot(request.source_address, request.snapshot,
+                                                  request.source_deployment_secret)
+        self.snapshots.keep(name, snapshot)
+        return shard_pb2.SnapshotResponse(optimizer_step=snapshot.optimizer_step, bytes=snapshot.bytes,
+                                          stage=snapshot.stage, layer_indexes=snapshot.layer_indexes)
 
     @boundary
     async def DropSnapshot(self, request, context):

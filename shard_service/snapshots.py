@@ -3,7 +3,7 @@
 A snapshot outlives the LoadStage that replaces its stage: when a shard dies, the redeployed stages restore from
 the snapshots their survivors took, on the same shard or on another one (a replacement shard reads a live
 replica's through ReadState and ReadOptimizerState). A snapshot taken without `copy` keeps the stage's own
-tensors; one with `copy` clones them, so the stage can train on.
+tensors; one with `copy` copies them into host memory, so the stage can train on.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Snapshot:
     optimizer_step: int       # the last optimizer step the stage applied when the snapshot was taken
     weights: dict[str, torch.Tensor]
     optimizer: optim.KeyedState
+    owned: bool = True        # its tensors are its own (copied or received), not the stage's
 
     @property
     def bytes(self) -> int:
@@ -39,17 +40,31 @@ class Snapshot:
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def take(stage: Stage, deployment_id: str, secret: str, copy: bool) -> Snapshot:
+def take(stage: Stage, deployment_id: str, secret: str, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
     """The stage's state now, and the last optimizer step in it (run under the device's lock, so that no step is
-    half applied)."""
+    half applied). A copy goes into the tensors of `reuse` (the snapshot it replaces) where they fit: no fresh
+    memory for a snapshot taken every few steps."""
     weights = stage.state()
     keyed = stage.optimizer_state()
     if copy:
-        weights = {key: tensor.clone() for key, tensor in weights.items()}
+        old = reuse if reuse is not None and reuse.owned else None
+        weights = _copied(weights, old.weights if old else {})
         keyed = optim.KeyedState([dict(group) for group in keyed.groups],
-                                 {key: tensor.clone() for key, tensor in keyed.tensors.items()}, dict(keyed.values))
+                                 _copied(keyed.tensors, old.optimizer.tensors if old else {}), dict(keyed.values))
     return Snapshot(deployment_id, secret, stage.index, tuple(stage.layer_indexes), stage.applied_step, weights,
-                    keyed)
+                    keyed, owned=copy)
+
+
+def _copied(tensors: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of `tensors` in host memory (pinned for a GPU's, to copy back at full speed), written into the
+    same-named tensor of `into` where shape and dtype match: device memory is the stage's to train with."""
+    copies = {}
+    for key, tensor in tensors.items():
+        target = into.get(key)
+        if target is None or (target.shape, target.dtype) != (tensor.shape, tensor.dtype):
+            target = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        copies[key] = target.copy_(tensor)
+    return copies
 
 
 class Snapshots:
@@ -71,6 +86,10 @@ class Snapshots:
             raise ResourceExhausted(f"this shard holds {MAX_SNAPSHOTS} snapshots, the most it keeps; drop one "
                                     f"first (held: {sorted(self._held)})")
         self._held[name] = snapshot
+
+    def held(self, name: str) -> Snapshot | None:
+        """The snapshot called `name`, if one is held."""
+        return self._held.get(self.check_name(name))
 
     def get(self, name: str) -> Snapshot:
         """The snapshot called `name`; NotFound naming those held."""

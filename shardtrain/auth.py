@@ -45,6 +45,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/Snapshot": frozenset({CLIENT}),
     "ShardService/RestoreStage": frozenset({CLIENT}),
     "ShardService/DropSnapshot": frozenset({CLIENT}),
+    "ShardService/CopySnapshot": frozenset({CLIENT}),
     "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)
     "ServerReflection/ServerReflectionInfo": _READING,  # the contract, as protos/ has it
 }

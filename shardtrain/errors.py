@@ -76,6 +76,21 @@ class PermissionDenied(ShardtrainError, PermissionError):
     code = "PERMISSION_DENIED"
 
 
+class Aborted(ShardtrainError):
+    """The work was given up and must be done again from an earlier point; the message says which."""
+
+    code = "ABORTED"
+
+
+class RolledBack(Aborted):
+    """A dead shard was replaced and the model went back to its last snapshot: `resume_step` train_step calls
+    stand (model.steps_done); train again on the batches after them."""
+
+    def __init__(self, message: str, resume_step: int = 0):
+        super().__init__(message)
+        self.resume_step = resume_step
+
+
 class Cancelled(ShardtrainError):
     """The caller gave up on the call."""
 
@@ -90,7 +105,7 @@ class InternalError(ShardtrainError):
 
 ERRORS: tuple[type[ShardtrainError], ...] = (
     InvalidArgument, FailedPrecondition, NotFound, AlreadyExists, ResourceExhausted,
-    Unavailable, DeadlineExceeded, DataLoss, Unauthenticated, PermissionDenied, Cancelled, InternalError,
+    Unavailable, DeadlineExceeded, DataLoss, Unauthenticated, PermissionDenied, Aborted, Cancelled, InternalError,
 )
 _BY_CODE: dict[str, type[ShardtrainError]] = {cls.code: cls for cls in ERRORS}
 

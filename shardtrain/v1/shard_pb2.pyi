@@ -288,6 +288,18 @@ class RestoreStageResponse(_message.Message):
     bytes: int
     def __init__(self, optimizer_step: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class CopySnapshotRequest(_message.Message):
+    __slots__ = ("name", "source_address", "snapshot", "source_deployment_secret")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DEPLOYMENT_SECRET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source_address: str
+    snapshot: str
+    source_deployment_secret: str
+    def __init__(self, name: _Optional[str] = ..., source_address: _Optional[str] = ..., snapshot: _Optional[str] = ..., source_deployment_secret: _Optional[str] = ...) -> None: ...
+
 class DropSnapshotRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -301,18 +313,20 @@ class DropSnapshotResponse(_message.Message):
     def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
 
 class OptimizerStateHeader(_message.Message):
-    __slots__ = ("deployment_id", "layout", "check_only", "snapshot_optimizer_step", "snapshot_layer_indexes")
+    __slots__ = ("deployment_id", "layout", "check_only", "snapshot_optimizer_step", "snapshot_layer_indexes", "snapshot_stage")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_LAYER_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_STAGE_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     layout: str
     check_only: bool
     snapshot_optimizer_step: int
     snapshot_layer_indexes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, deployment_id: _Optional[str] = ..., layout: _Optional[str] = ..., check_only: _Optional[bool] = ..., snapshot_optimizer_step: _Optional[int] = ..., snapshot_layer_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
+    snapshot_stage: int
+    def __init__(self, deployment_id: _Optional[str] = ..., layout: _Optional[str] = ..., check_only: _Optional[bool] = ..., snapshot_optimizer_step: _Optional[int] = ..., snapshot_layer_indexes: _Optional[_Iterable[int]] = ..., snapshot_stage: _Optional[int] = ...) -> None: ...
 
 class OptimizerStateMessage(_message.Message):
     __slots__ = ("header", "tensor")

@@ -120,6 +120,11 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotResponse.FromString,
                 _registered_method=True)
+        self.CopySnapshot = channel.unary_unary(
+                '/shardtrain.v1.ShardService/CopySnapshot',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.CopySnapshotRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
         self.Link = channel.stream_stream(
                 '/shardtrain.v1.ShardService/Link',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
@@ -258,6 +263,14 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopySnapshot(self, request, context):
+        """Reads another shard's snapshot and keeps a copy of it here, under a name of its own: a stage's snapshot
+        then survives its shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Link(self, request_iterator, context):
         """The PyTorch-shaped loop's data path: one long-lived stream between two parties of a deployment
         (the SDK and the first or last stage, a stage and the next one, a residual's producer and its
@@ -355,6 +368,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.DropSnapshot,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.DropSnapshotResponse.SerializeToString,
+            ),
+            'CopySnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopySnapshot,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.CopySnapshotRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.SerializeToString,
             ),
             'Link': grpc.stream_stream_rpc_method_handler(
                     servicer.Link,
@@ -821,6 +839,33 @@ class ShardService:
             '/shardtrain.v1.ShardService/DropSnapshot',
             shardtrain_dot_v1_dot_shard__pb2.DropSnapshotRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.DropSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopySnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/CopySnapshot',
+            shardtrain_dot_v1_dot_shard__pb2.CopySnapshotRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -119,6 +119,17 @@ def test_a_model_refused_before_it_is_sent_leaves_the_working_deployment_trainin
     assert set(working.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
+def test_a_deploy_the_coordinator_refuses_leaves_the_working_deployment_training(cluster4):
+    torch.manual_seed(0)
+    working = cluster4.deploy(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), num_stages=2)
+    batches = regression_batches(steps=2, batch=8, features=4)
+    train_remotely(working, batches[:1])
+    with pytest.raises(errors.FailedPrecondition, match="9 stages need 9 shards but 4 have registered"):
+        cluster4.deploy(nn.Sequential(*[nn.Linear(4, 4) for _ in range(9)]), num_stages=9)
+    train_remotely(working, batches[1:])
+    assert set(working.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
 def test_optimizer_outside_the_allow_list_is_refused(cluster4):
     class Mine(torch.optim.SGD):
         pass

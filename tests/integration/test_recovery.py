@@ -148,6 +148,7 @@ def test_a_stage_restores_from_its_own_snapshot_exactly(cluster4):
     model = cluster4.deploy(reference_model(), optimizer=ADAM, num_stages=2)
     batches = regression_batches(steps=3, batch=8, features=4)
     model.train_step(*batches[0], "MSELoss")
+    model.synchronize()  # train_step returns with its loss, before the optimizer step settles
     first = model._clients.stages[0]
     request = shard_pb2.SnapshotRequest(deployment_id=model.deployment_id, name="kept", copy=True)
     assert model._io.run(first.call("Snapshot", request)).optimizer_step == 1
@@ -163,3 +164,64 @@ def test_a_stage_restores_from_its_own_snapshot_exactly(cluster4):
     state = model.optimizer_state_dict()["state"]
     assert torch.equal(state[0]["exp_avg"], before[1]["state"][0]["exp_avg"])
     model._io.run(first.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="kept")))
+
+
+@pytest.fixture
+def cluster_with_a_spare():
+    """Three shards for three stages, and one spare."""
+    cluster = Cluster.local(num_shards=3, spares=1)
+    logs = cluster._services.log_dir
+    yield cluster
+    cluster.close()
+    shutil.rmtree(logs, ignore_errors=True)
+
+
+def plain_reference(batches) -> dict[str, torch.Tensor]:
+    local = copy.deepcopy(reference_model())
+    optimizer = torch.optim.Adam(local.parameters(), lr=0.01)
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        optimizer.step()
+    return local.state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 2])  # the copy of stage 2's snapshot is on stage 0's shard
+def test_without_replicas_a_dead_shard_sends_the_model_back_to_its_last_snapshot(cluster_with_a_spare, stage):
+    batches = regression_batches(steps=7, batch=20, features=4)
+    model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=2)
+    victim = model._clients.stages[stage].address
+    index, rolled_back = 0, []
+    while index < len(batches):
+        if index == 5 and not rolled_back:
+            kill_shard(cluster_with_a_spare, victim)
+        try:
+            model.train_step(*batches[index], "MSELoss", microbatches=2)
+            index += 1
+        except errors.RolledBack as error:
+            rolled_back.append(error)
+            index = error.resume_step  # the script trains again from there
+    [error] = rolled_back
+    assert error.resume_step == 4 == model.steps_done - 3 and f"{victim} died" in str(error)
+    [record] = model.recoveries
+    assert record.dead == (victim,) and record.steps_run_again == 1 and record.bytes_moved > 0
+    assert largest_difference(model.state_dict(), plain_reference(batches)) <= 1e-6
+
+
+def test_fit_trains_again_on_the_batches_a_roll_back_undid(cluster_with_a_spare):
+    batches = regression_batches(steps=7, batch=20, features=4)
+    model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=3)
+    victim = model._clients.stages[0].address
+
+    def kill_after_step_five(history, record):
+        if record.step == 5:
+            kill_shard(cluster_with_a_spare, victim)
+    history = model.fit(batches, loss_fn="MSELoss", microbatches=2, callbacks=[kill_after_step_five], progress=False)
+    assert [record.step for record in history.steps] == list(range(1, 8)) and model.steps_done == 7
+    assert len(model.recoveries) == 1 and model.recoveries[0].steps_run_again == 2
+    assert largest_difference(model.state_dict(), plain_reference(batches)) <= 1e-6
+
+
+def test_snapshot_every_must_be_a_count(cluster4):
+    with pytest.raises(errors.InvalidArgument, match="snapshot_every must be a whole number >= 0, got -1"):
+        cluster4.deploy(reference_model(), snapshot_every=-1)

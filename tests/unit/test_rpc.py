@@ -52,7 +52,7 @@ def test_translate_deadline_raised_by_a_service_keeps_its_own_message(details):
     assert str(error) == details
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED])
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED])
 def test_translate_codes_without_a_class_become_internal_error(code):
     error = translate(rpc_error(code, "Method not found!"), "shard 0")
     assert type(error) is errors.InternalError
