@@ -116,8 +116,9 @@ def main() -> None:
           f"{'moved':>9}")
     for size in args.sizes_mb:
         row = measure(size, args.rounds, args.steps)
+        ratio = row['recovery_s'] / row['step_s']
         print(f"{row['stage_mb']:>11.0f} MiB {row['state_mb']:>4.0f} MiB {row['recovery_s']:>8.2f} s "
-              f"{row['restore_s']:>7.2f} s {row['step_s']:>10.3f} s {row['recovery_s'] / row['step_s']:>6.1f}x {row['moved_mb']:>5.0f} MiB  "
+              f"{row['restore_s']:>7.2f} s {row['step_s']:>10.3f} s {ratio:>6.1f}x {row['moved_mb']:>5.0f} MiB  "
               f"(each: {', '.join(f'{t:.2f}' for t in row['all_recoveries'])} s)", flush=True)
     every = args.snapshot_every
     print(f"\nwithout replicas, snapshot_every={every} against none ({args.snapshot_steps} steps each way, "

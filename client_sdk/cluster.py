@@ -203,7 +203,7 @@ class Cluster:
             layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
         layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
         for previous in self._models:  # shards hold one deployment at a time: the previous one's calls end first
-            previous.settle()
+            previous._settle()
         # A data-plane deadline: the coordinator has the shards measure the layers and load their stages.
         response = self._io.run(self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc))
         self._close_models()  # only now: a deploy the coordinator refused leaves the previous model training

@@ -115,8 +115,8 @@ class DistributedModel:
         self._async_steps: list[int] = []
         self._inflight = InFlight(on_failure=self._abandon_deferred_work)
         self._closed = False
-        # Replicated deployments survive a dead shard: the cluster's redeploy, and the train_step calls whose
-        # optimizer step may not have been applied yet (numbered by it), to run again on the restored state.
+        # train_step survives a dead shard (client_sdk/recovery.py): the cluster's redeploy, and, with replicas, the
+        # calls whose optimizer step may not have been applied yet (numbered by it), to run again once restored.
         self._redeploy: recovery.Redeploy | None = None
         self._recent: list[tuple[int, tuple]] = []
         self._refused: set[int] = set()  # optimizer steps sent by calls that raised: no recovery runs them again
@@ -366,8 +366,9 @@ class DistributedModel:
 
     # -- plumbing (coroutines run on the IoLoop) ---------------------------------------------
     async def _train_step_surviving(self, call: tuple) -> float:
-        """Runs train_step's `call`; in a replicated deployment, a dead shard is replaced from a live replica of
-        its stage (client_sdk/recovery.py) and the steps the restored state lacks run again, this one last."""
+        """Runs train_step's `call`. When a shard died, a spare takes its place: with replicas, its stage is restored
+        from a live replica and the steps the restored state lacks run again, this one last; without, with
+        snapshot_every, every stage goes back to the last snapshots and RolledBack is raised."""
         pending, recoveries = [call], 0
         if self.snapshot_every and self.replicas == 1 and self._periodic is None:  # the state to go back to
             await self._synchronize()
@@ -648,7 +649,7 @@ class DistributedModel:
         finally:
             await asyncio.gather(*(clients.close() for clients in self._trainer.replicas))
 
-    def settle(self) -> None:
+    def _settle(self) -> None:
         """Waits for the calls still in flight; a failure among them is logged, not raised (a deploy is next)."""
         if self._closed:
             return

@@ -156,12 +156,14 @@ class Periodic:
     optimizer_step: int
     steps_done: int
     secret: str  # the deployment's that took them
+    name: str    # each stage's own; the copy of stage s's is f"{name}-of-{s}"
 
 
 async def take_snapshots(clients, steps_done: int) -> Periodic:
     """Snapshots every stage of `clients` (settled: every stage at the same step), and has the next stage's shard
     (the last's: the first's) keep a copy of each, so that one dead shard loses no snapshot."""
-    request = shard_pb2.SnapshotRequest(deployment_id=clients.deployment_id, name=PERIODIC, copy=True)
+    name = f"{PERIODIC}-{clients.deployment_id}"  # a shard keeps snapshots of two deployments: names apart
+    request = shard_pb2.SnapshotRequest(deployment_id=clients.deployment_id, name=name, copy=True)
     answers = await asyncio.gather(*(stage.call("Snapshot", request) for stage in clients.stages))
     steps = {answer.optimizer_step for answer in answers}
     if len(steps) != 1:
@@ -170,9 +172,9 @@ async def take_snapshots(clients, steps_done: int) -> Periodic:
     stages, count = clients.stages, len(clients.stages)
     if count > 1:
         await asyncio.gather(*(stages[(s + 1) % count].call("CopySnapshot", shard_pb2.CopySnapshotRequest(
-            name=f"{PERIODIC}-of-{s}", source_address=stages[s].address, snapshot=PERIODIC,
+            name=f"{name}-of-{s}", source_address=stages[s].address, snapshot=name,
             source_deployment_secret=clients.secret)) for s in range(count)))
-    return Periodic(steps.pop(), steps_done, clients.secret)
+    return Periodic(steps.pop(), steps_done, clients.secret, name)
 
 
 async def roll_back(clients, periodic: Periodic, layers_per_stage: list[int], redeploy: Redeploy,
@@ -194,9 +196,9 @@ async def roll_back(clients, periodic: Periodic, layers_per_stage: list[int], re
     for s in range(count):
         keeper = (s + 1) % count
         if alive[s]:
-            sources.append((stages[s].address, PERIODIC))
+            sources.append((stages[s].address, periodic.name))
         elif count > 1 and alive[keeper]:
-            sources.append((stages[keeper].address, f"{PERIODIC}-of-{s}"))
+            sources.append((stages[keeper].address, f"{periodic.name}-of-{s}"))
         else:
             raise errors.Unavailable(f"{stages[s].name} died, and so did {stages[keeper].name}, which kept the copy "
                                      "of its snapshot: go on from a checkpoint")
@@ -207,5 +209,7 @@ async def roll_back(clients, periodic: Periodic, layers_per_stage: list[int], re
         deployment_id=new.deployment_id, source_address=address, snapshot=name,
         source_deployment_secret=periodic.secret)) for stage, (address, name) in zip(new.stages, sources)))
     moved = sum(answer.bytes for answer in restored)
+    await asyncio.gather(*(_drop(stages[s], name) for s in range(count) if alive[s]
+                           for name in (periodic.name, f"{periodic.name}-of-{(s - 1) % count}")))
     return handle, Recovery(tuple(stages[s].address for s in dead), tuple(new.stages[s].address for s in dead),
                             0, moved, time.perf_counter() - started)

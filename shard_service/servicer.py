@@ -9,11 +9,11 @@ import secrets
 
 import torch
 
+from shard_service import snapshots
 from shard_service.loop import LinkedLoop
 from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
-from shard_service import snapshots
 from shard_service.stage import Stage
 from shardtrain import auth, carrier, link, optim, rpc, shm, wire
 from shardtrain.errors import InvalidArgument, PermissionDenied
@@ -49,7 +49,7 @@ class ShardServicer:
         self.peers = Peers(settings)  # channels to the other shards, and how tensors reach each
         self.loop = LinkedLoop(self.runtime, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
         self.local_links = _listener(settings, address)  # sockets that carry Link items instead of gRPC streams
-        self.snapshots = snapshots.Snapshots()  # stage states kept apart from the deployment, to restore a later one from
+        self.snapshots = snapshots.Snapshots()  # stage states kept apart from the deployment, for a later one
         self.health = None  # the server's grpc.health.v1 status (set by build_server)
 
     @property
@@ -65,7 +65,9 @@ class ShardServicer:
 
     @boundary
     async def LoadStage(self, request, context):
+        previous = self.runtime.deployment_id
         response = await self.runtime.load(request)
+        self.snapshots.retain({previous, request.deployment_id})  # the one before: a recovery restores from it
         # The previous deployment's link work ends before anything else runs: awaited later, it could still record
         # its outcomes in the new deployment's StepOrder.
         await self.loop.reset(request.deployment_id)
@@ -170,6 +172,9 @@ class ShardServicer:
 
     @boundary
     async def DropSnapshot(self, request, context):
+        if self.snapshots.held(request.name) is None:
+            return shard_pb2.DropSnapshotResponse(dropped=False)
+        self._snapshot(context, request.name)  # only its deployment's client may drop it
         return shard_pb2.DropSnapshotResponse(dropped=self.snapshots.drop(request.name))
 
     @boundary

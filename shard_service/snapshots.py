@@ -1,9 +1,10 @@
 """Snapshots of a stage's weights and optimizer state, held by name apart from the deployment.
 
-A snapshot outlives the LoadStage that replaces its stage: when a shard dies, the redeployed stages restore from
-the snapshots their survivors took, on the same shard or on another one (a replacement shard reads a live
-replica's through ReadState and ReadOptimizerState). A snapshot taken without `copy` keeps the stage's own
-tensors; one with `copy` copies them into host memory, so the stage can train on.
+A snapshot outlives the LoadStage that replaces its stage (a shard keeps those of its current deployment and of
+the one before): when a shard dies, the redeployed stages restore from the snapshots their survivors took, on the
+same shard or on another one (a replacement shard reads a live replica's through ReadState and
+ReadOptimizerState). A snapshot taken without `copy` keeps the stage's own tensors; one with `copy` copies them
+into host memory, so the stage can train on.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from shard_service.stage import Stage
 from shardtrain import optim
-from shardtrain.errors import InvalidArgument, NotFound, ResourceExhausted
+from shardtrain.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 MAX_SNAPSHOTS = 8  # held at once by one shard: each may be a whole stage's weights and optimizer state
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -80,9 +81,14 @@ class Snapshots:
         return name
 
     def keep(self, name: str, snapshot: Snapshot) -> None:
-        """Holds `snapshot` as `name`, replacing one of that name; ResourceExhausted beyond MAX_SNAPSHOTS."""
+        """Holds `snapshot` as `name`, replacing one of that name taken by the same deployment; PermissionDenied
+        for another deployment's, ResourceExhausted beyond MAX_SNAPSHOTS."""
         self.check_name(name)
-        if name not in self._held and len(self._held) >= MAX_SNAPSHOTS:
+        held = self._held.get(name)
+        if held is not None and held.secret != snapshot.secret:
+            raise PermissionDenied(f"snapshot {name!r} belongs to deployment {held.deployment_id}; choose another "
+                                   "name (the SDK names its snapshots after the deployment)")
+        if held is None and len(self._held) >= MAX_SNAPSHOTS:
             raise ResourceExhausted(f"this shard holds {MAX_SNAPSHOTS} snapshots, the most it keeps; drop one "
                                     f"first (held: {sorted(self._held)})")
         self._held[name] = snapshot
@@ -101,5 +107,6 @@ class Snapshots:
     def drop(self, name: str) -> bool:
         return self._held.pop(self.check_name(name), None) is not None
 
-    def clear(self) -> None:
-        self._held.clear()
+    def retain(self, deployments: set[str]) -> None:
+        """Drops the snapshots of every deployment but `deployments`."""
+        self._held = {name: held for name, held in self._held.items() if held.deployment_id in deployments}

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from client_sdk import Cluster
-from shardtrain import errors
+from shardtrain import auth, errors
+from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.v1 import shard_pb2
 from tests.integration.test_errors import kill_shard
 from tests.integration.training import largest_difference, regression_batches
@@ -118,6 +119,13 @@ def test_without_a_spare_the_step_fails_naming_the_dead_shard_and_a_shard_starte
     assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
 
 
+async def peer_with_secret(address: str, security, secret: str) -> Peer:
+    """A client of the shard at `address` whose calls carry `secret` (made on the SDK's loop, as channels must)."""
+    peer = Peer(f"shard at {address}", address, SHARD_SERVICE, security, 10)
+    peer.metadata = auth.with_deployment(peer.metadata, secret)
+    return peer
+
+
 def test_snapshot_calls_refuse_bad_input_and_the_shard_serves_on(cluster4):
     model = cluster4.deploy(reference_model(), optimizer=ADAM, num_stages=2)
     first, second = model._clients.stages
@@ -138,6 +146,10 @@ def test_snapshot_calls_refuse_bad_input_and_the_shard_serves_on(cluster4):
     with pytest.raises(errors.PermissionDenied, match="must carry its secret"):
         run(second.call("RestoreStage", shard_pb2.RestoreStageRequest(
             deployment_id=deployment, source_address=first.address, snapshot="s0", source_deployment_secret="x")))
+    stranger = run(peer_with_secret(first.address, cluster4.security, "not-the-secret"))
+    with pytest.raises(errors.PermissionDenied, match="must carry its secret"):
+        run(stranger.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="s0")))
+    run(stranger.close())
     assert run(first.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="s0"))).dropped
     assert not run(first.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="s0"))).dropped
     x, y = regression_batches(steps=1, batch=8, features=4)[0]
@@ -225,3 +237,22 @@ def test_fit_trains_again_on_the_batches_a_roll_back_undid(cluster_with_a_spare)
 def test_snapshot_every_must_be_a_count(cluster4):
     with pytest.raises(errors.InvalidArgument, match="snapshot_every must be a whole number >= 0, got -1"):
         cluster4.deploy(reference_model(), snapshot_every=-1)
+
+
+def test_a_shard_keeps_the_snapshots_of_its_deployment_and_the_one_before_only(cluster4):
+    model = cluster4.deploy(reference_model(), optimizer=ADAM, num_stages=1)
+    shard, secret = model._clients.stages[0].address, model._clients.secret
+    run = model._io.run
+    run(model._clients.stages[0].call("Snapshot", shard_pb2.SnapshotRequest(deployment_id=model.deployment_id,
+                                                                             name="first", copy=True)))
+    owner = run(peer_with_secret(shard, cluster4.security, secret))
+    try:
+        later = cluster4.deploy(reference_model(), optimizer=ADAM, num_stages=1)
+        assert later._clients.stages[0].address == shard
+        with pytest.raises(errors.PermissionDenied, match="snapshot 'first' belongs to deployment"):
+            run(later._clients.stages[0].call("Snapshot", shard_pb2.SnapshotRequest(
+                deployment_id=later.deployment_id, name="first", copy=True)))
+        cluster4.deploy(reference_model(), optimizer=ADAM, num_stages=1)  # two deployments later: gone
+        assert not run(owner.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="first"))).dropped
+    finally:
+        run(owner.close())
