@@ -1,10 +1,13 @@
-"""Replacing a dead shard of a replicated deployment, with nothing lost.
+"""Replacing a dead shard: with replicas nothing is lost, without them the model goes back to its last snapshots.
 
-When a step fails and some shard no longer answers, every surviving shard snapshots its stage (weights and
-optimizer state, and the last optimizer step it applied); the model is deployed again with the same split, each
-stage on the shard that held it where that shard lives and on a spare otherwise; every new stage restores from a
-survivor's snapshot of the same stage (its own, or a live replica's, read shard to shard); then the steps the
-restored state lacks run again (DistributedModel.train_step).
+With replicas (recover): when a step fails and some shard no longer answers, every surviving shard snapshots its
+stage (weights and optimizer state, and the last optimizer step it applied); the model is deployed again with the
+same split, each stage on the shard that held it where that shard lives and on a spare otherwise; every new stage
+restores from a survivor's snapshot of the same stage (its own, or a live replica's, read shard to shard); then
+the steps the restored state lacks run again (DistributedModel.train_step).
+
+Without (take_snapshots, roll_back): every few steps each stage snapshots itself and the next stage's shard keeps
+a copy; after a death the model is deployed again the same way and every stage restores from those snapshots.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ async def answers(peer: Peer, timeout: float) -> bool:
 async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Redeploy, probe_timeout: float):
     """Replaces the shards of `replicas` (StageClients, one per replica) that do not answer. Returns (the last
     optimizer step of the restored state, in the old deployment's numbering; the new handle; a Recovery whose
-    steps_run_again the caller fills in), or None when every
-    shard answers (the failure was something else). Unavailable when some stage has no live replica left,
-    FailedPrecondition when the survivors' stages are at different steps."""
+    steps_run_again the caller fills in), or None when every shard answers (the failure was something else).
+    Unavailable when some stage has no live replica left, FailedPrecondition when the survivors' stages are at
+    different steps."""
     started = time.perf_counter()
     grid = [list(clients.stages) for clients in replicas]  # [replica][stage] Peer
     alive = await asyncio.gather(*(answers(peer, probe_timeout) for row in grid for peer in row))
@@ -164,8 +167,8 @@ async def take_snapshots(clients, steps_done: int) -> Periodic:
     (the last's: the first's) keep a copy of each, so that one dead shard loses no snapshot."""
     name = f"{PERIODIC}-{clients.deployment_id}"  # a shard keeps snapshots of two deployments: names apart
     request = shard_pb2.SnapshotRequest(deployment_id=clients.deployment_id, name=name, copy=True)
-    answers = await asyncio.gather(*(stage.call("Snapshot", request) for stage in clients.stages))
-    steps = {answer.optimizer_step for answer in answers}
+    taken = await asyncio.gather(*(stage.call("Snapshot", request) for stage in clients.stages))
+    steps = {answer.optimizer_step for answer in taken}
     if len(steps) != 1:
         raise errors.InternalError(f"the stages snapshotted at different optimizer steps {sorted(steps)}, though "
                                    "every step had settled")
@@ -199,6 +202,9 @@ async def roll_back(clients, periodic: Periodic, layers_per_stage: list[int], re
             sources.append((stages[s].address, periodic.name))
         elif count > 1 and alive[keeper]:
             sources.append((stages[keeper].address, f"{periodic.name}-of-{s}"))
+        elif count == 1:
+            raise errors.Unavailable(f"{stages[s].name} died with the only snapshot of the model's one stage: go on "
+                                     "from a checkpoint")
         else:
             raise errors.Unavailable(f"{stages[s].name} died, and so did {stages[keeper].name}, which kept the copy "
                                      "of its snapshot: go on from a checkpoint")

@@ -1,5 +1,6 @@
-"""A replicated deployment survives a dead shard: a spare takes its place, restores the stage from a live replica,
-and the steps the survivors had not applied run again; the weights end as if nothing had happened."""
+"""Training survives a dead shard. With replicas a spare takes its place, restores the stage from a live replica,
+and the steps the survivors had not applied run again: the weights end as if nothing had happened. Without, with
+snapshot_every, the model goes back to its last snapshots and the steps since are trained again."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_a_dead_shard_is_replaced_from_a_live_replica_and_training_ends_as_if_it
     assert took < 30
     [record] = model.recoveries
     assert record.dead == (victim,) and record.replaced_by[0] in addresses
-    assert 1 <= record.steps_run_again <= 2 and record.bytes_moved > 0 and 0 < record.seconds < took
+    # The call under way, and the one before if its step had not settled (a late kill may also come after it did).
+    assert record.steps_run_again <= 2 and record.bytes_moved > 0 and record.seconds > 0
 
 
 def test_without_a_spare_the_step_fails_naming_the_dead_shard_and_a_shard_started_later_takes_its_place(
@@ -166,6 +168,7 @@ def test_a_stage_restores_from_its_own_snapshot_exactly(cluster4):
     assert model._io.run(first.call("Snapshot", request)).optimizer_step == 1
     before = (model.state_dict(), model.optimizer_state_dict())
     model.train_step(*batches[1], "MSELoss")
+    model.synchronize()  # its optimizer step applied: the restore must undo it, not race it
     restored = model._io.run(first.call("RestoreStage", shard_pb2.RestoreStageRequest(
         deployment_id=model.deployment_id, source_address=first.address, snapshot="kept",
         source_deployment_secret=model._clients.secret)))
