@@ -55,12 +55,17 @@ class InFlight:
         """Lets go of every call: pending ones are cancelled, and the errors of failed ones count as seen (one of
         them was raised, or their deployment was replaced)."""
         for call in self._previous + self._current:
-            if call.done() and not call.cancelled():
-                call.exception()
-            else:
-                call.cancel()
+            let_go(call)
         self._previous, self._current = [], []
 
     def _cancel_all(self) -> None:
         self.abandon()
         self._on_failure()
+
+
+def let_go(call: asyncio.Future) -> None:
+    """Cancels `call` if it is pending; if it failed, its error counts as seen (asyncio logs one nobody read)."""
+    if call.done() and not call.cancelled():
+        call.exception()
+    else:
+        call.cancel()

@@ -383,7 +383,7 @@ class DistributedModel:
                     recovered = None
                     if self._redeploy is not None and self.replicas > 1 and recoveries < MAX_RECOVERIES:
                         recovered = await recovery.recover(self._trainer.replicas, self._layers_per_stage(),
-                                                           self._redeploy, self._clients.probe_timeout)
+                                                           self._redeploy)
                     elif self._redeploy is not None and self._periodic is not None:
                         await self._roll_back(error)
                     if recovered is None:
@@ -430,8 +430,7 @@ class DistributedModel:
     async def _roll_back(self, error: ShardtrainError) -> None:
         """A shard of a deployment without replicas died: a spare takes its place, every stage goes back to the last
         snapshots, and RolledBack says from which step to train again. Raises `error` if every shard answers."""
-        rolled = await recovery.roll_back(self._clients, self._periodic, self._layers_per_stage(), self._redeploy,
-                                          self._clients.probe_timeout)
+        rolled = await recovery.roll_back(self._clients, self._periodic, self._layers_per_stage(), self._redeploy)
         if rolled is None:
             raise error
         handle, record = rolled

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client_sdk.inflight import let_go
 from client_sdk.optimizer import clip_coefficient
 from client_sdk.transport import StageClients
 from client_sdk.timeline import Timeline
@@ -128,10 +129,7 @@ async def _all_or_nothing(calls: list) -> list:
         return [task.result() for task in tasks]
     finally:
         for task in tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # seen: only the first failure is raised
-            else:
-                task.cancel()
+            let_go(task)  # only the first failure is raised
 
 
 def _stats_dict(stats: shard_pb2.StageStats) -> dict:

@@ -40,16 +40,7 @@ class Recovery:
     seconds: float            # from finding the dead shard to every stage restored
 
 
-async def answers(peer: Peer, timeout: float) -> bool:
-    """Whether the shard answers a Describe within `timeout` seconds."""
-    try:
-        await peer.call("Describe", shard_pb2.DescribeRequest(), timeout=timeout)
-        return True
-    except errors.ShardtrainError:
-        return False
-
-
-async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Redeploy, probe_timeout: float):
+async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Redeploy):
     """Replaces the shards of `replicas` (StageClients, one per replica) that do not answer. Returns (the last
     optimizer step of the restored state, in the old deployment's numbering; the new handle; a Recovery whose
     steps_run_again the caller fills in), or None when every shard answers (the failure was something else).
@@ -57,9 +48,9 @@ async def recover(replicas: Sequence, layers_per_stage: list[int], redeploy: Red
     different steps."""
     started = time.perf_counter()
     grid = [list(clients.stages) for clients in replicas]  # [replica][stage] Peer
-    alive = await asyncio.gather(*(answers(peer, probe_timeout) for row in grid for peer in row))
+    alive = await asyncio.gather(*(clients.answering() for clients in replicas))
     width = len(grid[0])
-    dead = [(r, s) for r, row in enumerate(grid) for s in range(width) if not alive[r * width + s]]
+    dead = [(r, s) for r in range(len(grid)) for s in range(width) if not alive[r][s]]
     if not dead:
         return None
     old = replicas[0]
@@ -180,15 +171,14 @@ async def take_snapshots(clients, steps_done: int) -> Periodic:
     return Periodic(steps.pop(), steps_done, clients.secret, name)
 
 
-async def roll_back(clients, periodic: Periodic, layers_per_stage: list[int], redeploy: Redeploy,
-                    probe_timeout: float):
+async def roll_back(clients, periodic: Periodic, layers_per_stage: list[int], redeploy: Redeploy):
     """Replaces the shards of a deployment without replicas that do not answer, and restores every stage from
     the last snapshots: its own shard's, or for the replacement the copy on the next stage's shard. Returns (the
     new handle, a Recovery), or None when every shard answers. Unavailable when a stage's shard and the one
     holding the copy of its snapshot both died, or no shard can take the dead one's place."""
     started = time.perf_counter()
     stages = list(clients.stages)
-    alive = await asyncio.gather(*(answers(stage, probe_timeout) for stage in stages))
+    alive = await clients.answering()
     dead = [s for s, answered in enumerate(alive) if not answered]
     if not dead:
         return None

@@ -151,16 +151,20 @@ class StageClients:
         """What each stage's shard reports about itself."""
         return list(await asyncio.gather(*(s.call("Describe", shard_pb2.DescribeRequest()) for s in self.stages)))
 
-    async def silent_stages(self) -> str:
-        """Which stages do not answer a Describe within the probe deadline (stopped, hung or gone), for the message
-        of a wait that ran out: the stage a step waits on is often not the one that stopped."""
+    async def answering(self) -> list[bool]:
+        """Per stage, whether its shard answers a Describe within the probe deadline."""
         async def answers(stage: Peer) -> bool:
             try:
                 await stage.call("Describe", shard_pb2.DescribeRequest(), timeout=self.probe_timeout)
                 return True
             except errors.ShardtrainError:
                 return False
-        answered = await asyncio.gather(*(answers(stage) for stage in self.stages))
+        return list(await asyncio.gather(*(answers(stage) for stage in self.stages)))
+
+    async def silent_stages(self) -> str:
+        """Which stages do not answer a Describe within the probe deadline (stopped, hung or gone), for the message
+        of a wait that ran out: the stage a step waits on is often not the one that stopped."""
+        answered = await self.answering()
         silent = [stage.name for stage, ok in zip(self.stages, answered) if not ok]
         if not silent:
             return "; every stage answers, so it is still working on it or an item was lost"
