@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
 import secrets
 import warnings
 from collections.abc import Sequence
@@ -52,7 +53,7 @@ class Cluster:
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
               startup_timeout: float = 120.0, flush_denormal: bool = False,
               timeouts: Timeouts | None = None, hosts=None, metrics: bool = False,
-              virtual_stages: int = 1, spares: int = 0) -> Cluster:
+              virtual_stages: int = 1, spares: int = 0, checkpoint_dir: str | os.PathLike | None = None) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike. Without a token
@@ -69,12 +70,15 @@ class Cluster:
         for deploy(virtual_stages=v) and the interleaved schedule.
         `spares`: that many more shard processes, which a deploy leaves idle unless told to use them; one takes the
         place of a shard that dies under a replicated deployment (deploy(replicas=2)) and training goes on.
+        `checkpoint_dir`: the shards write and read checkpoints under it themselves, every stage at once
+        (`shardtrain shard --checkpoint-dir`); model.save_checkpoint(path) with `path` under it uses them.
         """
         security = security or Security()
         if not security.token:
             security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
         flags = (["--flush-denormal", "on"] if flush_denormal else []) + \
-            (["--virtual-stages", str(virtual_stages)] if virtual_stages != 1 else [])
+            (["--virtual-stages", str(virtual_stages)] if virtual_stages != 1 else []) + \
+            (["--checkpoint-dir", os.path.abspath(checkpoint_dir)] if checkpoint_dir else [])
         timeouts = timeouts or Timeouts()
         if not isinstance(spares, int) or spares < 0:
             raise InvalidArgument(f"spares must be a whole number >= 0, got {spares!r}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from client_sdk import checkpoint, recovery
+from client_sdk import recovery
 from client_sdk.autograd import RemoteStages
 from client_sdk.fit import Fit, History
 from client_sdk.inflight import InFlight
@@ -25,7 +25,7 @@ from client_sdk.pipeline import Batch, PipelineTrainer
 from client_sdk.reports import ShardReport
 from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
-from shardtrain import optim
+from shardtrain import checkpoint, optim
 from shardtrain import schedule as schedules
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, RolledBack, ShardtrainError
 from shardtrain.v1 import shard_pb2
@@ -213,14 +213,33 @@ class DistributedModel:
         self._io.run(self._load_optimizer_state(per_stage))
         self._hyperparameters.loaded(state["param_groups"])
 
-    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+    def save_checkpoint(self, directory: str | os.PathLike, on_shards: bool | None = None) -> None:
         """Writes the weights and the optimizer state to `directory` as safetensors files and a JSON description,
-        no pickle (client_sdk/checkpoint.py); load_checkpoint reads it into any deployment of the same model."""
-        checkpoint.save(directory, self.state_dict(), self.optimizer_state_dict())
+        no pickle (shardtrain/checkpoint.py); load_checkpoint reads it into any deployment of the same model.
 
-    def load_checkpoint(self, directory: str | os.PathLike, optimizer: bool = True) -> None:
+        Where every stage's shard was started with --checkpoint-dir (Cluster.local(checkpoint_dir=...)) and
+        `directory` lies under it, each shard writes its own stage, all at once, and nothing passes through this
+        process; otherwise the SDK gathers the state and writes one file of each kind here. `on_shards`: True
+        insists on the shards (a relative `directory` is then relative to their --checkpoint-dir), False on this
+        process."""
+        self._check_open()
+        target = self._io.run(self._checkpoint_target(directory, on_shards))
+        if target is not None:
+            self._io.run(self._save_on_shards(target))
+            return
+        state = optim.from_torch(self.optimizer_state_dict(), self._parameter_keys)
+        checkpoint.save(directory, self.state_dict(), state, self._parameter_keys)
+
+    def load_checkpoint(self, directory: str | os.PathLike, optimizer: bool = True,
+                        on_shards: bool | None = None) -> None:
         """Loads a checkpoint that save_checkpoint wrote, on this split or another, with the optimizer state unless
-        `optimizer` is False; a checkpoint that does not fit the model is refused."""
+        `optimizer` is False; a checkpoint that does not fit the model is refused and changes nothing. The shards
+        read their own tensors where they can, as save_checkpoint writes them (`on_shards` as there)."""
+        self._check_open()
+        target = self._io.run(self._checkpoint_target(directory, on_shards))
+        if target is not None and (on_shards or checkpoint.readable_by_shards(directory)):
+            self._io.run(self._load_on_shards(target, optimizer))
+            return
         weights, optimizer_state = checkpoint.load(directory)
         self.load_state_dict(weights)
         if optimizer:
@@ -626,6 +645,51 @@ class DistributedModel:
         state = optim.indexed(optim.merged(await self._clients.read_optimizer_state()), self._parameter_keys)
         self._hyperparameters.overlay(state["param_groups"])
         return state
+
+    async def _checkpoint_target(self, directory, on_shards: bool | None) -> str | None:
+        """The directory to hand the shards, when they write and read the checkpoint themselves; None when this
+        process does."""
+        if on_shards is False:
+            return None
+        roots = {answer.address: answer.checkpoint_dir for answer in await self._clients.describe()}
+        relative = on_shards and not os.path.isabs(directory)  # to each shard's own --checkpoint-dir
+        target = os.fspath(directory) if relative else os.path.abspath(directory)
+        outside = [address for address, root in roots.items()
+                   if not root or not (relative or os.path.commonpath([root, target]) == root)]
+        if not outside:
+            return target
+        if on_shards:
+            raise FailedPrecondition(f"checkpoint {target!r}: the shard at {outside[0]} writes and reads checkpoints "
+                                     f"only under its --checkpoint-dir "
+                                     f"({roots[outside[0]] or 'none: it was started without one'})")
+        return None
+
+    async def _save_on_shards(self, directory: str) -> None:
+        """Every stage writes its part at once (replica 0's: the replicas are equal), then checkpoint.json."""
+        await self._synchronize()
+        stages = self._clients.stages
+        deployment = self._clients.deployment_id
+        await asyncio.gather(*(stage.call("SaveCheckpoint", shard_pb2.SaveCheckpointRequest(
+            deployment_id=deployment, directory=directory, part=index, parts=len(stages)))
+            for index, stage in enumerate(stages)))
+        text = checkpoint.description(len(stages), self._key_order, self._parameter_keys, self._hyperparameters.all())
+        await stages[0].call("SaveCheckpoint", shard_pb2.SaveCheckpointRequest(
+            deployment_id=deployment, directory=directory, description=text))
+
+    async def _load_on_shards(self, directory: str, optimizer: bool) -> None:
+        """Every stage of every replica checks its share, then loads it (a checkpoint one stage refuses changes
+        none)."""
+        await self._synchronize()
+        self._periodic = None
+        answers = []
+        for check_only in (True, False):
+            calls = [stage.call("LoadCheckpoint", shard_pb2.LoadCheckpointRequest(
+                deployment_id=clients.deployment_id, directory=directory, optimizer=optimizer, check_only=check_only))
+                for clients in self._trainer.replicas for stage in clients.stages]
+            answers = await asyncio.gather(*calls)
+        if optimizer:
+            states = [optim.KeyedState.parse(answer.layout, {}) for answer in answers[:len(self._clients.stages)]]
+            self._hyperparameters.loaded(optim.indexed(optim.merged(states), self._parameter_keys)["param_groups"])
 
     async def _load_optimizer_state(self, per_stage) -> None:
         """Every stage checks its share before any loads it: a state that one stage refuses changes none."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import secrets
@@ -15,7 +16,7 @@ from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import auth, carrier, link, optim, rpc, shm, wire
+from shardtrain import auth, carrier, checkpoint, link, optim, rpc, shm, wire
 from shardtrain.errors import InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
@@ -25,6 +26,15 @@ from shardtrain.v1 import shard_pb2
 
 # Opened by stages, with the shard role's token; the rest by the SDK, with the client's.
 _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL, shard_pb2.LINK_ROLE_TIED)
+
+
+def _stage_state(stage: Stage) -> tuple[dict[str, torch.Tensor], optim.KeyedState]:
+    """The stage's weights and optimizer state, read together under the device's lock (a GPU's copied to the host
+    here: the files are written after the lock is released)."""
+    weights = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in stage.state().items()}
+    state = stage.optimizer_state()
+    tensors = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in state.tensors.items()}
+    return weights, optim.KeyedState(state.groups, tensors, state.values)
 
 
 def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
@@ -171,6 +181,37 @@ class ShardServicer:
                                           stage=snapshot.stage, layer_indexes=snapshot.layer_indexes)
 
     @boundary
+    async def SaveCheckpoint(self, request, context):
+        stage = self._owned(context, request.deployment_id)
+        directory = checkpoint.under(self.settings.checkpoint_dir, request.directory)
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        if request.description:
+            written = await asyncio.to_thread(checkpoint.write_description, directory, request.description)
+            return shard_pb2.SaveCheckpointResponse(bytes=written, files=[checkpoint.DESCRIPTION])
+        checkpoint.part_files(request.part, request.parts)  # a bad part is refused before anything is read
+        weights, state = await self.runtime.run(_stage_state, stage)
+        files, written = await asyncio.to_thread(checkpoint.write_part, directory, request.part, request.parts,
+                                                 weights, state)
+        return shard_pb2.SaveCheckpointResponse(bytes=written, files=files)
+
+    @boundary
+    async def LoadCheckpoint(self, request, context):
+        stage = self._owned(context, request.deployment_id)
+        directory = checkpoint.under(self.settings.checkpoint_dir, request.directory)
+        _, weights, state, read = await asyncio.to_thread(checkpoint.read_parts, directory, stage.state(),
+                                                          stage.optimizer_keys, request.optimizer, request.check_only)
+        missing = sorted(set(stage.state()) - set(weights))
+        if missing:
+            raise InvalidArgument(f"checkpoint {request.directory!r} holds no weight {missing[0]!r} of stage "
+                                  f"{stage.index} ({len(missing)} of its {len(stage.state())} missing)")
+        if request.optimizer:  # checked in full before anything changes
+            await self.runtime.run(stage.load_optimizer_state, state, True)
+        await self.runtime.run(stage.load_state, weights, request.check_only)
+        if request.optimizer and not request.check_only:
+            await self.runtime.run(stage.load_optimizer_state, state)
+        return shard_pb2.LoadCheckpointResponse(bytes=read, layout=state.layout() if request.optimizer else "")
+
+    @boundary
     async def DropSnapshot(self, request, context):
         if self.snapshots.held(request.name) is None:
             return shard_pb2.DropSnapshotResponse(dropped=False)
@@ -262,7 +303,7 @@ class ShardServicer:
             stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
             parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
-            instance=self.instance)
+            instance=self.instance, checkpoint_dir=self.settings.checkpoint_dir)
 
     @boundary
     async def ProbeSharedMemory(self, request, context):

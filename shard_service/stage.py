@@ -331,12 +331,15 @@ class Stage:
         for key in [k for k in self._in_flight if k[0] <= up_to_step]:
             del self._in_flight[key]
 
-    def load_state(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """Copies weights in place (the optimizer keeps pointing at them); InvalidArgument on unknown keys or shapes."""
+    def load_state(self, tensors: dict[str, torch.Tensor], check_only: bool = False) -> list[str]:
+        """Copies weights in place (the optimizer keeps pointing at them); InvalidArgument on unknown keys or shapes.
+        With `check_only`, only checks."""
         for key, value in tensors.items():
             if key not in self._state:
                 raise InvalidArgument(f"stage {self.index} has no weight {key!r}; it holds {sorted(self._state)}")
             _check_like(value, self._state[key], f"weight {key!r}")
+        if check_only:
+            return sorted(tensors)
         with torch.no_grad():
             for key, value in tensors.items():
                 self._state[key].copy_(value)
@@ -346,6 +349,11 @@ class Stage:
     def state(self) -> dict[str, torch.Tensor]:
         """The stage's weights under the user's state-dict keys."""
         return {key: tensor.detach() for key, tensor in self._state.items()}
+
+    @property
+    def optimizer_keys(self) -> list[str]:
+        """The keys of the parameters the stage's optimizer steps, in its order."""
+        return list(self._optimizer_keys) if self._optimizer is not None else []
 
     def optimizer_state(self) -> optim.KeyedState:
         """The optimizer's state and hyperparameters, keyed by the parameters' state-dict keys."""

@@ -46,6 +46,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/RestoreStage": frozenset({CLIENT}),
     "ShardService/DropSnapshot": frozenset({CLIENT}),
     "ShardService/CopySnapshot": frozenset({CLIENT}),
+    "ShardService/SaveCheckpoint": frozenset({CLIENT}),
+    "ShardService/LoadCheckpoint": frozenset({CLIENT}),
     "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)
     "ServerReflection/ServerReflectionInfo": _READING,  # the contract, as protos/ has it
 }

@@ -79,6 +79,7 @@ class ShardSettings:
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
     memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
     virtual_stages: int = 1   # shards this process serves on its one device (the interleaved schedule)
+    checkpoint_dir: str = ""  # SaveCheckpoint writes and LoadCheckpoint reads only under it; "": neither
     log_level: str = "info"
     log_format: str = "text"  # or "json": one JSON object a line
     metrics_port: int | None = None  # serve Prometheus metrics there (0: a port the OS picks); None: no endpoint
@@ -300,6 +301,10 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                         help="serve this many shards on one device, each holding a stage (the interleaved "
                              "schedule's stages per device); with a fixed --bind port they take it and the ports "
                              "after it (default 1)")
+    parser.add_argument("--checkpoint-dir", default=_env(env, "CHECKPOINT_DIR"),
+                        help="the directory (a shared filesystem, for several hosts) under which this shard writes "
+                             "and reads its stage's checkpoint files itself, all stages at once (default: none; "
+                             "the SDK then gathers a checkpoint and writes it where the script runs)")
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
@@ -326,6 +331,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
                          virtual_stages=args.virtual_stages,
+                         checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else "",
                          log_level=args.log_level, log_format=args.log_format,
                          metrics_port=args.metrics_port, security=security_from(args, role="shard"),
                          timeouts=timeouts_from(args))

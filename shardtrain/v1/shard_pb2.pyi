@@ -300,6 +300,48 @@ class CopySnapshotRequest(_message.Message):
     source_deployment_secret: str
     def __init__(self, name: _Optional[str] = ..., source_address: _Optional[str] = ..., snapshot: _Optional[str] = ..., source_deployment_secret: _Optional[str] = ...) -> None: ...
 
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("deployment_id", "directory", "part", "parts", "description")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    directory: str
+    part: int
+    parts: int
+    description: str
+    def __init__(self, deployment_id: _Optional[str] = ..., directory: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("bytes", "files")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, bytes: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("deployment_id", "directory", "optimizer", "check_only")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    directory: str
+    optimizer: bool
+    check_only: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., directory: _Optional[str] = ..., optimizer: _Optional[bool] = ..., check_only: _Optional[bool] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("bytes", "layout")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    layout: str
+    def __init__(self, bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
 class DropSnapshotRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -495,7 +537,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance")
+    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance", "checkpoint_dir")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -505,6 +547,7 @@ class DescribeResponse(_message.Message):
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     FLUSH_DENORMAL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     deployment_id: str
@@ -514,7 +557,8 @@ class DescribeResponse(_message.Message):
     parameter_count: int
     flush_denormal: bool
     instance: str
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
+    checkpoint_dir: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., instance: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
 
 class LossSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "program", "sums", "model_output")

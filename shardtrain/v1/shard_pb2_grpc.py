@@ -125,6 +125,16 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.CopySnapshotRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/shardtrain.v1.ShardService/SaveCheckpoint',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.SaveCheckpointResponse.FromString,
+                _registered_method=True)
+        self.LoadCheckpoint = channel.unary_unary(
+                '/shardtrain.v1.ShardService/LoadCheckpoint',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointResponse.FromString,
+                _registered_method=True)
         self.Link = channel.stream_stream(
                 '/shardtrain.v1.ShardService/Link',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
@@ -271,6 +281,24 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCheckpoint(self, request, context):
+        """Writes the stage's weights and optimizer state as one safetensors file of a checkpoint directory, or
+        the directory's checkpoint.json, under the directory the shard was started with (--checkpoint-dir):
+        every stage writes its own file at once. PERMISSION_DENIED for a directory outside it,
+        FAILED_PRECONDITION when the shard has none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadCheckpoint(self, request, context):
+        """Loads the stage's weights (and optimizer state) from a checkpoint directory under --checkpoint-dir,
+        reading only its own tensors from every stage file, so a checkpoint of any split loads into any other.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Link(self, request_iterator, context):
         """The PyTorch-shaped loop's data path: one long-lived stream between two parties of a deployment
         (the SDK and the first or last stage, a stage and the next one, a residual's producer and its
@@ -373,6 +401,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.CopySnapshot,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.CopySnapshotRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.SaveCheckpointResponse.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointResponse.SerializeToString,
             ),
             'Link': grpc.stream_stream_rpc_method_handler(
                     servicer.Link,
@@ -866,6 +904,60 @@ class ShardService:
             '/shardtrain.v1.ShardService/CopySnapshot',
             shardtrain_dot_v1_dot_shard__pb2.CopySnapshotRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/SaveCheckpoint',
+            shardtrain_dot_v1_dot_shard__pb2.SaveCheckpointRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.SaveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/LoadCheckpoint',
+            shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,11 +1,11 @@
-"""client_sdk.checkpoint: safetensors files that the safetensors library reads and writes alike."""
+"""shardtrain.checkpoint: safetensors files that the safetensors library reads and writes alike."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from client_sdk import checkpoint
+from shardtrain import checkpoint
 from shardtrain.errors import DataLoss
 
 TENSORS = {"w": torch.randn(3, 5), "half": torch.randn(4).to(torch.bfloat16), "steps": torch.tensor(7.0),
