@@ -54,8 +54,8 @@ class Timeouts:
     control: float = 30.0     # one control-plane call (register, deploy, describe)
     peer_wait: float = 120.0  # waiting for a residual or a residual gradient to arrive
     connect: float = 60.0     # a shard retrying registration until the coordinator answers
-    heartbeat: float = 10.0   # a shard registers again this often, to say it is alive
-    expiry: float = 35.0      # the coordinator forgets a shard it has not heard from for this long
+    heartbeat: float = 2.0    # a shard registers again this often, to say it is alive
+    expiry: float = 10.0      # the coordinator forgets a shard it has not heard from for this long
     probe: float = 5.0        # a deploy's check that each shard it is about to use answers
 
 

@@ -53,6 +53,21 @@ def test_a_shard_registers_again_at_every_heartbeat():
     assert heard[0] > 0 and all(later > earlier for earlier, later in zip(heard, heard[1:])), heard
 
 
+def test_a_dead_shard_s_registration_expires_within_seconds_and_the_live_ones_stay():
+    with Cluster.local(num_shards=2, timeouts=Timeouts(heartbeat=0.2, expiry=1.0)) as cluster:
+        dead, alive = cluster._services.services[1], cluster._services.services[2]
+        os.kill(dead.process.pid, signal.SIGKILL)
+        dead.process.wait()
+        start = time.monotonic()
+        while dead.address in [s.address for s in cluster.shards()] and time.monotonic() - start < 10:
+            time.sleep(0.1)
+        gone = time.monotonic() - start
+        assert [s.address for s in cluster.shards()] == [alive.address]
+        assert gone <= 1.0 + 2.0, gone  # the expiry, and a margin for a loaded machine
+        time.sleep(1.5)
+        assert [s.address for s in cluster.shards()] == [alive.address]  # its heartbeats keep it
+
+
 def test_a_stopped_shard_is_named_when_a_call_runs_out_of_its_deadline_and_training_goes_on_once_it_resumes():
     """SIGSTOP on the middle stage: the output the client waits for is the last stage's, but the message names the
     stage that does not answer, after the deadline the user set rather than two minutes."""
