@@ -69,6 +69,8 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor],
         out.write(encoded)
         for data in payloads:
             out.write(data)
+        out.flush()
+        os.fsync(out.fileno())  # on disk before checkpoint.json can name it
     os.replace(temporary, path)
     return 8 + len(encoded) + offset
 
@@ -161,8 +163,16 @@ def write_description(directory: pathlib.Path, text: str) -> int:
     """Writes checkpoint.json, after checking it is one (a shard writes what the SDK sends)."""
     _checked_description(text, directory)
     temporary = directory / (DESCRIPTION + ".partial")
-    temporary.write_text(text)
+    with open(temporary, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
     os.replace(temporary, directory / DESCRIPTION)  # last: a checkpoint without it is incomplete
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)  # the renames too
+    finally:
+        os.close(handle)
     return len(text.encode())
 
 
