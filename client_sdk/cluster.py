@@ -21,7 +21,7 @@ from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
 from client_sdk.transport import StageClients
-from shardtrain import optim, wire
+from shardtrain import auth, optim, wire
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env, timeouts_env
@@ -42,6 +42,7 @@ class Cluster:
         self._services = services
         self._io = shared_loop()
         self._models: list[DistributedModel] = []
+        self._secret = ""  # of the deployment this client made last: the coordinator lets it replace that one
         self.spares = 0  # shards Cluster.local started beyond those a deploy uses by default
         self._coordinator = self._io.run(self._open_coordinator())
 
@@ -127,7 +128,7 @@ class Cluster:
                compression: str | dict[str, str] = "none", replicas: int = 1,
                dynamic_shapes=None, balance: str = "", example_inputs: tuple = (),
                example_kwargs: dict | None = None, virtual_stages: int = 1,
-               snapshot_every: int = 0) -> DistributedModel:
+               snapshot_every: int = 0, take_over: bool = False) -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: any nn.Module torch.export can capture. An nn.Sequential, a LayerList or a seed layer list
@@ -164,7 +165,8 @@ class Cluster:
         train again from (fit does that itself). 0: none. With replicas a dead shard costs no step at all.
         A deploy replaces the cluster's previous deployment; its handle stops working once the coordinator took
         the new one. A model refused before that (it cannot be captured, a bad argument, too few shards) leaves
-        the previous deployment training.
+        the previous deployment training. It replaces only a deployment this Cluster made: another client's is
+        PERMISSION_DENIED, unless `take_over` and this client holds the shard role's token (the operator's).
         The handle starts in the model's mode (training, or eval after model.eval()); its train() and eval()
         switch it. Deploying leaves `model` as it was: weights, buffers, modes and torch's random stream.
         """
@@ -198,7 +200,7 @@ class Cluster:
                                                     layers_per_stage=layers_per_stage,
                                                     balance_by_time=balance == "time",
                                                     virtual_stages=virtual_stages),
-            replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs)
+            replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs, take_over=take_over)
         if self.spares and not (num_stages or split_points or layers_per_stage):  # the spares stay idle
             in_use = len(self.shards()) - self.spares
             request.partition.num_stages = max(1, min(in_use // replicas, len(request.layers)))
@@ -208,8 +210,7 @@ class Cluster:
         layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
         for previous in self._models:  # shards hold one deployment at a time: the previous one's calls end first
             previous._settle()
-        # A data-plane deadline: the coordinator has the shards measure the layers and load their stages.
-        response = self._io.run(self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc))
+        response = self._io.run(self._deploy_call(request))
         self._close_models()  # only now: a deploy the coordinator refused leaves the previous model training
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
@@ -238,9 +239,17 @@ class Cluster:
         again.partition.CopyFrom(coordinator_pb2.PartitionSpec(layers_per_stage=layers_per_stage,
                                                                virtual_stages=request.partition.virtual_stages))
         again.prefer_addresses[:] = prefer
-        response = await self._coordinator.call("Deploy", again, timeout=self.timeouts.rpc)
+        response = await self._deploy_call(again)
         handle = await self._handle(response, request.layers, *handle_arguments)
         return handle._trainer.replicas, handle
+
+    async def _deploy_call(self, request: coordinator_pb2.DeployRequest) -> coordinator_pb2.DeployResponse:
+        """Deploy, carrying the secret of this client's last deployment, which the new one may replace."""
+        metadata = auth.with_deployment(self._coordinator.metadata, self._secret)
+        # A data-plane deadline: the coordinator has the shards measure the layers and load their stages.
+        response = await self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc, metadata=metadata)
+        self._secret = response.deployment_secret
+        return response
 
     @staticmethod
     def _split(module: torch.nn.Module, example_input, example_inputs: tuple, example_kwargs: dict | None,

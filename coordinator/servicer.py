@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import uuid
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
 from shardtrain import auth, metrics, optim, partition, schedule
-from shardtrain.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ShardtrainError
+from shardtrain.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, ShardtrainError
 from shardtrain.residuals import Wiring, route
 from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
 from shardtrain.settings import CoordinatorSettings
@@ -27,6 +28,8 @@ class CoordinatorServicer:
         self.location = f"coordinator {address}"
         self.registry = ShardRegistry(expiry=settings.timeouts.expiry)
         self.health = None  # the server's grpc.health.v1 status (set by build_server)
+        # Per shard address: (the shard's instance, deployment id, secret) of the deployment shipped there last.
+        self._owners: dict[str, tuple[str, str, str]] = {}
 
     @boundary
     async def RegisterShard(self, request, context):
@@ -80,11 +83,13 @@ class CoordinatorServicer:
                        request.inputs, request.outputs)
         shards = self.registry.take(len(ranges) * replicas, prefer) if per_device == 1 else \
             self.registry.by_device(len(ranges), replicas, per_device)
+        await self._check_owners(context, request, shards)
         tied = tied_stages(ranges, [[entry.tied_to for entry in layer.state if entry.tied_to] for layer in layers])
         pipelines = [place(ranges, routes, shards[r * len(ranges):(r + 1) * len(ranges)], tied)
                      for r in range(replicas)]
         deployment_id, secret = uuid.uuid4().hex[:12], auth.new_deployment_secret()
         await self._ship_all((deployment_id, secret), pipelines, layers, request)
+        self._record_owners(deployment_id, secret, shards)
         metrics.deployed()
         log.info("deployed %s: %s", deployment_id,
                  [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines])
@@ -95,6 +100,41 @@ class CoordinatorServicer:
                                             first_layer=p.first_layer, end_layer=p.end_layer, replica=replica,
                                             cost=sum(stage_costs[p.stage]), layer_costs=stage_costs[p.stage])
             for replica, pipeline in enumerate(pipelines) for p in pipeline])
+
+    async def _check_owners(self, context, request, shards: list[ShardRecord]) -> None:
+        """PermissionDenied when a shard the deploy takes holds a deployment whose client is still there (its SDK
+        has a Link open on one of its shards), unless the call carries that deployment's secret, or asks to take
+        over and the caller has the shard role (the operator). A deployment whose client went away is free."""
+        presented = dict(context.invocation_metadata() or ()).get(auth.DEPLOYMENT_METADATA, "")
+        held: dict[str, ShardRecord] = {}
+        for shard in shards:
+            owner = self._owners.get(shard.address)
+            if owner is None or owner[0] != shard.instance:  # nothing shipped there, or the process restarted since
+                continue
+            if not hmac.compare_digest(presented.encode(), owner[2].encode()):
+                held.setdefault(owner[1], shard)
+        if not held or request.take_over and auth.SHARD in auth.caller_roles(context, self.settings.security):
+            for deployment_id, shard in held.items():
+                log.warning("deploy takes over deployment %s (on %s) without its secret", deployment_id, shard.address)
+            return
+        for deployment_id, shard in held.items():
+            addresses = [address for address, owner in self._owners.items() if owner[1] == deployment_id]
+            answers = await asyncio.gather(*(self._describe(address) for address in addresses))
+            if any(a is not None and a.deployment_id == deployment_id and a.client_attached for a in answers):
+                raise PermissionDenied(
+                    f"{shard.shard_id} at {shard.address} holds deployment {deployment_id}, whose client is still "
+                    f"attached: a deploy replaces it only when it carries that deployment's secret as the "
+                    f"{auth.DEPLOYMENT_METADATA!r} metadata (the SDK sends its last deployment's), or with take_over "
+                    "by the operator (the shard role)")
+            log.info("deploy replaces deployment %s: its client is gone", deployment_id)
+
+    def _record_owners(self, deployment_id: str, secret: str, shards: list[ShardRecord]) -> None:
+        """The deployment now owns `shards`; one that lost any shard to it is gone everywhere."""
+        taken = {shard.address for shard in shards}
+        replaced = {owner[1] for address, owner in self._owners.items() if address in taken}
+        self._owners = {address: owner for address, owner in self._owners.items() if owner[1] not in replaced}
+        for shard in shards:
+            self._owners[shard.address] = (shard.instance, deployment_id, secret)
 
     async def _measure(self, layers, candidates: list[list[ShardRecord]]) -> tuple[list[list[int]], list[list[int]]]:
         """Per stage, each layer's measured microseconds and memory (its weights, and the activations it saved)

@@ -5,12 +5,25 @@ that make their actions follow the device's order (shardtrain/schedule.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from shardtrain import errors
 
 Key = tuple[int, str, int]  # (stage, op, micro-batch)
+
+
+def device_memory(device: str) -> int:
+    """Bytes of the shard's device: a GPU's memory, or the host's physical memory (0 if unknown)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class Device:

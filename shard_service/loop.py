@@ -122,10 +122,21 @@ class LinkedLoop:
         self._target_bytes = 0
         self._stats.clear()
 
+    def _expect(self, message: shard_pb2.LinkMessage, header) -> None:
+        """Refuses an item's tensor larger than a stage here may hold, before any of it is stored (the rest of its
+        checks come with the item's work: a refusal here ends the link)."""
+        self._runtime.fits(header)
+
+    @property
+    def client_attached(self) -> bool:
+        """The SDK has its input or output link open here: the deployment's client is there."""
+        return self._input is not None or self._output is not None
+
     def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
         self._runtime.stage_for(opening.deployment_id)
         plan = self._runtime.plan
+        end.expect = self._expect
         end.toward_first = opening.role != _ROLES.LINK_ROLE_OUTPUT
         if opening.role == _ROLES.LINK_ROLE_INPUT and plan.stage == 0:
             self._input = end
@@ -184,6 +195,7 @@ class LinkedLoop:
             # link before (the next stage takes each verdict once).
             first = self._verdicts.passed if address == self._runtime.plan.next_address else ()
             client = link.ClientLink(peer, opening, self.on_item, self._broke, first_items=first)
+            client.expect = self._expect
             client.toward_first = False
             self._opened[address] = client
         return client

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from shard_service.device import Device
+from shard_service.device import Device, device_memory
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
@@ -20,10 +20,10 @@ from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
 from shardtrain import losses, metrics
 from shardtrain.capture import CapturedProgram
-from shardtrain.errors import FailedPrecondition, InvalidArgument
+from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shardtrain.residuals import StageResiduals, Wiring
 from shardtrain.settings import ShardSettings
-from shardtrain.v1 import shard_pb2
+from shardtrain.v1 import shard_pb2, tensor_pb2
 
 log = logging.getLogger("shardtrain.shard")
 INLINE_SECONDS = 5e-3
@@ -73,6 +73,14 @@ class ShardRuntime:
         # main thread, the compute thread would start a team per core and spin against the other shards.
         self.device = device or Device()
         self._owns_device = device is None
+        # What one stage here may use: no tensor it is sent may be larger.
+        self.memory_budget = (settings.memory_bytes or device_memory(settings.device)) // settings.virtual_stages
+
+    def fits(self, header: tensor_pb2.TensorHeader) -> None:
+        """ResourceExhausted for a tensor larger than a stage here may hold, before any of it is stored."""
+        if self.memory_budget and header.nbytes > self.memory_budget:
+            raise ResourceExhausted(f"tensor {header.name[:80]!r} of {header.nbytes} bytes is more than a stage "
+                                           f"on this shard may hold ({self.memory_budget} bytes, --memory)")
 
     @property
     def location(self) -> str:

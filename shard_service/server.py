@@ -7,7 +7,6 @@ import dataclasses
 import faulthandler
 import json
 import logging
-import os
 import secrets
 import signal
 import socket
@@ -17,7 +16,7 @@ import time
 import grpc
 import torch
 
-from shard_service.device import Device
+from shard_service.device import Device, device_memory
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, logs, metrics, rpc, shm
 from shardtrain.lifecycle import die_with_parent, keep_freed_memory
@@ -57,16 +56,6 @@ async def keep_registered(settings: ShardSettings, address: str, instance: str =
             await register(settings, address, instance, group)
         except ShardtrainError as error:  # the coordinator is away: try again at the next beat
             log.warning("could not renew the registration with %s: %s", settings.coordinator, error)
-
-
-def device_memory(device: str) -> int:
-    """Bytes of the shard's device: a GPU's memory, or the host's physical memory (0 if unknown)."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 async def register(settings: ShardSettings, address: str, instance: str = "", group: str = "") -> str:

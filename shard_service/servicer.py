@@ -62,6 +62,13 @@ class ShardServicer:
         self.snapshots = snapshots.Snapshots()  # stage states kept apart from the deployment, for a later one
         self.health = None  # the server's grpc.health.v1 status (set by build_server)
 
+    def _expecting(self, check):
+        """A tensor header check: `check`, then no larger than a stage here may hold."""
+        def expect(header) -> None:
+            check(header)
+            self.runtime.fits(header)
+        return expect
+
     @property
     def location(self) -> str:
         """How errors name this shard."""
@@ -96,7 +103,8 @@ class ShardServicer:
     async def LoadState(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         stage = self._owned(context, (await reader.header()).deployment_id)
-        loaded = await self.runtime.run(stage.load_state, await reader.tensors())
+        tensors = await reader.tensors(expect=self._expecting(stage.expect_weight))
+        loaded = await self.runtime.run(stage.load_state, tensors)
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
     def _snapshot(self, context, name: str) -> snapshots.Snapshot:
@@ -223,7 +231,8 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         stage = self._owned(context, header.deployment_id)
-        state = optim.KeyedState.parse(header.layout, await reader.tensors())
+        state = optim.KeyedState.parse(header.layout,
+                                       await reader.tensors(expect=self._expecting(stage.expect_optimizer_tensor)))
         await self.runtime.run(stage.load_optimizer_state, state, header.check_only)
         return shard_pb2.LoadOptimizerStateResponse()
 
@@ -231,10 +240,12 @@ class ShardServicer:
     async def Forward(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
-        self._owned(context, header.key.deployment_id)
+        stage = self._owned(context, header.key.deployment_id)
         if header.HasField("plan"):
             raise InvalidArgument("a planned step's forwards travel on Links, not on Forward calls")
-        tensors = await reader.tensors(count=1)  # not waiting for the sender to close its side
+        # not waiting for the sender to close its side
+        checked = self._expecting(stage.expect_input) if stage.index == 0 else self.runtime.fits  # else refused
+        tensors = await reader.tensors(count=1, expect=checked)
         if len(tensors) != 1:
             raise InvalidArgument(f"Forward carries exactly one activation tensor, got {len(tensors)}")
         if header.HasField("step_first"):
@@ -248,7 +259,7 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         self._owned(context, header.key.deployment_id)
-        await self.loop.backward_call(header, (await reader.tensors()).get("gradient"))
+        await self.loop.backward_call(header, (await reader.tensors(expect=self.runtime.fits)).get("gradient"))
         return shard_pb2.BackwardResponse()
 
     @boundary
@@ -277,7 +288,7 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         self._owned(context, header.key.deployment_id)
-        grad = (await reader.tensors()).get(header.name) if header.has_gradient else None
+        grad = (await reader.tensors(expect=self.runtime.fits)).get(header.name) if header.has_gradient else None
         await self.runtime.accumulate(header.key, header.name, grad)
         return shard_pb2.AccumulateGradientResponse()
 
@@ -303,7 +314,8 @@ class ShardServicer:
             stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
             parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
-            instance=self.instance, checkpoint_dir=self.settings.checkpoint_dir)
+            instance=self.instance, checkpoint_dir=self.settings.checkpoint_dir,
+            client_attached=self.loop.client_attached)
 
     @boundary
     async def ProbeSharedMemory(self, request, context):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shard_service import split_backward
-from shardtrain import optim
+from shardtrain import optim, wire
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
@@ -345,6 +345,29 @@ class Stage:
                 self._state[key].copy_(value)
         self._unloaded -= set(tensors)
         return sorted(tensors)
+
+    def expect_weight(self, header) -> None:
+        """InvalidArgument unless a tensor of this header loads into one of the stage's weights (before any of
+        it is stored)."""
+        if header.name not in self._state:
+            raise InvalidArgument(f"stage {self.index} has no weight {header.name[:200]!r}; it holds "
+                                  f"{sorted(self._state)[:20]}")
+        _check_like(wire.meta(header), self._state[header.name], f"weight {header.name!r}")
+
+    def expect_optimizer_tensor(self, header) -> None:
+        """InvalidArgument unless a tensor of this header can be optimizer state ("<parameter key>/<name>") of a
+        parameter here, no larger than it."""
+        key = header.name.rpartition("/")[0]
+        parameter = self._tensors.get(key) if key in self.optimizer_keys else None
+        if parameter is None:
+            raise InvalidArgument(f"optimizer state {header.name[:200]!r} names no parameter of stage {self.index}")
+        if wire.meta(header).numel() > max(parameter.numel(), 1):
+            raise InvalidArgument(f"optimizer state {header.name!r} of shape {list(header.shape)} is larger than its "
+                                  f"parameter {list(parameter.shape)}")
+
+    def expect_input(self, header) -> None:
+        """check_input for a tensor of this header, before any of it is stored."""
+        self.check_input(wire.meta(header))
 
     def state(self) -> dict[str, torch.Tensor]:
         """The stage's weights under the user's state-dict keys."""

@@ -22,11 +22,12 @@ import torch
 from shardtrain import carrier, errors, metrics, wire
 from shardtrain.codec import Frame
 from shardtrain.rpc import status_message, translate
-from shardtrain.v1 import shard_pb2
+from shardtrain.v1 import shard_pb2, tensor_pb2
 
 log = logging.getLogger("shardtrain.link")
 
 Item = tuple[shard_pb2.LinkMessage, "torch.Tensor | None"]
+Expectation = Callable[[shard_pb2.LinkMessage, tensor_pb2.TensorHeader], None]  # (the item, its tensor's header)
 
 
 def frames(message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
@@ -51,16 +52,23 @@ def frames(message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
 class ItemReader:
     """Turns the Frames of a Link into items, (message, tensor or None), each once it is complete."""
 
-    def __init__(self) -> None:
+    def __init__(self, expect: Expectation | None = None) -> None:
         self._pending: shard_pb2.LinkMessage | None = None
-        self._tensors = wire.TensorStreamReader()
+        self._starting: shard_pb2.LinkMessage | None = None  # the item whose tensor header comes next
+        self._expect = expect
+        self._tensors = wire.TensorStreamReader(expect=self._check if expect is not None else None)
         self.shared = False  # the last item's tensor came in a shared segment
+
+    def _check(self, header: tensor_pb2.TensorHeader) -> None:
+        self._expect(self._starting, header)
 
     def place(self, message: shard_pb2.LinkMessage, nbytes: int) -> memoryview | None:
         """Where the data of a frame about to be fed goes: straight into its item's tensor (carrier.Placer)."""
         starts = message.WhichOneof("item") is not None
         if starts and self._pending is not None or not starts and self._pending is None:
             return None  # feed() says what is wrong
+        if starts:
+            self._starting = message
         return self._tensors.place(message.tensor, nbytes) if message.HasField("tensor") else None
 
     def feed(self, frame: Frame) -> Item | None:
@@ -72,7 +80,7 @@ class ItemReader:
                                       f"previous {self._pending.WhichOneof('item')} item was complete")
             if not message.HasField("tensor"):
                 return message, None
-            self._pending = message
+            self._pending = self._starting = message
             self.shared = message.tensor.HasField("shared")
         elif self._pending is None:
             raise errors.InvalidArgument("link: a tensor chunk arrived outside any item")
@@ -113,6 +121,7 @@ class LinkEnd:
         self._lock = asyncio.Lock()
         self.broken: errors.ShardtrainError | None = None
         self.deployment_id = opening.deployment_id  # the link's deployment, as its open item named it
+        self.expect: Expectation | None = None  # refuses an item's tensor by its header, before it is stored
         self.same_host = opening.shared_memory      # the opener can open the answering end's shared segments
         self.toward_first = True     # the other end sits before this one in the pipeline (or is the SDK's input side)
         self._carrier: carrier.Carrier | None = None
@@ -404,7 +413,7 @@ def _count(direction: str, message: shard_pb2.LinkMessage, tensor: torch.Tensor 
 
 async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:
     """Hands each item to `on_item` as its last frame arrives, until `frames` (a stream's or a socket's) ends."""
-    items = ItemReader()
+    items = ItemReader(end.expect)
     async for frame in frames:
         item = items.feed(frame)
         if item is not None:
@@ -414,7 +423,7 @@ async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:
 
 async def _deliver_carried(local: carrier.Carrier, end: LinkEnd, on_item) -> None:
     """Like _deliver, for a same-host socket: each item goes to `on_item` from the socket's read callback."""
-    items = ItemReader()
+    items = ItemReader(end.expect)
 
     def on_frame(frame: Frame) -> None:
         item = items.feed(frame)

@@ -326,11 +326,13 @@ class Peer:
         self.same_host = hmac.compare_digest(response.token, token) and response.uid == os.getuid()
         return self.same_host
 
-    async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """A unary-response call (the request may be an async iterator for client streaming)."""
+    async def call(self, method: str, request: Any, timeout: float | None = None,
+                   metadata: tuple[tuple[str, str], ...] | None = None) -> Any:
+        """A unary-response call (the request may be an async iterator for client streaming), with the peer's
+        metadata or `metadata`."""
         try:
             return await getattr(self.stub, method)(request, timeout=timeout or self._timeout,
-                                                     metadata=self.metadata)
+                                                     metadata=self.metadata if metadata is None else metadata)
         except grpc.aio.AioRpcError as error:
             raise translate(error, self.name) from None
 

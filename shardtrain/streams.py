@@ -4,13 +4,14 @@ stream on a shard (LoadState, Forward...), a server stream in the SDK (ReadOptim
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from shardtrain import wire
 from shardtrain.codec import Frame
 from shardtrain.errors import DeadlineExceeded, InvalidArgument
+from shardtrain.v1.tensor_pb2 import TensorHeader
 
 
 class RequestReader:
@@ -40,9 +41,11 @@ class RequestReader:
             raise InvalidArgument("stream must start with a header message")
         return self._first.message.header
 
-    async def tensors(self, count: int = 0) -> dict[str, torch.Tensor]:
-        """Every tensor in the stream by name, or the first `count` as soon as they are complete."""
-        return await wire.collect(self._chunks(), count=count)
+    async def tensors(self, count: int = 0, expect: Callable[[TensorHeader], None] | None = None
+                      ) -> dict[str, torch.Tensor]:
+        """Every tensor in the stream by name, or the first `count` as soon as they are complete; `expect` refuses
+        a tensor by its header, before any of its bytes are stored."""
+        return await wire.collect(self._chunks(), wire.TensorStreamReader(expect=expect), count=count)
 
     def each_tensor(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Each tensor of the stream, (name, tensor), as soon as its last byte has arrived."""

@@ -183,6 +183,13 @@ def _share(payload: torch.Tensor, segments: shm.SegmentPool) -> tensor_pb2.Share
     return tensor_pb2.SharedSegment(path=path, offset=offset, generation=generation)
 
 
+def meta(header: tensor_pb2.TensorHeader) -> torch.Tensor:
+    """A tensor on the meta device with the header's dtype and shape: what it would be, with no storage."""
+    if any(dim < 0 for dim in header.shape) or len(header.shape) > 64:
+        raise InvalidArgument(f"tensor {header.name[:80]!r}: shape {list(header.shape)[:64]} is not a shape")
+    return torch.empty(tuple(header.shape), dtype=torch_dtype(header.dtype), device="meta")
+
+
 class TensorAssembler:
     """Builds one tensor from a header and its data: chunks written into one buffer, or a mapped segment."""
 
@@ -275,8 +282,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 class TensorStreamReader:
     """Turns a sequence of Frames into (name, tensor) pairs, one tensor at a time."""
 
-    def __init__(self, max_bytes: int = MAX_TENSOR_BYTES):
+    def __init__(self, max_bytes: int = MAX_TENSOR_BYTES,
+                 expect: Callable[[tensor_pb2.TensorHeader], None] | None = None):
         self._max_bytes = max_bytes
+        self._expect = expect  # raises for a header the receiver will not take, before anything is stored
         self._assembler: TensorAssembler | None = None
 
     @property
@@ -308,6 +317,8 @@ class TensorStreamReader:
     def _open(self, chunk: tensor_pb2.TensorChunk) -> None:
         current = self._assembler
         if current is None:
+            if self._expect is not None:
+                self._expect(chunk.header)
             self._assembler = TensorAssembler(chunk.header, self._max_bytes)
         elif chunk.header != current.header or chunk.offset != current.filled:
             # The same header again at the offset reached is a resumed stream; anything else is a new tensor.

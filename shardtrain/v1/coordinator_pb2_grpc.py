@@ -74,7 +74,9 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Deploy(self, request, context):
-        """Partitions the layers into stages, ships each stage to a shard and wires the neighbours.
+        """Partitions the layers into stages, ships each stage to a shard and wires the neighbours. A shard that
+        holds another client's deployment is taken only by a call carrying that deployment's secret (the
+        "shardtrain-deployment" metadata), or with take_over by a caller of the shard role: PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

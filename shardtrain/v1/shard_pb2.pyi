@@ -537,7 +537,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance", "checkpoint_dir")
+    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance", "checkpoint_dir", "client_attached")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -548,6 +548,7 @@ class DescribeResponse(_message.Message):
     FLUSH_DENORMAL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     deployment_id: str
@@ -558,7 +559,8 @@ class DescribeResponse(_message.Message):
     flush_denormal: bool
     instance: str
     checkpoint_dir: str
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., instance: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+    client_attached: bool
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., instance: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., client_attached: _Optional[bool] = ...) -> None: ...
 
 class LossSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "program", "sums", "model_output")

@@ -354,12 +354,37 @@ def test_role_tokens_keep_clients_shards_and_readers_to_their_own_calls():
         assert len(train_remotely(model, regression_batches(steps=1, batch=2, features=2))) == 1
         broken = model._io.run(open_stage_link(model.placements[1].shard_address, model.deployment_id, roles))
         assert isinstance(broken, errors.PermissionDenied) and "takes the shard role's token" in str(broken)
+        with Cluster.connect(cluster.address, security=roles) as other:  # the client token, not the deployment's
+            for take_over in (False, True):  # the operator's way out needs the shard role, which the client's lacks
+                with pytest.raises(errors.PermissionDenied, match="whose client is still attached"):
+                    other.deploy(nn.Sequential(nn.Linear(2, 1)), take_over=take_over)
         tied = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
         tied[2].weight = tied[0].weight  # the stages swap its gradients on a link of their own, as shards
         model = cluster.deploy(tied, num_stages=2)
         train_remotely(model, regression_batches(steps=2, batch=2, features=2, outputs=2))
         state = model.state_dict()
         assert torch.equal(state["0.weight"], state["2.weight"])
+
+
+def test_only_the_owner_replaces_a_deployment_its_client_still_uses_or_an_operator_who_takes_it_over(own_cluster):
+    net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+    owner = own_cluster.deploy(net, num_stages=2)
+    batches = regression_batches(steps=2, batch=4, features=2)
+    assert len(train_remotely(owner, batches)) == 2  # its links are open: the client is attached
+    with Cluster.connect(own_cluster.address, own_cluster.security) as other:
+        with pytest.raises(errors.PermissionDenied, match=r"shard-\d at 127.0.0.1:\d+ holds deployment "
+                                                          rf"{owner.deployment_id}, whose client is still attached"):
+            other.deploy(nn.Sequential(nn.Linear(2, 1)))
+        assert len(train_remotely(owner, batches)) == 2  # untouched
+        owner = own_cluster.deploy(net, num_stages=2)  # its own client replaces it, with its secret
+        assert len(train_remotely(owner, batches)) == 2
+        taken = other.deploy(nn.Sequential(nn.Linear(2, 1)), take_over=True)  # one token: every role, the operator's
+        assert len(train_remotely(taken, batches)) == 2
+        with pytest.raises(errors.PermissionDenied, match=f"holds deployment {taken.deployment_id}, whose client"):
+            own_cluster.deploy(net, num_stages=2)
+    # The other client closed, and its links with it: its deployment is free to replace.
+    again = own_cluster.deploy(net, num_stages=2)
+    assert len(train_remotely(again, batches)) == 2
 
 
 async def open_stage_link(address: str, deployment_id: str, security: Security,

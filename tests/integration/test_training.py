@@ -107,6 +107,7 @@ CUSTOM_LAYER_SCRIPT = textwrap.dedent('''
 def test_custom_layer_class_defined_in_main_trains(cluster4, tmp_path):
     script = tmp_path / "custom_layer.py"
     script.write_text(CUSTOM_LAYER_SCRIPT)
+    cluster4._close_models()  # this client lets go of its deployment, so that another process may deploy
     done = subprocess.run([sys.executable, str(script), cluster4.address], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "SHARDTRAIN_AUTH_TOKEN": cluster4.security.token})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -7,6 +7,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 import zlib
 
 import pytest
@@ -45,6 +46,50 @@ def test_a_corrupted_chunk_is_data_loss_and_the_shard_serves_on(cluster4):
     with pytest.raises(errors.DataLoss, match=r"'activation'.*CRC-32"):
         model._io.run(shard.call("Forward", iter([request])))
     train_remotely(model, regression_batches(steps=2, batch=4, features=8))  # the next steps work
+
+
+def header_only(message_type, header, name: str, shape: list[int]):
+    """A request stream whose tensor's header declares `shape` (float32) and whose data never comes."""
+    nbytes = 4
+    for dim in shape:
+        nbytes *= dim
+    chunk = tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(
+        name=name, dtype=tensor_pb2.DTYPE_FLOAT32, shape=shape, nbytes=nbytes, wire_nbytes=nbytes))
+
+    async def frames():
+        yield Frame(message_type(header=header, tensor=chunk), b"")
+        await asyncio.sleep(3600)  # the data would follow: the shard must not wait for it
+    return frames()
+
+
+def test_a_tensor_the_stage_would_not_take_is_refused_by_its_header_before_any_data(cluster4):
+    model = cluster4.deploy(small_net(), optimizer=ADAM, num_stages=2)
+    first, last = model._clients.stages
+    deployment = model.deployment_id
+    key = shard_pb2.StepKey(deployment_id=deployment, step=10_000)
+    tebibyte = [1 << 20, 1 << 18]  # 1 TiB of float32
+    refusals = [
+        (first, "LoadState", shard_pb2.LoadStateRequest, shard_pb2.LoadStateHeader(deployment_id=deployment),
+         "0.weight", tebibyte, errors.InvalidArgument, r"'0.weight': expected torch.float32 of shape \[64, 8\], got"),
+        (first, "LoadState", shard_pb2.LoadStateRequest, shard_pb2.LoadStateHeader(deployment_id=deployment),
+         "2.weight", [64, 64], errors.InvalidArgument, "stage 0 has no weight '2.weight'"),
+        (first, "LoadOptimizerState", shard_pb2.OptimizerStateMessage,
+         shard_pb2.OptimizerStateHeader(deployment_id=deployment), "2.weight/exp_avg", [64, 64],
+         errors.InvalidArgument, "optimizer state '2.weight/exp_avg' names no parameter of stage 0"),
+        (first, "LoadOptimizerState", shard_pb2.OptimizerStateMessage,
+         shard_pb2.OptimizerStateHeader(deployment_id=deployment), "0.weight/exp_avg", tebibyte,
+         errors.InvalidArgument, r"of shape \[1048576, 262144\] is larger than its parameter \[64, 8\]"),
+        (first, "Forward", shard_pb2.ForwardRequest, shard_pb2.ForwardHeader(key=key), "activation", [4, 9],
+         errors.InvalidArgument, r"stage 0 input \(layer 0\): expected float32 of shape \[batch, 8\]"),
+        (last, "Backward", shard_pb2.BackwardRequest, shard_pb2.BackwardHeader(key=key), "gradient", tebibyte,
+         errors.ResourceExhausted, "more than a stage on this shard may hold"),
+    ]
+    for stage, method, message_type, header, name, shape, error, message in refusals:
+        started = time.monotonic()
+        with pytest.raises(error, match=message):
+            model._io.run(stage.call(method, header_only(message_type, header, name, shape)))
+        assert time.monotonic() - started < 5, method
+    train_remotely(model, regression_batches(steps=2, batch=4, features=8))  # both shards serve on
 
 
 @pytest.mark.parametrize("shared_memory", ["on", "off"])
