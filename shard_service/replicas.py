@@ -14,6 +14,7 @@ refuses two ranks on one GPU), and on gloo otherwise; gloo takes CUDA tensors to
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
 import threading
@@ -31,23 +32,27 @@ class GradientAverager:
     """The gradient all-reduce of one stage's replicas (rank = replica index)."""
 
     @classmethod
-    def for_plan(cls, plan, stage, address: str, timeout: float) -> GradientAverager | None:
+    def for_plan(cls, plan, stage, address: str, timeout: float, secret: str = "") -> GradientAverager | None:
         """An averager when the plan has several replicas, else None; replica 0 hosts the rendezvous store."""
         if plan.num_replicas <= 1:
             return None
         return cls(plan.replica, plan.num_replicas, plan.rendezvous, address.rsplit(":", 1)[0],
-                   stage.parameters, timeout)
+                   stage.parameters, timeout, secret)
 
-    def __init__(self, rank: int, size: int, rendezvous: str, host: str, parameters: list, timeout: float):
+    def __init__(self, rank: int, size: int, rendezvous: str, host: str, parameters: list, timeout: float,
+                 secret: str = ""):
         self.rank, self.size, self._host = rank, size, host
         self._timeout = datetime.timedelta(seconds=timeout)
         if rank == 0:
-            self._store = dist.TCPStore(host, 0, size, True, self._timeout, wait_for_workers=False)
-            self.hosted = f"{host}:{self._store.port}"
+            server = dist.TCPStore(host, 0, size, True, self._timeout, wait_for_workers=False)
+            self.hosted = f"{host}:{server.port}"
         else:
             store_host, port = rendezvous.rsplit(":", 1)
-            self._store = dist.TCPStore(store_host, int(port), size, False, self._timeout)
+            server = dist.TCPStore(store_host, int(port), size, False, self._timeout)
             self.hosted = ""
+        # The store has no password: the replicas publish their devices and addresses under keys named after the
+        # deployment's secret, so that only its shards find one another (a digest: the keys travel in the clear).
+        self._store = dist.PrefixStore(hashlib.sha256(f"shardtrain {secret}".encode()).hexdigest(), server)
         self._group = None
         self._device = parameters[0].device if parameters else torch.device("cpu")
         self.backend = ""  # nccl or gloo, chosen with the other replicas on the first connect

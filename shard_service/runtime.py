@@ -157,7 +157,7 @@ class ShardRuntime:
             self._averager.close()
         # Off the event loop: joining a replica's rendezvous store blocks until it answers or times out.
         self._averager = await asyncio.to_thread(GradientAverager.for_plan, plan, stage, self.address,
-                                                 self.settings.timeouts.peer_wait)
+                                                 self.settings.timeouts.peer_wait, request.deployment_secret)
         self.order = StepOrder()
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
