@@ -10,7 +10,7 @@ import grpc
 
 from coordinator.servicer import CoordinatorServicer
 from shardtrain import health, logs, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent
+from shardtrain.lifecycle import die_with_parent, freeze_imported_objects
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
 
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = coordinator_settings(sys.argv[1:] if argv is None else argv)
     logs.configure(settings.log_level, settings.log_format)
     die_with_parent(settings.parent_pid)
+    freeze_imported_objects()
     shm.sweep()  # segments left by shardtrain processes that were killed
     try:
         asyncio.run(serve(settings))

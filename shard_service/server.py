@@ -19,7 +19,7 @@ import torch
 from shard_service.device import Device, device_memory
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, logs, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent, keep_freed_memory
+from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, keep_freed_memory
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
 from shardtrain.v1 import coordinator_pb2
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(settings.parent_pid)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack into the log
     keep_freed_memory()
+    freeze_imported_objects()
     shm.sweep()  # segments left by shardtrain processes that were killed
     carrier.sweep()  # and their local-link sockets
     if settings.threads:
