@@ -9,6 +9,8 @@ import subprocess
 import sys
 import zipfile
 
+from tests.node_tools import node_tools
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "shardtrain" / "v1"
 
@@ -27,7 +29,8 @@ def test_the_wheel_carries_the_protos_and_the_type_markers(tmp_path):
     """shardtrain/v1/*.proto are links to protos/: the installed package carries the contract beside its stubs."""
     source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and egg-info behind
     shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info",
-                                                                                "__pycache__", ".whl", ".devrun"))
+                                                                                "__pycache__", ".whl", ".devrun",
+                                                                                "node_modules"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(source)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("shardtrain-*.whl")
@@ -36,3 +39,27 @@ def test_the_wheel_carries_the_protos_and_the_type_markers(tmp_path):
         for source in (ROOT / "protos" / "shardtrain" / "v1").glob("*.proto"):
             assert archive.read(f"shardtrain/v1/{source.name}") == source.read_bytes()
     assert {f"{package}/py.typed" for package in ("shardtrain", "client_sdk", "coordinator", "shard_service")} <= names
+
+
+def buf(*args: str, cwd: pathlib.Path = ROOT / "protos") -> subprocess.CompletedProcess:
+    return subprocess.run([str(node_tools() / "node_modules" / ".bin" / "buf"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_contract_passes_buf_lint_and_has_no_breaking_change_since_v1():
+    """protos/buf.yaml: STANDARD rules, with the exceptions it explains; protos/v1.binpb: the v1 contract that
+    every later version must keep on the wire and in JSON."""
+    lint = buf("lint")
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    breaking = buf("breaking", "--against", "v1.binpb")
+    assert breaking.returncode == 0, breaking.stdout + breaking.stderr
+
+
+def test_buf_breaking_catches_a_renumbered_field(tmp_path):
+    changed = tmp_path / "protos"
+    shutil.copytree(ROOT / "protos", changed)
+    shard = changed / "shardtrain" / "v1" / "tensor.proto"
+    shard.write_text(shard.read_text().replace("int64 offset = 3;", "int64 offset = 6;"))
+    breaking = buf("breaking", "--against", str(ROOT / "protos" / "v1.binpb"), cwd=changed)
+    assert breaking.returncode != 0 and 'field "3" with name "offset" on message "TensorChunk" was deleted' in \
+        breaking.stdout, breaking.stdout + breaking.stderr

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import pathlib
-import shutil
 import subprocess
 
 import pytest
@@ -18,19 +16,12 @@ from client_sdk import Cluster
 from shardtrain import wire
 from shardtrain.v1 import tensor_pb2
 from tests.integration.training import regression_batches
-
-NODE_DIR = pathlib.Path(__file__).resolve().parents[1] / "node"
-
+from tests.node_tools import node_tools
 
 @pytest.fixture(scope="module")
 def node_client() -> list[str]:
     """The command that runs the client, its packages installed from the lockfile the first time."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("needs Node.js and npm")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, capture_output=True,
-                       timeout=600)
-    return ["node", str(NODE_DIR / "client.js")]
+    return ["node", str(node_tools() / "client.js")]
 
 
 def tensor_of(encoded: dict) -> torch.Tensor:
