@@ -10,7 +10,7 @@ import grpc
 
 from coordinator.servicer import CoordinatorServicer
 from shardtrain import health, logs, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent, freeze_imported_objects
+from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, stop_on_sigterm
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
 
@@ -29,7 +29,8 @@ async def build_server(settings: CoordinatorSettings,
 
 
 async def serve(settings: CoordinatorSettings) -> None:
-    """Runs the coordinator until cancelled, announcing readiness on stdout."""
+    """Runs the coordinator until cancelled (or SIGTERM), announcing readiness on stdout."""
+    stop_on_sigterm()
     server, port, servicer = await build_server(settings)
     print(json.dumps({"event": "ready", "service": "coordinator", "port": port, **metrics.serve_for(settings)}),
           flush=True)
@@ -53,6 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     except ShardtrainError as error:
         print(f"coordinator: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (stop_on_sigterm)
         pass
     return 0

@@ -19,7 +19,7 @@ import torch
 from shard_service.device import Device, device_memory
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, logs, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, keep_freed_memory
+from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
 from shardtrain.v1 import coordinator_pb2
@@ -85,7 +85,8 @@ async def register(settings: ShardSettings, address: str, instance: str = "", gr
 
 async def serve(settings: ShardSettings) -> None:
     """Runs this process's shards (settings.virtual_stages of them, on one device) until cancelled: serve,
-    register, announce readiness on stdout."""
+    register, announce readiness on stdout. SIGTERM cancels it."""
+    stop_on_sigterm()
     device = Device()
     group = secrets.token_hex(8) if settings.virtual_stages > 1 else ""
     shards = []
@@ -155,6 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     except ShardtrainError as error:
         print(f"shard: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (stop_on_sigterm)
         pass
     return 0

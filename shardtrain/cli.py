@@ -1,4 +1,4 @@
-"""The `shardtrain` command: `coordinator`, `shard` and `demo`, each handed to its component."""
+"""The `shardtrain` command: `coordinator`, `shard`, `demo` and `health`, each handed to its component."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "coordinator": ("coordinator.server", "run the coordinator service"),
     "shard": ("shard_service.server", "run one shard service"),
     "demo": ("client_sdk.demo", "train the seed's residual model on a local 3-shard cluster"),
+    "health": ("shardtrain.probe", "ask a coordinator or shard whether it serves (exit 0) or not (1)"),
 }
 
 
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardtrain {importlib.metadata.version('shardtrain')}")
         return 0
     if not argv or argv[0] not in COMMANDS:
-        print("usage: shardtrain {coordinator,shard,demo} [--help] | --version\n", file=sys.stderr)
+        print("usage: shardtrain {coordinator,shard,demo,health} [--help] | --version\n", file=sys.stderr)
         for name, (_, summary) in COMMANDS.items():
             print(f"  {name:<12} {summary}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

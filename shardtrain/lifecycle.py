@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import gc
 import os
@@ -54,3 +55,10 @@ def freeze_imported_objects() -> None:
     with these in it, one took about 170 ms when a stage was loaded, long enough to stall health checks."""
     gc.collect()  # what is garbage already is freed, not kept for good
     gc.freeze()
+
+
+def stop_on_sigterm() -> None:
+    """In a service's main task: SIGTERM (docker stop, systemd, Kubernetes, a parent that died) cancels that
+    task, so the service reports NOT_SERVING, ends its calls and exits 0. As PID 1 in a container a process
+    has no default action for SIGTERM at all: without this, `docker stop` waits and then kills."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)

@@ -159,6 +159,11 @@ def _role_token(args: argparse.Namespace, role: str) -> str:
     return pathlib.Path(path).read_text().strip() if path else getattr(args, f"env_{role}_token")
 
 
+def add_client_security_flags(parser: argparse.ArgumentParser) -> None:
+    """The security flags for a client command, with this process's SHARDTRAIN_* variables as defaults."""
+    add_security_flags(parser, os.environ)
+
+
 def security_from_env(env: Mapping[str, str] | None = None) -> Security:
     """Security for a client (the SDK) from SHARDTRAIN_* variables alone."""
     parser = argparse.ArgumentParser(add_help=False)

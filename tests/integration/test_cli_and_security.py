@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -51,9 +52,18 @@ def test_services_started_from_the_command_line_serve_a_client(tmp_path):
         assert coordinator.poll() is None and shard.poll() is None, "closing a connected client stopped services"
         with Cluster.connect(f"127.0.0.1:{port}") as again:  # and they still serve the next client
             assert len(again.shards()) == 1
+        for address in (f"127.0.0.1:{port}", ready["address"]):  # Docker's HEALTHCHECK and compose use this
+            probed = subprocess.run(["shardtrain", "health", address], capture_output=True, text=True, timeout=60)
+            assert (probed.returncode, probed.stdout.strip()) == (0, f"{address}: SERVING"), probed.stderr
+        for process in (shard, coordinator):  # docker stop, systemd, Kubernetes: a clean exit, not a kill
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(10) == 0
+        gone = subprocess.run(["shardtrain", "health", ready["address"], "--timeout", "2"], capture_output=True,
+                              text=True, timeout=60)
+        assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr, gone.stdout + gone.stderr
     finally:
         for process in (shard, coordinator):
-            if process is not None:
+            if process is not None and process.poll() is None:
                 process.terminate()
                 process.wait(10)
 

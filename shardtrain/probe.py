@@ -1,0 +1,47 @@
+"""`shardtrain health ADDRESS`: asks a coordinator or shard for its grpc.health.v1 status, for Docker's
+HEALTHCHECK, compose's service_healthy and scripts. Exit 0 when it serves, 1 otherwise (with the reason).
+
+TLS comes from the SHARDTRAIN_TLS_* variables (or the flags), as for any client; health needs no token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import grpc
+
+from shardtrain.rpc import open_channel
+from shardtrain.settings import add_client_security_flags, security_from
+from shardtrain.v1 import health_pb2
+
+
+async def check(address: str, service: str, security, timeout: float) -> str:
+    """The status name the server at `address` reports for `service` ("" : the server)."""
+    channel = open_channel(address, security)
+    try:
+        call = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                   request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        answer = await call(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    finally:
+        await channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardtrain health", description=__doc__.split("\n\n")[0])
+    parser.add_argument("address", help="host:port of a coordinator or a shard")
+    parser.add_argument("--service", default="", help="a service's full name, e.g. shardtrain.v1.ShardService "
+                                                      "(default: the server as a whole)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    add_client_security_flags(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        status = asyncio.run(check(args.address, args.service, security_from(args), args.timeout))
+    except grpc.aio.AioRpcError as error:
+        print(f"{args.address}: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    print(f"{args.address}: {status}")
+    return 0 if status == "SERVING" else 1
