@@ -165,8 +165,9 @@ class Cluster:
         train again from (fit does that itself). 0: none. With replicas a dead shard costs no step at all.
         A deploy replaces the cluster's previous deployment; its handle stops working once the coordinator took
         the new one. A model refused before that (it cannot be captured, a bad argument, too few shards) leaves
-        the previous deployment training. It replaces only a deployment this Cluster made: another client's is
-        PERMISSION_DENIED, unless `take_over` and this client holds the shard role's token (the operator's).
+        the previous deployment training. Another client's deployment that its client still uses (its Links are
+        open) is PERMISSION_DENIED, unless `take_over` and this client's token holds the shard role (the
+        operator's); this Cluster's own last deployment, or one whose client is gone, it replaces.
         The handle starts in the model's mode (training, or eval after model.eval()); its train() and eval()
         switch it. Deploying leaves `model` as it was: weights, buffers, modes and torch's random stream.
         """

@@ -80,7 +80,7 @@ class ShardRuntime:
         """ResourceExhausted for a tensor larger than a stage here may hold, before any of it is stored."""
         if self.memory_budget and header.nbytes > self.memory_budget:
             raise ResourceExhausted(f"tensor {header.name[:80]!r} of {header.nbytes} bytes is more than a stage "
-                                           f"on this shard may hold ({self.memory_budget} bytes, --memory)")
+                                    f"on this shard may hold ({self.memory_budget} bytes, --memory)")
 
     @property
     def location(self) -> str:

@@ -192,11 +192,12 @@ class ShardServicer:
     async def SaveCheckpoint(self, request, context):
         stage = self._owned(context, request.deployment_id)
         directory = checkpoint.under(self.settings.checkpoint_dir, request.directory)
+        if not request.description:
+            checkpoint.part_files(request.part, request.parts)  # a bad part is refused before anything is made
         await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
         if request.description:
             written = await asyncio.to_thread(checkpoint.write_description, directory, request.description)
             return shard_pb2.SaveCheckpointResponse(bytes=written, files=[checkpoint.DESCRIPTION])
-        checkpoint.part_files(request.part, request.parts)  # a bad part is refused before anything is read
         weights, state = await self.runtime.run(_stage_state, stage)
         files, written = await asyncio.to_thread(checkpoint.write_part, directory, request.part, request.parts,
                                                  weights, state)
