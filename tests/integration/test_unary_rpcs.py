@@ -49,6 +49,13 @@ class Calls:
                                         backward_steps=[step])
         await self.stages[stage].call("Step", request)
 
+    async def settled(self, step: int, x: torch.Tensor) -> None:
+        """Returns once every stage has settled optimizer step `step`: a Step call returns when the first stage has,
+        the others apply it as it comes down. A no-grad forward that waits for it on each stage tells."""
+        forward = shard_pb2.ForwardHeader(key=self.key(step + 1), requires_grad=False, after_optimizer_step=step)
+        await self.stages[0].call("Forward", wire.framed(shard_pb2.ForwardRequest, forward, {"activation": x}))
+        await rpc.fetch_tensor(self.stages[-1], self.key(step + 1), OUTPUT)
+
     async def close(self) -> None:
         for stage in self.stages:
             await stage.close()
@@ -76,6 +83,7 @@ def test_forward_fetch_backward_step_calls_match_one_process(cluster4):
             torch.nn.functional.mse_loss(pred, y).backward()
             await calls.backward(step, pred.grad)
             await calls.step(step)
+        await calls.settled(len(batches), batches[0][0])
     run(model, cluster4.security, train)
     assert largest_difference(model.state_dict(), train_locally(reference, batches, SGD)) <= 1e-5
 
@@ -117,6 +125,7 @@ def test_calls_to_the_wrong_stage_are_refused_at_once_and_training_goes_on(clust
         await calls.step(1)
         with pytest.raises(errors.FailedPrecondition, match="optimizer step 1 was settled already"):
             await calls.step(1)
+        await calls.settled(1, x)
     run(model, cluster4.security, script)
     assert largest_difference(model.state_dict(), train_locally(reference, batches[:1], SGD)) <= 1e-5
 
