@@ -50,9 +50,9 @@ def keep_freed_memory(limit: int = 1 << 30) -> bool:
 
 
 def freeze_imported_objects() -> None:
-    """Moves every Python object alive now (torch's modules, classes and functions: some 300,000) out of the
-    garbage collector's reach. A full collection walks every tracked object while it holds the interpreter;
-    with these in it, one took about 170 ms when a stage was loaded, long enough to stall health checks."""
+    """Moves every Python object alive now (torch's modules, classes and functions, which live as long as the
+    process) out of the garbage collector's reach. A full collection walks every tracked object while it holds
+    the interpreter: with these in it, one stalls health checks (docs/performance.md, "Health under load")."""
     gc.collect()  # what is garbage already is freed, not kept for good
     gc.freeze()
 
