@@ -80,7 +80,7 @@ def test_checkpoints_outside_the_shards_directory_are_refused_and_the_sdk_writes
     root, elsewhere = roots
     model = writing_cluster.deploy(seed_net(), optimizer=ADAM, num_stages=2)
     first = model._clients.stages[0]
-    with pytest.raises(errors.FailedPrecondition, match=r"writes and reads checkpoints only under its --checkpoint-dir"):
+    with pytest.raises(errors.FailedPrecondition, match=r"writes and reads checkpoints only under its --checkpoint"):
         model.save_checkpoint(elsewhere / "insisted", on_shards=True)
     model.save_checkpoint(elsewhere / "gathered")  # outside: this process writes it, in one part
     assert sorted(os.listdir(elsewhere / "gathered")) == [
