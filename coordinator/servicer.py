@@ -124,8 +124,9 @@ class CoordinatorServicer:
                 raise PermissionDenied(
                     f"{shard.shard_id} at {shard.address} holds deployment {deployment_id}, whose client is still "
                     f"attached: a deploy replaces it only when it carries that deployment's secret as the "
-                    f"{auth.DEPLOYMENT_METADATA!r} metadata (the SDK sends its last deployment's), or with take_over "
-                    "by the operator (the shard role)")
+                    f"{auth.DEPLOYMENT_METADATA!r} metadata (the SDK sends its last deployment's). Close the model "
+                    "that holds it (model.close(), or its Cluster), or deploy with take_over=True under a token "
+                    "that holds the shard role (the operator's)")
             log.info("deploy replaces deployment %s: its client is gone", deployment_id)
 
     def _record_owners(self, deployment_id: str, secret: str, shards: list[ShardRecord]) -> None:
