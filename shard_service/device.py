@@ -26,6 +26,11 @@ def device_memory(device: str) -> int:
         return 0
 
 
+def stage_memory(settings) -> int:
+    """Bytes a stage on this shard may use: --memory, or the device's, shared by the process's stages."""
+    return (settings.memory_bytes or device_memory(settings.device)) // settings.virtual_stages
+
+
 class Device:
     """One device: its compute thread, its lock, and the order of each interleaved step's actions on it."""
 

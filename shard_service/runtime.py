@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from shard_service.device import Device, device_memory
+from shard_service.device import Device, stage_memory
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
@@ -74,7 +74,7 @@ class ShardRuntime:
         self.device = device or Device()
         self._owns_device = device is None
         # What one stage here may use: no tensor it is sent may be larger.
-        self.memory_budget = (settings.memory_bytes or device_memory(settings.device)) // settings.virtual_stages
+        self.memory_budget = stage_memory(settings)
 
     def fits(self, header: tensor_pb2.TensorHeader) -> None:
         """ResourceExhausted for a tensor larger than a stage here may hold, before any of it is stored."""

@@ -16,7 +16,7 @@ import time
 import grpc
 import torch
 
-from shard_service.device import Device, device_memory
+from shard_service.device import Device, stage_memory
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, logs, metrics, rpc, shm
 from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm
@@ -69,9 +69,8 @@ async def register(settings: ShardSettings, address: str, instance: str = "", gr
     try:
         while True:
             try:
-                memory = (settings.memory_bytes or device_memory(settings.device)) // settings.virtual_stages
                 request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
-                                                               memory_bytes=memory, instance=instance,
+                                                               memory_bytes=stage_memory(settings), instance=instance,
                                                                device_group=group)
                 return (await coordinator.call("RegisterShard", request)).shard_id
             except Unavailable:

@@ -335,9 +335,7 @@ class Stage:
         """Copies weights in place (the optimizer keeps pointing at them); InvalidArgument on unknown keys or shapes.
         With `check_only`, only checks."""
         for key, value in tensors.items():
-            if key not in self._state:
-                raise InvalidArgument(f"stage {self.index} has no weight {key!r}; it holds {sorted(self._state)}")
-            _check_like(value, self._state[key], f"weight {key!r}")
+            self._check_weight(key, value)
         if check_only:
             return sorted(tensors)
         with torch.no_grad():
@@ -349,10 +347,14 @@ class Stage:
     def expect_weight(self, header) -> None:
         """InvalidArgument unless a tensor of this header loads into one of the stage's weights (before any of
         it is stored)."""
-        if header.name not in self._state:
-            raise InvalidArgument(f"stage {self.index} has no weight {header.name[:200]!r}; it holds "
+        self._check_weight(header.name, wire.meta(header))
+
+    def _check_weight(self, key: str, value: torch.Tensor) -> None:
+        """InvalidArgument unless `value` (a meta tensor for a header) fits the stage's weight `key`."""
+        if key not in self._state:
+            raise InvalidArgument(f"stage {self.index} has no weight {key[:200]!r}; it holds "
                                   f"{sorted(self._state)[:20]}")
-        _check_like(wire.meta(header), self._state[header.name], f"weight {header.name!r}")
+        _check_like(value, self._state[key], f"weight {key!r}")
 
     def expect_optimizer_tensor(self, header) -> None:
         """InvalidArgument unless a tensor of this header can be optimizer state ("<parameter key>/<name>") of a

@@ -227,17 +227,20 @@ def read_parts(directory: str | os.PathLike, weight_keys: Iterable[str] | None =
     params_wanted = None if parameter_keys is None else set(parameter_keys)
     weights: dict[str, torch.Tensor] = {}
     states, read = [], 0
+
+    def stored(tensors: dict[str, torch.Tensor]) -> int:
+        return 0 if meta else sum(t.numel() * t.element_size() for t in tensors.values())
     for part in range(described["parts"]):
         model_file, optimizer_file = part_files(part, described["parts"])
         tensors, _ = read_part(root / model_file, lambda name: name not in weights and (
             weights_wanted is None or name in weights_wanted), meta)
         weights.update(tensors)
-        read += 0 if meta else sum(t.numel() * t.element_size() for t in tensors.values())
+        read += stored(tensors)
         if not optimizer:
             continue
         tensors, metadata = read_part(root / optimizer_file, lambda name: params_wanted is None or
                                       name.rpartition("/")[0] in params_wanted, meta)
-        read += 0 if meta else sum(t.numel() * t.element_size() for t in tensors.values())
+        read += stored(tensors)
         try:
             state = optim.KeyedState.parse(metadata.get("layout", ""), tensors)
         except InvalidArgument as error:
@@ -259,11 +262,9 @@ def _overlaid(state: optim.KeyedState, hyperparameters) -> optim.KeyedState:
 def restricted(state: optim.KeyedState, keys: set[str]) -> optim.KeyedState:
     """The share of `state` that belongs to the parameters `keys`: every group (each with those of its params),
     when any of them is in it, as optim.split gives a stage."""
-    if not any(key in keys for group in state.groups for key in group["params"]):
-        return optim.KeyedState([], {}, {})
-    groups = [{**group, "params": [key for key in group["params"] if key in keys]} for group in state.groups]
-    return optim.KeyedState(groups, {w: t for w, t in state.tensors.items() if w.rpartition("/")[0] in keys},
-                            {w: v for w, v in state.values.items() if w.rpartition("/")[0] in keys})
+    named = {key for group in state.groups for key in group["params"]} | \
+        {where.rpartition("/")[0] for where in [*state.tensors, *state.values]}
+    return optim.split(state, {key: 0 if key in keys else 1 for key in named}, 2)[0]
 
 
 def save(directory: str | os.PathLike, weights: dict[str, torch.Tensor], optimizer_state: optim.KeyedState,

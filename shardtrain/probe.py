@@ -17,17 +17,14 @@ from shardtrain.settings import add_client_security_flags, security_from
 from shardtrain.v1 import health_pb2
 
 
-async def check(address: str, service: str, security, timeout: float) -> str:
-    """The status name the server at `address` reports for `service` ("" : the server)."""
-    channel = open_channel(address, security)
-    try:
+async def check(address: str, service: str, security, timeout: float) -> int:
+    """The status the server at `address` reports for `service` ("": the server), asked as grpc_health_probe asks:
+    no token. grpc.aio.AioRpcError when it does not answer."""
+    async with open_channel(address, security) as channel:
         call = channel.unary_unary("/grpc.health.v1.Health/Check",
                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        answer = await call(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
-    finally:
-        await channel.close()
+        return (await call(health_pb2.HealthCheckRequest(service=service), timeout=timeout)).status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     add_client_security_flags(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        status = asyncio.run(check(args.address, args.service, security_from(args), args.timeout))
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(
+            asyncio.run(check(args.address, args.service, security_from(args), args.timeout)))
     except grpc.aio.AioRpcError as error:
         print(f"{args.address}: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

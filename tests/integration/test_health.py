@@ -11,22 +11,17 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client_sdk import Cluster
-from shardtrain import errors, health, rpc
+from shardtrain import errors, health, probe, rpc
 from shardtrain.settings import Security
 from shardtrain.v1 import health_pb2
 
 
 async def check(address: str, service: str) -> tuple[grpc.StatusCode, int]:
     """A probe's Check, made as grpc_health_probe makes it: no token."""
-    async with rpc.open_channel(address, Security()) as channel:
-        call = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                   request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        try:
-            response = await call(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        except grpc.aio.AioRpcError as error:
-            return error.code(), -1
-        return grpc.StatusCode.OK, response.status
+    try:
+        return grpc.StatusCode.OK, await probe.check(address, service, Security(), 5)
+    except grpc.aio.AioRpcError as error:
+        return error.code(), -1
 
 
 @pytest.mark.parametrize("own_cluster", [1], indirect=True)
