@@ -1,11 +1,12 @@
 """shardtrain's Python SDK: deploy a model over shard servers and train it with a plain PyTorch loop."""
 
 from client_sdk.cluster import Cluster
+from client_sdk.data import DataSource, RowBatch
 from client_sdk.fit import History, StepRecord
 from client_sdk.layer_list import LayerList
 from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.reports import ShardReport
 from client_sdk.timeline import Span, Timeline
 
-__all__ = ["Cluster", "DistributedModel", "History", "LayerList", "Placement", "RemoteParameter", "ShardReport",
-           "Span", "StepRecord", "Timeline"]
+__all__ = ["Cluster", "DataSource", "DistributedModel", "History", "LayerList", "Placement", "RemoteParameter",
+           "RowBatch", "ShardReport", "Span", "StepRecord", "Timeline"]

@@ -54,7 +54,8 @@ class Cluster:
     def local(cls, num_shards: int = 3, device: str = "cpu", security: Security | None = None,
               startup_timeout: float = 120.0, flush_denormal: bool = False,
               timeouts: Timeouts | None = None, hosts=None, metrics: bool = False,
-              virtual_stages: int = 1, spares: int = 0, checkpoint_dir: str | os.PathLike | None = None) -> Cluster:
+              virtual_stages: int = 1, spares: int = 0, checkpoint_dir: str | os.PathLike | None = None,
+              data_roots: Sequence[str | os.PathLike] = ()) -> Cluster:
         """Starts a coordinator and `num_shards` shard processes on 127.0.0.1; close() stops them.
 
         `security` (a token, TLS files) applies to the services and to this client alike. Without a token
@@ -73,13 +74,19 @@ class Cluster:
         place of a shard that dies under a replicated deployment (deploy(replicas=2)) and training goes on.
         `checkpoint_dir`: the shards write and read checkpoints under it themselves, every stage at once
         (`shardtrain shard --checkpoint-dir`); model.save_checkpoint(path) with `path` under it uses them.
+        `data_roots`: directories and URL prefixes ("s3://bucket/train/") the shards read a DataSource's rows from
+        themselves (`shardtrain shard --data-root`); s3:// takes its credentials from this process's AWS_*
+        environment, which the shards inherit.
         """
+        if isinstance(data_roots, (str, os.PathLike)):
+            data_roots = [data_roots]
         security = security or Security()
         if not security.token:
             security = dataclasses.replace(security, token=secrets.token_urlsafe(32))
         flags = (["--flush-denormal", "on"] if flush_denormal else []) + \
             (["--virtual-stages", str(virtual_stages)] if virtual_stages != 1 else []) + \
-            (["--checkpoint-dir", os.path.abspath(checkpoint_dir)] if checkpoint_dir else [])
+            (["--checkpoint-dir", os.path.abspath(checkpoint_dir)] if checkpoint_dir else []) + \
+            [flag for root in data_roots for flag in ("--data-root", _root(root))]
         timeouts = timeouts or Timeouts()
         if not isinstance(spares, int) or spares < 0:
             raise InvalidArgument(f"spares must be a whole number >= 0, got {spares!r}")
@@ -318,3 +325,9 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _root(root: str | os.PathLike) -> str:
+    """A data root as a shard flag: a URL as it is, a local directory absolute."""
+    root = os.fspath(root)
+    return root if "://" in root else os.path.abspath(root)

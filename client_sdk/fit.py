@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from client_sdk import charts
+from client_sdk.data import RowBatch
 from shardtrain.errors import InvalidArgument, RolledBack
 
 log = logging.getLogger("shardtrain.sdk.fit")
@@ -142,6 +143,11 @@ class Fit:
         return result
 
     def _step(self, batch) -> tuple[float, int]:
+        if isinstance(batch, RowBatch):
+            if not self.loop:  # the stages read the rows themselves
+                return self.model.train_step(batch, loss_fn=self.loss_fn, loss_output=self.loss_output,
+                                             microbatches=self.microbatches, schedule=self.schedule), len(batch)
+            batch = batch.read()
         if self.loss_output is not None:
             return self.model.train_step(batch, loss_output=self.loss_output, microbatches=self.microbatches,
                                          schedule=self.schedule), _rows(batch)
@@ -162,6 +168,8 @@ class Fit:
         try:
             with torch.no_grad():
                 for batch in data:
+                    if isinstance(batch, RowBatch):
+                        batch = batch.read()  # read here: the loss is taken here
                     if self.loss_output is not None:
                         outputs = _call(self.model, batch)
                         loss, count = outputs[self.loss_output], _rows(batch)

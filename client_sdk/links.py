@@ -104,11 +104,14 @@ class SdkLinks:
             self._follows.pop(step, None)
             self._extras.pop(step, None)
 
-    async def _send_inputs(self, key: shard_pb2.StepKey, inputs: dict[str, torch.Tensor]) -> None:
-        """The model's inputs after the first, as residuals the SDK produces, ahead of the forward that reads them."""
-        for name, tensor in inputs.items():
-            item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
-            await self._send(_ROLES.LINK_ROLE_INPUT, item, tensor, "residuals")
+    async def _send_inputs(self, key: shard_pb2.StepKey,
+                           inputs: dict[str, torch.Tensor | shard_pb2.DataRows]) -> None:
+        """The model's inputs after the first, as residuals the SDK produces, ahead of the forward that reads them
+        (DataRows: rows the first stage reads itself)."""
+        for name, value in inputs.items():
+            rows = value if isinstance(value, shard_pb2.DataRows) else None
+            item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name, data=rows))
+            await self._send(_ROLES.LINK_ROLE_INPUT, item, None if rows else value, "residuals")
 
     async def backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None,
                        output_grads: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor | None:

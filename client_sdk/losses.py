@@ -39,10 +39,10 @@ class LossSpecs:
         if any(True for _ in loss.parameters()) or any(True for _ in loss.buffers()):
             raise InvalidArgument(f"loss {type(loss).__name__} holds tensors; a shipped loss must be a pure "
                                   "function of (prediction, target)")
-        rows = lambda tensor: tensor[:EXAMPLE_ROWS].detach()  # noqa: E731 - a one-line helper
-        prediction = await self._predict(rows(batch.x), {name: rows(t) for name, t in batch.inputs.items()})
+        example = batch.example(EXAMPLE_ROWS)
+        prediction = await self._predict(example.x, example.inputs)
         try:
-            program = capture_layer(LayerAdapter(loss), (prediction, rows(batch.y)))
+            program = capture_layer(LayerAdapter(loss), (prediction, example.y))
         except Exception as error:  # export reports unsupported code in many exception types
             raise InvalidArgument(f"loss {type(loss).__name__} cannot be captured with torch.export: "
                                   f"{type(error).__name__}: {str(error)[:500]}") from None

@@ -21,7 +21,8 @@ from client_sdk.interface import Interface
 from client_sdk.io_loop import IoLoop
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
-from client_sdk.pipeline import Batch, PipelineTrainer
+from client_sdk.data import RowBatch
+from client_sdk.pipeline import MAIN, TARGET, Batch, PipelineTrainer
 from client_sdk.reports import ShardReport
 from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
@@ -272,14 +273,15 @@ class DistributedModel:
         theirs is raised by the next call into the model, as after the loop's step().
 
         x: the model's input, or the arguments of a model that takes several: a tuple (positional) or a dict
-        (keywords), as model(*x) or model(**x) takes them. Every input is split by its rows (dim 0) over the
-        replicas, then into `microbatches` pieces (uneven sizes are fine); stage i works on micro-batch k+1
-        while stage i+1 works on k, under `schedule` "1f1b" (stage s holds at most p - s micro-batches between
-        forward and backward), "gpipe" (all forwards, then all backwards) or "zb-h1" (1F1B with each backward
-        split into the input gradient the stage before waits for and the weight gradient, which fills the stage's
-        idle time) or "interleaved" (a deployment of several stages per device, deploy(virtual_stages=v): each
-        device runs its stages' actions in interleaved 1F1B's order, the bubble divided by v). It runs on the same
-        Links as the loop; no call is opened per step.
+        (keywords), as model(*x) or model(**x) takes them; or a batch of a DataSource (its target included),
+        whose rows each replica's first and last stage read from storage themselves. Every input is split by its
+        rows (dim 0) over the replicas, then into `microbatches` pieces (uneven sizes are fine); stage i works
+        on micro-batch k+1 while stage i+1 works on k, under `schedule` "1f1b" (stage s holds at most p - s
+        micro-batches between forward and backward), "gpipe" (all forwards, then all backwards) or "zb-h1" (1F1B
+        with each backward split into the input gradient the stage before waits for and the weight gradient,
+        which fills the stage's idle time) or "interleaved" (a deployment of several stages per device,
+        deploy(virtual_stages=v): each device runs its stages' actions in interleaved 1F1B's order, the bubble
+        divided by v). It runs on the same Links as the loop; no call is opened per step.
 
         The loss is computed on the last stage: `loss_fn(output, y)` on the model's (first) output, with a
         torch.nn loss by name ("MSELoss"), class or instance from the allow-list, or a loss module of your own
@@ -291,18 +293,40 @@ class DistributedModel:
         (the optimizer step then waits for the stages' norms; model.grad_norm() gives the total norm).
         """
         self._check_open()
-        main, inputs = self._interface.bind(*_arguments(x))
-        if loss_output is None and y is None:
-            raise InvalidArgument("train_step needs the target y of loss_fn, or loss_output= naming the model's "
-                                  "output that is its own loss")
-        if loss_output is not None and y is not None:
-            raise InvalidArgument("with loss_output the model computes its loss itself: pass its targets among its "
-                                  "inputs (x), not as y")
-        batch = Batch(main, inputs, y)
+        if isinstance(x, RowBatch):
+            batch = self._rows_batch(x, y, loss_output)
+        else:
+            main, inputs = self._interface.bind(*_arguments(x))
+            if loss_output is None and y is None:
+                raise InvalidArgument("train_step needs the target y of loss_fn, or loss_output= naming the model's "
+                                      "output that is its own loss")
+            if loss_output is not None and y is not None:
+                raise InvalidArgument("with loss_output the model computes its loss itself: pass its targets among "
+                                      "its inputs (x), not as y")
+            batch = Batch(main, inputs, y)
         self._check_schedule(schedule, microbatches)
         clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
         call = (batch, loss_fn, loss_output, microbatches, schedule, clip, self._hyperparameters.all())
         return self._io.run(self._train_step_surviving(call))
+
+    def _rows_batch(self, rows: RowBatch, y, loss_output) -> Batch:
+        """The planned step's batch for a DataSource's rows: each stage reads its share of them itself."""
+        source = rows.source
+        if y is not None:
+            raise InvalidArgument("a DataSource's batch carries its target (DataSource(target=...)): pass no y")
+        if loss_output is None and source.target is None:
+            raise InvalidArgument("this DataSource has no target field: give it target=, or name the model's own "
+                                  "loss output with loss_output=")
+        if loss_output is not None and source.target is not None:
+            raise InvalidArgument("with loss_output the model computes its loss itself: its DataSource takes "
+                                  "target=None and the targets among its inputs")
+        args, kwargs, fields = rows.placeholders()
+        main, inputs = self._interface.bind(args, kwargs)
+        named = {MAIN: fields[id(main)], **{name: fields[id(tensor)] for name, tensor in inputs.items()}}
+        if source.target is not None:
+            named[TARGET] = source.target
+        return Batch(rows.rows, {name: rows.rows for name in inputs}, rows.rows if source.target else None,
+                     source, named)
 
     def _check_schedule(self, schedule: str, microbatches: int) -> None:
         """InvalidArgument, before anything is sent, for a schedule that cannot order this deployment's stages."""
@@ -319,7 +343,8 @@ class DistributedModel:
             schedule: str = "1f1b", loop: bool = False, loss_output=None, validation=None,
             checkpoint_every: int | None = None, checkpoint_dir=None, callbacks=(), progress=True) -> History:
         """Trains for `epochs` passes over `data` (an iterable of (x, y) batches that can be iterated again, such
-        as a DataLoader or a list; x alone with `loss_output`) and returns the History of every step's loss.
+        as a DataLoader or a list; x alone with `loss_output`; or a DataSource, whose batches the stages read from
+        storage themselves) and returns the History of every step's loss.
 
         Each batch is one train_step (`microbatches`, `schedule`, `loss_fn` or `loss_output` as train_step takes
         them), or with loop=True model(x), backward and step, as a hand-written loop. `validation`: batches whose

@@ -39,11 +39,14 @@ def split_batch(batch: dict[str, torch.Tensor], replicas: int, microbatches: int
 @dataclass(frozen=True)
 class Batch:
     """What a planned step trains on: the main input, the model's other inputs by name, the loss's target (None
-    when the model computes its loss itself)."""
+    when the model computes its loss itself). With a `source` (a DataSource), each of them is the rows of the field
+    `fields` names for it, which the stages read themselves."""
 
     x: torch.Tensor
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     y: torch.Tensor | None = None
+    source: object = None  # client_sdk.data.DataSource
+    fields: dict[str, str] = field(default_factory=dict)  # MAIN, an input's name or TARGET -> the source's field
 
     @property
     def rows(self) -> int:
@@ -55,10 +58,26 @@ class Batch:
             named[TARGET] = self.y
         return {name: tensor.detach() for name, tensor in named.items()}
 
-    @staticmethod
-    def piece(named: dict[str, torch.Tensor]) -> Batch:
+    def piece(self, named: dict[str, torch.Tensor]) -> Batch:
+        """The batch of these rows of each tensor (split_batch's pieces)."""
         inputs = {name: tensor for name, tensor in named.items() if name not in (MAIN, TARGET)}
-        return Batch(named[MAIN], inputs, named.get(TARGET))
+        return Batch(named[MAIN], inputs, named.get(TARGET), self.source, self.fields)
+
+    def data(self, name: str) -> shard_pb2.DataRows | None:
+        """The DataRows the stage reads for the tensor `name` (MAIN, an input's, TARGET); None without a source."""
+        if self.source is None:
+            return None
+        rows = self.x if name == MAIN else self.y if name == TARGET else self.inputs[name]
+        return self.source.rows_message(self.fields[name], rows)
+
+    def example(self, count: int) -> Batch:
+        """The first `count` rows as tensors here (read from the source if there is one)."""
+        rows = {name: tensor[:count] for name, tensor in self.tensors().items()}
+        if self.source is None:
+            return self.piece(rows)
+        values = self.source.read(rows[MAIN])
+        return Batch(values[self.fields[MAIN]], {name: values[self.fields[name]] for name in self.inputs},
+                     values[self.fields[TARGET]] if TARGET in self.fields else None)
 
 
 MAIN, TARGET = "the first input", "the target"  # how split_batch's errors name them (never an argument's name)

@@ -61,12 +61,16 @@ class StageClients:
         """One planned step over this pipeline's Links: each micro-batch of `share` forward and backward on every
         stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's loss once the last
         stage computed it, and a future of every stage's StageStats once the step settled."""
+        from client_sdk.pipeline import MAIN, TARGET  # here: pipeline imports this module
         forwards = [(shard_pb2.ForwardHeader(key=self.key(step, k), requires_grad=True, zero_grad=k == 0,
                                              after_optimizer_step=after_optimizer_step, eval_mode=eval_mode,
-                                             plan=plan), piece.x, piece.inputs)
+                                             plan=plan, data=piece.data(MAIN)),
+                     None if piece.source else piece.x,
+                     {name: piece.data(name) if piece.source else tensor for name, tensor in piece.inputs.items()})
                     for k, piece in enumerate(share)]
-        targets = [(shard_pb2.LossTarget(key=self.key(step, k), loss=loss, rows=piece.rows, batch_rows=batch_rows),
-                    piece.y) for k, piece in enumerate(share)]
+        targets = [(shard_pb2.LossTarget(key=self.key(step, k), loss=loss, rows=piece.rows, batch_rows=batch_rows,
+                                         data=piece.data(TARGET) if piece.y is not None else None),
+                    None if piece.source else piece.y) for k, piece in enumerate(share)]
         request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, optimizer_step=optimizer_step,
                                         backward_steps=[step], hyperparameters_json=hyperparameters)
         return await self._links.planned(forwards, targets, request, gradient_scale)

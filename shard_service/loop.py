@@ -32,13 +32,14 @@ import time
 
 import torch
 
+from shard_service import reads
 from shard_service.calls import CallOutbox
 from shard_service.mailbox import Mailbox
 from shard_service.peers import Peers
 from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts, tensor_bytes
 from shard_service.runtime import ShardRuntime, summed
 from shard_service.stage import Stage
-from shardtrain import errors, link
+from shardtrain import errors, link, wire
 from shardtrain.residuals import CLIENT
 from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
@@ -93,6 +94,8 @@ class LinkedLoop:
         self._tied_summed: set[int] = set()  # optimizer steps whose tied gradients are summed here already
         self.calls = CallOutbox()     # the SDK's part for steps a Forward call started (keep_output), ...
         self._by_call: set[int] = set()  # ... which are these
+        self._reads = reads.DataReads(runtime.settings.data_roots)  # items naming rows of data: read here
+        self._unread: set[int] = set()  # steps whose data rows could not be read here: their other items are dropped
 
     # --- links ---------------------------------------------------------------------------------------
     async def reset(self, deployment_id: str) -> None:
@@ -118,6 +121,7 @@ class LinkedLoop:
         self._tied_summed.clear()
         self.calls.forget(float("inf"))
         self._by_call.clear()
+        self._unread.clear()
         self._targets.discard_where(lambda key: True)
         self._target_bytes = 0
         self._stats.clear()
@@ -324,18 +328,27 @@ class LinkedLoop:
         if end.deployment_id != self._deployment_id:
             raise errors.FailedPrecondition(f"this link was opened for deployment {end.deployment_id!r}; this shard "
                                             f"holds {self._deployment_id!r} now")
+        rows = reads.rows_of(message)
+        if rows is not None:
+            self._spawn(self._read_then(end, message, rows, tensor, self._verdicts.last))
+            return
+        self._dispatch(end, message, tensor, self._verdicts.last)
+
+    def _dispatch(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None,
+                  verdict: int) -> None:
+        """on_item's work for an item with its tensor; `verdict`: the last step verdict taken when it came."""
         kind = message.WhichOneof("item")
         if kind == "forward" and message.forward.HasField("plan"):
             # As the loop's forwards: none runs before the steps whose verdicts came before it.
             header = message.forward
-            header.after_optimizer_step = max(header.after_optimizer_step, self._verdicts.last)
+            header.after_optimizer_step = max(header.after_optimizer_step, verdict)
             self._planned_item(header.key, (header, tensor), backward=False)
         elif kind == "backward" and message.backward.key.step in self._runs:
             self._planned_item(message.backward.key, (message.backward, tensor), backward=True)
         elif kind == "target":
             self._target_item(end, message.target, tensor)
         elif kind == "forward":
-            self._spawn_held(self._forward(message.forward, tensor, self._verdicts.last), message.forward.key,
+            self._spawn_held(self._forward(message.forward, tensor, verdict), message.forward.key,
                              tensor, backward=False)
         elif kind == "backward":
             self._spawn_held(self._backward(message.backward, tensor), message.backward.key, tensor, backward=True)
@@ -365,6 +378,40 @@ class LinkedLoop:
             self._spawn(self._pass_error(end, message))
         else:
             raise errors.InvalidArgument(f"a shard takes no {kind} item on a Link")
+
+    async def _read_then(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, rows: shard_pb2.DataRows,
+                         tensor: torch.Tensor | None, verdict: int) -> None:
+        """An item naming rows of training data: the rows read from storage, then the item handled as if it had
+        brought them. A read that fails fails the item's step here, as its forward failing would."""
+        kind = message.WhichOneof("item")
+        item = getattr(message, kind)
+        key = item.key
+        try:
+            if tensor is not None:
+                raise errors.InvalidArgument(f"a {kind} item names data rows or carries a tensor, not both")
+            sdk_end = self._output if kind == "target" else self._input
+            if end is not sdk_end:
+                raise errors.InvalidArgument(f"data rows come on the SDK's {'output' if kind == 'target' else 'input'}"
+                                             " link, to the stage that reads them")
+            stage = self._runtime.stage_for(key.deployment_id)
+
+            def check(header) -> None:
+                self._runtime.fits(header)
+                if kind == "forward":
+                    stage.expect_input(header)
+                self._check_room(wire.meta(header))
+            tensor = await self._reads.read(rows, check)
+            if key.step in self._unread:
+                return  # another of the step's reads failed: the step failed here already
+            item.ClearField("data")  # a forward's header goes on to the next stage, which reads nothing
+            self._dispatch(end, message, tensor, verdict)
+        except errors.ShardtrainError as error:
+            if key.step in self._unread:
+                return
+            self._unread.add(key.step)
+            if not self._abort_run(key.step, str(error)) and key.step not in self._runs and key.step > self._forwarded:
+                await self._runtime.order.backward_finished(key.step, str(error))  # no backward will run here
+            await self._report(key, error, backward=False)
 
     # --- the per-call RPCs: adapters onto the same work, for clients without Links ---------------------------
     async def forward_call(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
@@ -835,6 +882,7 @@ class LinkedLoop:
                 run.task.cancel()
         self._ended_by_step = {step for step in self._ended_by_step if step > up_to_step}
         self._by_call = {step for step in self._by_call if step > up_to_step}
+        self._unread = {step for step in self._unread if step > up_to_step}
         self.calls.forget(up_to_step)
 
     async def close(self) -> None:

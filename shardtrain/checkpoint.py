@@ -91,24 +91,13 @@ def read_part(path: pathlib.Path, wanted: Callable[[str], bool] | None = None, m
         raise NotFound(f"checkpoint: {path} is missing") from None
     with out:
         length = os.fstat(out.fileno()).st_size
-        raw = out.read(8)
-        if len(raw) < 8:
-            raise DataLoss(f"checkpoint: {path} is too short to be a safetensors file")
-        size = struct.unpack_from("<Q", raw)[0]
-        if size > min(MAX_HEADER_BYTES, length - 8):
-            raise DataLoss(f"checkpoint: {path} says its header has {size} bytes; the file has {length}")
-        try:
-            header = json.loads(out.read(size))
-        except ValueError as error:
-            raise DataLoss(f"checkpoint: {path}'s header is not JSON ({error})") from None
-        if not isinstance(header, dict):
-            raise DataLoss(f"checkpoint: {path}'s header is not a JSON object")
+        header, size = read_header(out, length, f"checkpoint: {path}")
         metadata = header.pop("__metadata__", None) or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise DataLoss(f"checkpoint: {path}'s __metadata__ is not a map of strings")
         tensors, data_length = {}, length - 8 - size
         for name, entry in header.items():
-            dtype, shape, begin, end = _entry(path, name, entry, data_length)
+            dtype, shape, begin, end = tensor_entry(path, name, entry, data_length)
             if wanted is not None and not wanted(name):
                 continue
             if meta:
@@ -123,7 +112,25 @@ def read_part(path: pathlib.Path, wanted: Callable[[str], bool] | None = None, m
     return tensors, metadata
 
 
-def _entry(path, name: str, entry, data_length: int) -> tuple[torch.dtype, list[int], int, int]:
+def read_header(file, length: int, what: str) -> tuple[dict, int]:
+    """(the JSON header, its size) of a safetensors file of `length` bytes, `file` open at its start; DataLoss
+    naming `what` when it is not one."""
+    raw = file.read(8)
+    if len(raw) < 8:
+        raise DataLoss(f"{what} is too short to be a safetensors file")
+    size = struct.unpack_from("<Q", raw)[0]
+    if size > min(MAX_HEADER_BYTES, length - 8):
+        raise DataLoss(f"{what} says its header has {size} bytes; the file has {length}")
+    try:
+        header = json.loads(file.read(size))
+    except ValueError as error:
+        raise DataLoss(f"{what}: its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise DataLoss(f"{what}: its header is not a JSON object")
+    return header, size
+
+
+def tensor_entry(path, name: str, entry, data_length: int) -> tuple[torch.dtype, list[int], int, int]:
     """A header entry's (dtype, shape, begin, end), checked against the bytes the file has."""
     try:
         dtype, shape = _TORCH[entry["dtype"]], [int(d) for d in entry["shape"]]

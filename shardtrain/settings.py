@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shardtrain import logs
+from shardtrain.errors import InvalidArgument
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
 ENV_PREFIX = "SHARDTRAIN_"
@@ -80,6 +81,7 @@ class ShardSettings:
     memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
     virtual_stages: int = 1   # shards this process serves on its one device (the interleaved schedule)
     checkpoint_dir: str = ""  # SaveCheckpoint writes and LoadCheckpoint reads only under it; "": neither
+    data_roots: tuple[str, ...] = ()  # directories and URL prefixes this shard reads training data from
     log_level: str = "info"
     log_format: str = "text"  # or "json": one JSON object a line
     metrics_port: int | None = None  # serve Prometheus metrics there (0: a port the OS picks); None: no endpoint
@@ -310,6 +312,11 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                         help="the directory (a shared filesystem, for several hosts) under which this shard writes "
                              "and reads its stage's checkpoint files itself, all stages at once (default: none; "
                              "the SDK then gathers a checkpoint and writes it where the script runs)")
+    parser.add_argument("--data-root", action="append", dest="data_roots", metavar="DIR_OR_URL",
+                        default=[root for root in _env(env, "DATA_ROOTS").split(",") if root],
+                        help="a directory or URL prefix (s3://bucket/train/) under which this shard reads training "
+                             "data itself when a client names rows of it (DataSource); repeat for several "
+                             "(SHARDTRAIN_DATA_ROOTS: comma-separated). Default: none, every such read is refused")
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
@@ -328,6 +335,12 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     args = parser.parse_args(list(argv))
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
+    from shardtrain.data import normalized_root  # imports fsspec: only for the shard's own flags
+    for root in args.data_roots:
+        try:
+            normalized_root(root)
+        except InvalidArgument as error:
+            parser.error(str(error))
     return ShardSettings(coordinator=args.coordinator, bind=args.bind, advertise=args.advertise,
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
@@ -337,6 +350,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
                          virtual_stages=args.virtual_stages,
                          checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else "",
+                         data_roots=tuple(args.data_roots),
                          log_level=args.log_level, log_format=args.log_format,
                          metrics_port=args.metrics_port, security=security_from(args, role="shard"),
                          timeouts=timeouts_from(args))

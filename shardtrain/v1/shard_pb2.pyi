@@ -393,7 +393,7 @@ class StepKey(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "eval_mode", "plan", "keep_output")
+    __slots__ = ("key", "requires_grad", "zero_grad", "after_optimizer_step", "step_first", "input_requires_grad", "eval_mode", "plan", "keep_output", "data")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +403,7 @@ class ForwardHeader(_message.Message):
     EVAL_MODE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     requires_grad: bool
     zero_grad: bool
@@ -412,7 +413,26 @@ class ForwardHeader(_message.Message):
     eval_mode: bool
     plan: StepPlan
     keep_output: bool
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., eval_mode: _Optional[bool] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., keep_output: _Optional[bool] = ...) -> None: ...
+    data: DataRows
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., requires_grad: _Optional[bool] = ..., zero_grad: _Optional[bool] = ..., after_optimizer_step: _Optional[int] = ..., step_first: _Optional[_Union[StepRequest, _Mapping]] = ..., input_requires_grad: _Optional[bool] = ..., eval_mode: _Optional[bool] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., keep_output: _Optional[bool] = ..., data: _Optional[_Union[DataRows, _Mapping]] = ...) -> None: ...
+
+class DataRows(_message.Message):
+    __slots__ = ("format", "field", "spans")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    field: str
+    spans: _containers.RepeatedCompositeFieldContainer[DataSpan]
+    def __init__(self, format: _Optional[str] = ..., field: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[DataSpan, _Mapping]]] = ...) -> None: ...
+
+class DataSpan(_message.Message):
+    __slots__ = ("url", "rows")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, url: _Optional[str] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("microbatches", "schedule")
@@ -679,16 +699,18 @@ class Flush(_message.Message):
     def __init__(self, optimizer_step: _Optional[int] = ..., stats: _Optional[bool] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ...) -> None: ...
 
 class LossTarget(_message.Message):
-    __slots__ = ("key", "loss", "rows", "batch_rows")
+    __slots__ = ("key", "loss", "rows", "batch_rows", "data")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     loss: LossSpec
     rows: int
     batch_rows: int
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., rows: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    data: DataRows
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., rows: _Optional[int] = ..., batch_rows: _Optional[int] = ..., data: _Optional[_Union[DataRows, _Mapping]] = ...) -> None: ...
 
 class StepLoss(_message.Message):
     __slots__ = ("key", "loss")
@@ -699,12 +721,14 @@ class StepLoss(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class TensorKey(_message.Message):
-    __slots__ = ("key", "name")
+    __slots__ = ("key", "name", "data")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     name: str
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    data: DataRows
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ..., data: _Optional[_Union[DataRows, _Mapping]] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
     __slots__ = ("open", "forward", "backward", "step", "flush", "residual", "residual_gradient", "output", "backward_done", "error", "target", "loss", "tied_gradient", "run_done", "tensor")
