@@ -103,8 +103,15 @@ class Slurm:
         wait_until(lambda: (d / "munge.socket").exists(), 10, "munged's socket")
         self._daemon("slurmctld", "-D", "-i")
         self._daemon("slurmd", "-D", "-N", "localhost")
-        wait_until(lambda: self.command("sinfo", "-h", "-N", "-o", "%T").stdout.strip() == "idle", 30,
-                   "the node idle")
+        try:
+            wait_until(lambda: self.command("sinfo", "-h", "-N", "-o", "%T").stdout.strip() == "idle", 30,
+                       "the node idle")
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n{self.logs()}") from None
+
+    def logs(self) -> str:
+        """The end of each daemon's log, for a failure's message."""
+        return "\n".join(f"--- {log.name}\n{log.read_text()[-1500:]}" for log in sorted(self.directory.glob("*.log")))
 
     def _daemon(self, name: str, *args: str) -> None:
         log = open(self.directory / f"{name}.out", "w")
@@ -181,8 +188,12 @@ def test_the_batch_script_trains_the_demo_on_a_slurm_job(slurm, tmp_path):
         str(SCRIPT), "--steps", "60", cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
-    wait_until(lambda: slurm.job_state(job).get("JobState") in FINISHED, 120, f"job {job} finished")
-    state, output = slurm.job_state(job), (tmp_path / "job.out").read_text()
+    try:
+        wait_until(lambda: slurm.job_state(job).get("JobState") in FINISHED, 100, f"job {job} finished")
+    finally:
+        output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else "(no output)"
+        print(output[-3000:])  # shown with a failure
+    state = slurm.job_state(job)
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), output[-3000:]
     ready = [json.loads(line) for line in output.splitlines() if line.startswith('{"event": "ready"')]
     assert sorted(item["service"] for item in ready) == ["coordinator", "shard", "shard"], output[-3000:]
