@@ -1,4 +1,5 @@
-"""`shardtrain demo`: train the seed's residual model on a local 3-shard cluster and check it against one process."""
+"""`shardtrain demo`: train the seed's residual model on a local 3-shard cluster (or a running one, with
+--coordinator) and check it against one process."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def progress(step: int, total: int, loss: float, started: float) -> None:
 
 def train_distributed(cluster: Cluster, reference: LayerList, args) -> tuple[dict, list[float]]:
     """Deploys a copy of `reference`'s weights and trains it; returns the final weights and the losses."""
-    model = cluster.deploy(reference, optimizer=(torch.optim.Adam, {"lr": args.lr}))
+    model = cluster.deploy(reference, optimizer=(torch.optim.Adam, {"lr": args.lr}), num_stages=args.shards)
     print("\nwhere each layer runs:")
     for placement in model.placements:
         for offset, layer in enumerate(placement.layers):
@@ -69,20 +70,43 @@ def train_locally(reference: LayerList, args) -> dict:
     return reference.state_dict()
 
 
+def demo_parser() -> argparse.ArgumentParser:
+    """The flags of `shardtrain demo`."""
+    parser = argparse.ArgumentParser(prog="shardtrain demo", description=__doc__)
+    parser.add_argument("--shards", type=int, default=3,
+                        help="shards to train on (default 3): started locally, or waited for at --coordinator")
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per step (default 32)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    parser.add_argument("--coordinator", default="",
+                        help="host:port of a running coordinator to train on, with the token and TLS settings of "
+                             "the SHARDTRAIN_AUTH_TOKEN[_FILE] and SHARDTRAIN_TLS_* variables (default: start a "
+                             "local cluster on 127.0.0.1)")
+    parser.add_argument("--wait", type=float, default=120.0,
+                        help="with --coordinator: seconds to wait for --shards shards to register (default 120)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `shardtrain demo`."""
-    parser = argparse.ArgumentParser(prog="shardtrain demo", description=__doc__)
-    parser.add_argument("--shards", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = demo_parser().parse_args(sys.argv[1:] if argv is None else argv)
     torch.manual_seed(args.seed)
     reference = LayerList(TEST_RESIDUAL_SMALL)
-    print(f"starting a coordinator and {args.shards} shards on 127.0.0.1 ...")
-    with Cluster.local(num_shards=args.shards) as cluster:
-        trained, losses = train_distributed(cluster, reference, args)
+    if args.coordinator:
+        print(f"training on the cluster at {args.coordinator}: waiting for {args.shards} shards ...")
+        with Cluster.connect(args.coordinator) as cluster:
+            cluster.wait_for_shards(args.shards, timeout=args.wait)
+            trained, losses = train_distributed(cluster, reference, args)
+    else:
+        print(f"starting a coordinator and {args.shards} shards on 127.0.0.1 ...")
+        with Cluster.local(num_shards=args.shards) as cluster:
+            trained, losses = train_distributed(cluster, reference, args)
+    return report(reference, trained, losses, args)
+
+
+def report(reference: LayerList, trained: dict, losses: list[float], args) -> int:
+    """Prints the loss along the way and how far the weights are from one process's; 0 when they match."""
     checkpoints = sorted({0, len(losses) // 4, len(losses) // 2, 3 * len(losses) // 4, len(losses) - 1})
     print("loss: " + "  ".join(f"step {i}: {losses[i]:.5f}" for i in checkpoints))
     expected = train_locally(reference, args)

@@ -33,12 +33,20 @@ async def build_server(settings: ShardSettings, bind: str | None = None,
     by default); returns it, its port and servicer."""
     server = rpc.new_server(settings.security)
     port = rpc.bind(server, bind or settings.bind, settings.security)
-    servicer = ShardServicer(settings, settings.advertise or f"{_reachable_host(bind or settings.bind)}:{port}",
-                             device)
+    servicer = ShardServicer(settings, _advertised(settings.advertise, bind or settings.bind, port), device)
     rpc.add_service(server, servicer, rpc.SHARD_SERVICE)
     servicer.health = rpc.add_health(server, rpc.SHARD_SERVICE)
     await server.start()
     return server, port, servicer
+
+
+def _advertised(advertise: str, bind: str, port: int) -> str:
+    """The address peers reach this shard at: `advertise`, whose port 0 stands for the bound `port` (shards
+    that let the OS pick ports still advertise a host name), or else the bound host and port."""
+    if not advertise:
+        return f"{_reachable_host(bind)}:{port}"
+    host, _, advertised_port = advertise.rpartition(":")
+    return f"{host}:{port}" if advertised_port == "0" else advertise
 
 
 def _reachable_host(bind: str) -> str:

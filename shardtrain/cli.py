@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "coordinator": ("coordinator.server", "run the coordinator service"),
     "shard": ("shard_service.server", "run one shard service"),
-    "demo": ("client_sdk.demo", "train the seed's residual model on a local 3-shard cluster"),
+    "demo": ("client_sdk.demo", "train the seed's residual model on a local 3-shard cluster, or a running one"),
     "health": ("shardtrain.probe", "ask a coordinator or shard whether it serves (exit 0) or not (1)"),
 }
 

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shardtrain import logs
+from shardtrain import logs, slurm
 from shardtrain.errors import InvalidArgument
 from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
@@ -273,7 +273,8 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"),
                         help="host:port to serve on (default 127.0.0.1:0: loopback, a port the OS picks)")
     parser.add_argument("--advertise", default=_env(env, "ADVERTISE"),
-                        help="host:port peers and clients use to reach this shard (default: the bound one)")
+                        help="host:port peers and clients use to reach this shard (default: the bound one; port 0 "
+                             "stands for the bound port)")
     parser.add_argument("--device", default=_env(env, "DEVICE", "cpu"), help="cpu, cuda or cuda:N")
     # String defaults: argparse converts them with `type`, so a bad variable is reported like a bad flag.
     parser.add_argument("--chunk-bytes", type=int, default=_env(env, "CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES)),
@@ -317,10 +318,27 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                         help="a directory or URL prefix (s3://bucket/train/) under which this shard reads training "
                              "data itself when a client names rows of it (DataSource); repeat for several "
                              "(SHARDTRAIN_DATA_ROOTS: comma-separated). Default: none, every such read is refused")
+    add_slurm_flags(parser, env)
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
     return parser
+
+
+def add_slurm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """--from-slurm and the ports it uses: a shard started by srun finds its place in SLURM's environment."""
+    parser.add_argument("--from-slurm", action="store_true",
+                        default=_env(env, "FROM_SLURM") in ("1", "true", "on"),
+                        help="take --bind, --advertise and --device from SLURM's environment, for a shard started "
+                             "by srun: listen on every interface, advertise SLURMD_NODENAME, compute on "
+                             "cuda:SLURM_LOCALID (cpu without CUDA); and, unless given, --coordinator: the first "
+                             "node of SLURM_JOB_NODELIST at --coordinator-port (or SHARDTRAIN_FROM_SLURM=1)")
+    parser.add_argument("--coordinator-port", type=_port, default=_env(env, "COORDINATOR_PORT", "50051"),
+                        help="with --from-slurm: the coordinator's port on the job's first node (default 50051)")
+    parser.add_argument("--port", type=_port, default=_env(env, "PORT", "50052"),
+                        help="with --from-slurm: the port of a node's first shard; the shard with SLURM_LOCALID n "
+                             "takes the port n after it (default 50052; 0: a port the OS picks for each, advertised "
+                             "as bound)")
 
 
 def _virtual_stages(text: str) -> int:
@@ -333,6 +351,8 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     """Parses `shardtrain shard` flags, with environment variables as defaults."""
     parser = shard_parser(os.environ if env is None else env)
     args = parser.parse_args(list(argv))
+    if args.from_slurm:
+        _place_from_slurm(parser, args, os.environ if env is None else env)
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
     from shardtrain.data import normalized_root  # imports fsspec: only for the shard's own flags
@@ -354,6 +374,19 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          log_level=args.log_level, log_format=args.log_format,
                          metrics_port=args.metrics_port, security=security_from(args, role="shard"),
                          timeouts=timeouts_from(args))
+
+
+def _place_from_slurm(parser: argparse.ArgumentParser, args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Fills the shard's coordinator, bind, advertise and device flags from SLURM's variables (--from-slurm)."""
+    import torch  # here only: the other commands that parse flags need no torch
+
+    try:
+        place = slurm.shard_place(env, args.coordinator_port, args.port, torch.cuda.device_count(),
+                                  ports_per_shard=args.virtual_stages)
+    except slurm.SlurmEnvironmentError as error:
+        parser.error(f"--from-slurm: {error}")
+    args.coordinator = args.coordinator or place.coordinator
+    args.bind, args.advertise, args.device = place.bind, place.advertise, place.device
 
 
 def coordinator_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
