@@ -39,7 +39,9 @@ class CoordinatorServicer:
         record = self.registry.register(request.address, request.device, request.memory_bytes, request.instance,
                                         request.device_group)
         metrics.registered_shards(len(self.registry.shards()))  # heartbeats keep it current as others expire
-        log.info("registered %s at %s (%s)", record.shard_id, record.address, record.device)
+        # A heartbeat registers again every few seconds: only a shard new at this address is worth a line.
+        log.log(logging.INFO if holder is None or holder.instance != request.instance else logging.DEBUG,
+                "registered %s at %s (%s)", record.shard_id, record.address, record.device)
         return coordinator_pb2.RegisterShardResponse(shard_id=record.shard_id)
 
     @boundary
