@@ -20,6 +20,7 @@ from client_sdk.io_loop import shared_loop
 from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
+from client_sdk.reports import DeploymentReport
 from client_sdk.transport import StageClients
 from shardtrain import auth, optim, wire
 from shardtrain.errors import InvalidArgument, Unavailable
@@ -117,6 +118,12 @@ class Cluster:
     def shards(self) -> list[coordinator_pb2.ShardInfo]:
         """The registered shards, in registration order."""
         return list(self._io.run(self._coordinator.call("ListShards", coordinator_pb2.ListShardsRequest())).shards)
+
+    def deployment(self) -> DeploymentReport:
+        """The deployment the coordinator shipped last, whoever deployed it: its stages' shards per replica and the
+        model's inputs and outputs (names, dtypes, shapes); NotFound before any deploy."""
+        request = coordinator_pb2.DescribeDeploymentRequest()
+        return DeploymentReport.from_message(self._io.run(self._coordinator.call("DescribeDeployment", request)))
 
     def wait_for_shards(self, count: int, timeout: float = 60.0) -> None:
         """Blocks until `count` shards have registered; Unavailable after `timeout` seconds."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardtrain.v1 import shard_pb2
+from shardtrain import wire
+from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 
 @dataclass(frozen=True)
@@ -27,3 +28,37 @@ class ShardReport:
                    stage=message.stage, layer_indexes=tuple(message.layer_indexes),
                    parameter_count=message.parameter_count, in_flight_steps=tuple(message.in_flight_steps),
                    flush_denormal=message.flush_denormal, instance=message.instance)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor the deployed model takes or returns: its name, dtype and shape (None where the size varies)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class DeploymentReport:
+    """The cluster's current deployment as its coordinator describes it (Cluster.deployment()): where each stage
+    of each replica runs, and what the model takes and returns."""
+
+    deployment_id: str
+    num_stages: int
+    replicas: int
+    stages: tuple[tuple[str, ...], ...]  # per replica, each stage's shard address
+    inputs: tuple[TensorInfo, ...]       # the main input first
+    outputs: tuple[TensorInfo, ...]      # the main output first
+
+    @classmethod
+    def from_message(cls, message: coordinator_pb2.DescribeDeploymentResponse) -> DeploymentReport:
+        stages = [[""] * message.num_stages for _ in range(message.replicas)]
+        for stage in message.stages:
+            stages[stage.replica][stage.stage] = stage.shard_address
+
+        def info(spec: coordinator_pb2.NamedTensorSpec) -> TensorInfo:
+            dtype = str(wire.torch_dtype(spec.dtype)).removeprefix("torch.")
+            return TensorInfo(spec.name, dtype, tuple(None if size < 0 else size for size in spec.shape))
+        return cls(message.deployment_id, message.num_stages, message.replicas, tuple(map(tuple, stages)),
+                   tuple(map(info, message.inputs)), tuple(map(info, message.outputs)))

@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain import auth, metrics, optim, partition, schedule
-from shardtrain.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, ShardtrainError
+from shardtrain import auth, metrics, optim, partition, schedule, wire
+from shardtrain.capture import CapturedProgram
+from shardtrain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                               ShardtrainError)
 from shardtrain.residuals import Wiring, route
 from shardtrain.rpc import SHARD_SERVICE, Peer, boundary
 from shardtrain.settings import CoordinatorSettings
@@ -30,6 +32,7 @@ class CoordinatorServicer:
         self.health = None  # the server's grpc.health.v1 status (set by build_server)
         # Per shard address: (the shard's instance, deployment id, secret) of the deployment shipped there last.
         self._owners: dict[str, tuple[str, str, str]] = {}
+        self._deployment: coordinator_pb2.DescribeDeploymentResponse | None = None  # the last deploy's, for anyone
 
     @boundary
     async def RegisterShard(self, request, context):
@@ -96,12 +99,20 @@ class CoordinatorServicer:
         log.info("deployed %s: %s", deployment_id,
                  [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines])
         stage_costs = [row[first:end] for row, (first, end) in zip(partition.rows(costs, len(ranges)), ranges)]
-        return coordinator_pb2.DeployResponse(deployment_id=deployment_id, deployment_secret=secret, cost_unit=unit,
-                                              stages=[
+        stages = [
             coordinator_pb2.StageAssignment(stage=p.stage, shard_id=p.shard.shard_id, shard_address=p.shard.address,
                                             first_layer=p.first_layer, end_layer=p.end_layer, replica=replica,
                                             cost=sum(stage_costs[p.stage]), layer_costs=stage_costs[p.stage])
-            for replica, pipeline in enumerate(pipelines) for p in pipeline])
+            for replica, pipeline in enumerate(pipelines) for p in pipeline]
+        self._deployment = _description(deployment_id, len(ranges), replicas, stages, layers, request)
+        return coordinator_pb2.DeployResponse(deployment_id=deployment_id, deployment_secret=secret, cost_unit=unit,
+                                              stages=stages)
+
+    @boundary
+    async def DescribeDeployment(self, request, context):
+        if self._deployment is None:
+            raise NotFound("nothing has been deployed through this coordinator since it started")
+        return self._deployment
 
     async def _check_owners(self, context, request, shards: list[ShardRecord]) -> None:
         """PermissionDenied when a shard the deploy takes holds a deployment whose client is still there (its SDK
@@ -280,3 +291,32 @@ def _check_layers(layers) -> None:
     indexes = [layer.index for layer in layers]
     if indexes != list(range(len(layers))):
         raise InvalidArgument(f"layers must be numbered 0..{len(layers) - 1} in order, got {indexes[:10]}")
+
+
+def _description(deployment_id: str, num_stages: int, replicas: int, stages: list, layers: list,
+                 request: coordinator_pb2.DeployRequest) -> coordinator_pb2.DescribeDeploymentResponse:
+    """What DescribeDeployment tells: the stages, and the model's inputs and outputs as the captured graphs take
+    and give them (read from the first layer, the layers that read the other inputs, and the last layer)."""
+    description = coordinator_pb2.DescribeDeploymentResponse(deployment_id=deployment_id, num_stages=num_stages,
+                                                             replicas=replicas, stages=stages)
+    try:
+        description.inputs.append(_named("input", CapturedProgram(layers[0].program).input_specs()[0]))
+        for name in request.inputs:
+            reader = next(layer for layer in layers if name in layer.dependencies)
+            spec = CapturedProgram(reader.program).input_specs()[1 + list(reader.dependencies).index(name)]
+            description.inputs.append(_named(name, spec))
+        last = CapturedProgram(layers[-1].program).output_specs()
+        description.outputs.append(_named("output", last[0]))
+        saved = list(layers[-1].out_variables)
+        for name in request.outputs:
+            description.outputs.append(_named(name, last[1 + saved.index(name)]))
+    except (ShardtrainError, StopIteration, IndexError, ValueError) as error:  # the shards ran it: describe less
+        log.warning("deployment %s: its inputs and outputs could not be read from its layers: %r", deployment_id,
+                    error)
+        del description.inputs[:], description.outputs[:]
+    return description
+
+
+def _named(name: str, spec) -> coordinator_pb2.NamedTensorSpec:
+    return coordinator_pb2.NamedTensorSpec(name=name, dtype=wire.dtype_code(spec.dtype),
+                                           shape=[-1 if size is None else size for size in spec.shape])

@@ -28,6 +28,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "CoordinatorService/ListShards": _READING,
     "CoordinatorService/Deploy": frozenset({CLIENT}),
     "CoordinatorService/PlanSchedule": frozenset({CLIENT}),
+    "CoordinatorService/DescribeDeployment": _READING,
     "ShardService/LoadStage": frozenset({SHARD}),
     "ShardService/ProfileLayers": frozenset({SHARD}),
     "ShardService/LoadState": frozenset({CLIENT}),

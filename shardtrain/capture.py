@@ -214,6 +214,16 @@ class CapturedProgram:
                 specs.append(InputSpec(_dtype(meta), tuple(size.get("as_int") for size in meta["sizes"])))
         return specs
 
+    def output_specs(self) -> list[InputSpec]:
+        """The outputs' dtypes and shapes (main output first, then the saved out_variables), in order."""
+        try:
+            outputs = self._tree["graph_module"]["signature"]["output_specs"]
+            names = [spec["user_output"]["arg"]["as_tensor"]["name"] for spec in outputs if "user_output" in spec]
+            return [InputSpec(_dtype(self._values[name]), tuple(size.get("as_int") for size in
+                                                                 self._values[name]["sizes"])) for name in names]
+        except (KeyError, TypeError, AttributeError, ValueError) as error:
+            raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
+
     def load(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> torch.nn.Module:
         """Rebuilds the layer around the given weights (Parameters and buffers, used as they are), making the
         tensors its operations create (an arange, a mask) on `device` rather than where it was captured."""

@@ -145,3 +145,33 @@ class PlanScheduleResponse(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageActions]
     def __init__(self, stages: _Optional[_Iterable[_Union[StageActions, _Mapping]]] = ...) -> None: ...
+
+class DescribeDeploymentRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamedTensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _tensor_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DescribeDeploymentResponse(_message.Message):
+    __slots__ = ("deployment_id", "num_stages", "replicas", "stages", "inputs", "outputs")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    num_stages: int
+    replicas: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    inputs: _containers.RepeatedCompositeFieldContainer[NamedTensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[NamedTensorSpec]
+    def __init__(self, deployment_id: _Optional[str] = ..., num_stages: _Optional[int] = ..., replicas: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ..., inputs: _Optional[_Iterable[_Union[NamedTensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[NamedTensorSpec, _Mapping]]] = ...) -> None: ...

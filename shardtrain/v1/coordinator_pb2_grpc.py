@@ -54,6 +54,11 @@ class CoordinatorServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleResponse.FromString,
                 _registered_method=True)
+        self.DescribeDeployment = channel.unary_unary(
+                '/shardtrain.v1.CoordinatorService/DescribeDeployment',
+                request_serializer=shardtrain_dot_v1_dot_coordinator__pb2.DescribeDeploymentRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.DescribeDeploymentResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -89,6 +94,14 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeDeployment(self, request, context):
+        """The deployment shipped last: its stages and where each runs, and the model's inputs and outputs, so that
+        a client that did not deploy it learns what to send where. NOT_FOUND before any deploy. Never the secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.PlanSchedule,
                     request_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleResponse.SerializeToString,
+            ),
+            'DescribeDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeDeployment,
+                    request_deserializer=shardtrain_dot_v1_dot_coordinator__pb2.DescribeDeploymentRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_coordinator__pb2.DescribeDeploymentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class CoordinatorService:
             '/shardtrain.v1.CoordinatorService/PlanSchedule',
             shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleRequest.SerializeToString,
             shardtrain_dot_v1_dot_coordinator__pb2.PlanScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.CoordinatorService/DescribeDeployment',
+            shardtrain_dot_v1_dot_coordinator__pb2.DescribeDeploymentRequest.SerializeToString,
+            shardtrain_dot_v1_dot_coordinator__pb2.DescribeDeploymentResponse.FromString,
             options,
             channel_credentials,
             insecure,
