@@ -110,5 +110,6 @@ def test_a_node_client_trains_a_deployed_model_over_tls_with_a_token_as_one_pyth
     assert largest_difference(dict(sorted(weights.items())), dict(sorted(local.state_dict().items()))) <= 1e-5
     with torch.no_grad():
         assert torch.allclose(tensor_of(answer["after"]), local(batches[0][0]), atol=1e-5)
-    assert answer["refused"] == {"no_token": "UNAUTHENTICATED", "no_secret": "PERMISSION_DENIED",
+    assert answer["refused"] == {"no_token": "UNAUTHENTICATED", "no_token_stage": "UNAUTHENTICATED",
+                                 "no_secret": "PERMISSION_DENIED",
                                  "plaintext": "UNAVAILABLE", "residual": "INVALID_ARGUMENT"}

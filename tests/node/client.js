@@ -32,7 +32,7 @@ const v1 = grpc.loadPackageDefinition(definition).shardtrain.v1;
 
 function metadata(token, secret) {
   const meta = new grpc.Metadata();
-  meta.set("authorization", `Bearer ${token}`);
+  if (token) meta.set("authorization", `Bearer ${token}`);
   if (secret) meta.set("shardtrain-deployment", secret);
   return meta;
 }
@@ -195,6 +195,8 @@ async function train(args, credentials, plain, owned) {
   // The same calls without what they need are refused: no token, no secret, no TLS.
   const refused = {
     no_token: await refusal(unary(coordinator, "ListShards", {}, new grpc.Metadata(), deadline())),
+    no_token_stage: await refusal(collect(first.ReadState({ deployment_id: args.deployment_id },
+                                                          metadata("", args.secret), deadline()))),
     no_secret: await refusal(collect(first.ReadState({ deployment_id: args.deployment_id }, plain, deadline()))),
     // Residuals go from stage to stage on their own: FetchTensor serves only "@output" and "@input_grad".
     residual: await refusal(collect(last.FetchTensor({ key: key(1), name: "skip" }, owned, deadline()))),
