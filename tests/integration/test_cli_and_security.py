@@ -23,6 +23,7 @@ from client_sdk.processes import LocalServices
 from shardtrain import errors, link, rpc, wire
 from shardtrain.settings import Security, security_env
 from shardtrain.v1 import coordinator_pb2, shard_pb2
+from tests.certificates import tls_security
 from tests.integration.test_local_links import established_on, listening_ports
 from tests.integration.training import (interrupted_script, largest_difference, regression_batches, train_locally,
                                         train_remotely)
@@ -132,15 +133,6 @@ def test_a_service_without_a_token_refuses_to_listen_beyond_loopback():
 def test_a_token_on_the_command_line_works_and_is_warned_about():
     started = serve_briefly("--bind", "0.0.0.0:0", "--auth-token", "visible-in-ps")
     assert '"ready"' in started.stdout and "--auth-token puts the token where every user" in started.stderr
-
-
-def tls_security(tmp_path) -> Security:
-    """A token and a self-signed certificate for 127.0.0.1 that every party trusts."""
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=shardtrain-test", "-addext",
-                    "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
-    return Security(token="t", tls_cert=str(cert), tls_key=str(key), tls_ca=str(cert))
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
