@@ -2,7 +2,8 @@
 with Forward, Backward and Step calls instead of Links.
 
 The Link loop sends what it would send the SDK (the last stage's output, the first stage's input gradient, the
-failure of either) to a CallOutbox for the steps a call started; FetchTensor hands them out from here."""
+failure of either) to a CallOutbox for the steps a call started, and keeps there the residuals a stage read in
+those steps; FetchTensor hands them out from here."""
 
 from __future__ import annotations
 
@@ -43,11 +44,18 @@ class CallOutbox:
     def _slot(key: shard_pb2.StepKey, name: str) -> tuple:
         return key.step, key.microbatch, name
 
-    async def fetch(self, key: shard_pb2.StepKey, name: str, timeout: float) -> torch.Tensor:
-        """The tensor `name` of a step, once its call's work got that far; the step's failure instead, raised."""
-        if name not in FETCHABLE:
-            raise errors.InvalidArgument(f"FetchTensor serves {' or '.join(map(repr, FETCHABLE))}, not {name!r}: "
-                                         "residuals go from stage to stage on their own")
+    def keep(self, key: shard_pb2.StepKey, name: str, tensor: torch.Tensor) -> None:
+        """Keeps residual `name` as this stage read it in a step a call started, for a client to look at."""
+        self._kept.put(self._slot(key, name), tensor)
+
+    async def fetch(self, key: shard_pb2.StepKey, name: str, timeout: float,
+                    residuals: tuple[str, ...] = ()) -> torch.Tensor:
+        """The tensor `name` of a step (an output, an input gradient, or one of the `residuals` this stage reads),
+        once its call's work got that far; the step's failure instead, raised."""
+        if name not in FETCHABLE and name not in residuals:
+            served = [*FETCHABLE, *residuals]
+            raise errors.InvalidArgument(f"FetchTensor here serves {', '.join(map(repr, served))}, not {name[:100]!r}: "
+                                         "a residual is fetched from a stage that reads it")
         what = f"{name!r} of step {key.step} micro-batch {key.microbatch}"
         kept = await self._kept.get(self._slot(key, name), timeout, what)
         if isinstance(kept, errors.ShardtrainError):

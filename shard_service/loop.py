@@ -694,6 +694,8 @@ class LinkedLoop:
             spec = stage.incoming_spec(name)
             if spec is not None:
                 spec.check(tensor, f"residual {name!r} from {source}")
+            if key.step in self._by_call:  # a client of the per-call RPCs may fetch it (FetchTensor)
+                self.calls.keep(key, name, tensor)
             incoming[name] = tensor
         return incoming
 

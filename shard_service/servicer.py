@@ -277,8 +277,9 @@ class ShardServicer:
     @boundary
     async def FetchTensor(self, request, context):
         self._owned(context, request.key.deployment_id)
-        tensor = await self.loop.calls.fetch(request.key, request.name, self.settings.timeouts.peer_wait)
-        kind = "activations" if request.name == OUTPUT else "gradients"
+        residuals = tuple(self.runtime.stage_for(request.key.deployment_id).residuals.incoming)
+        tensor = await self.loop.calls.fetch(request.key, request.name, self.settings.timeouts.peer_wait, residuals)
+        kind = "activations" if request.name == OUTPUT else "residuals" if request.name in residuals else "gradients"
         options = self.peers.options(request.shared_memory, kind)
         for frame in wire.tensor_frames(tensor, request.name, options, start=request.offset):
             yield frame

@@ -213,7 +213,8 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchTensor(self, request, context):
-        """Streams what a Forward or Backward call left: "@output" of the last stage, "@input_grad" of the first.
+        """Streams what a Forward or Backward call left: "@output" of the last stage, "@input_grad" of the first, or a
+        residual a stage read (by its name, from that stage).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -77,9 +77,9 @@ def test_a_node_client_gets_the_shards_a_forward_and_optimizer_state_exactly_as_
 @needs_openssl
 def test_a_node_client_trains_a_deployed_model_over_tls_with_a_token_as_one_python_process(node_client, tmp_path):
     """Forward, FetchTensor, Backward (the MSE gradient computed in JS) and Step per batch, on a model whose residual
-    crosses from stage 0 to stage 1; then ReadState of both stages. Losses, the input's gradient at step 1 and the
-    final weights are those of the same training in this process; calls without the token, the deployment secret
-    or TLS are refused, and so is a FetchTensor of the residual (residuals never leave the stages)."""
+    crosses from stage 0 to stage 1; then ReadState of both stages. Losses, the residual and the input's gradient
+    at step 1 and the final weights are those of the same training in this process; calls without the token, the
+    deployment secret or TLS are refused, and so is a FetchTensor of a name the stage does not have."""
     torch.manual_seed(6)
     reference = LayerList(SKIP_A_STAGE)
     batches = regression_batches(steps=4, batch=8, features=3)
@@ -94,6 +94,8 @@ def test_a_node_client_trains_a_deployed_model_over_tls_with_a_token_as_one_pyth
         answer = run_client(node_client, request)
 
     local = copy.deepcopy(reference)
+    with torch.no_grad():
+        skip = list(local.children())[0](batches[0][0])  # layer 0's output, which layer 4 reads on stage 1
     optimizer = torch.optim.SGD(local.parameters(), **sgd)
     losses, input_gradient = [], None
     for step, (x, y) in enumerate(batches, start=1):
@@ -106,10 +108,11 @@ def test_a_node_client_trains_a_deployed_model_over_tls_with_a_token_as_one_pyth
         input_gradient = x.grad if step == 1 else input_gradient
     assert answer["losses"] == pytest.approx(losses, abs=1e-5)
     assert torch.allclose(tensor_of(answer["input_gradient"]), input_gradient, atol=1e-6)
+    assert torch.allclose(tensor_of(answer["skip"]), skip, atol=1e-6)
     weights = {name: tensor_of(value) for name, value in answer["weights"].items()}
     assert largest_difference(dict(sorted(weights.items())), dict(sorted(local.state_dict().items()))) <= 1e-5
     with torch.no_grad():
         assert torch.allclose(tensor_of(answer["after"]), local(batches[0][0]), atol=1e-5)
     assert answer["refused"] == {"no_token": "UNAUTHENTICATED", "no_token_stage": "UNAUTHENTICATED",
                                  "no_secret": "PERMISSION_DENIED",
-                                 "plaintext": "UNAVAILABLE", "residual": "INVALID_ARGUMENT"}
+                                 "plaintext": "UNAVAILABLE", "unknown": "INVALID_ARGUMENT"}

@@ -120,7 +120,8 @@ def test_calls_to_the_wrong_stage_are_refused_at_once_and_training_goes_on(clust
         await calls.backward(1, pred.grad)
         with pytest.raises(errors.FailedPrecondition, match=r"Step goes to the first stage"):
             await calls.step(1, stage=2)
-        with pytest.raises(errors.InvalidArgument, match=r"FetchTensor serves '@output' or '@input_grad'"):
+        with pytest.raises(errors.InvalidArgument, match=r"FetchTensor here serves '@output', '@input_grad', 'skip', "
+                                                         r"not 'res_1': a residual is fetched from a stage that reads"):
             await rpc.fetch_tensor(calls.stages[-1], calls.key(1), "res_1")
         await calls.step(1)
         with pytest.raises(errors.FailedPrecondition, match="optimizer step 1 was settled already"):

@@ -157,6 +157,7 @@ async function train(args, credentials, plain, owned) {
 
   const losses = [];
   let inputGradient = null;
+  let skip = null;
   for (const [index, batch] of args.batches.entries()) {
     const step = index + 1;
     const x = float32s(batch.x);
@@ -165,6 +166,8 @@ async function train(args, credentials, plain, owned) {
                                    after_optimizer_step: String(step - 1), input_requires_grad: step === 1 },
                tensorChunk("activation", x, batch.x.shape), owned);
     const output = await fetchTensor(last, key(step), "@output", owned);
+    // The residual as the stage that reads it got it from stage 0 (kept for steps a call started).
+    if (step === 1) skip = await fetchTensor(last, key(step), "skip", owned);
     const out = float32s(output);
     const y = float32s(batch.y);
     if (out.length !== y.length) throw new Error(`output of ${out.length} values, target of ${y.length}`);
@@ -198,15 +201,15 @@ async function train(args, credentials, plain, owned) {
     no_token_stage: await refusal(collect(first.ReadState({ deployment_id: args.deployment_id },
                                                           metadata("", args.secret), deadline()))),
     no_secret: await refusal(collect(first.ReadState({ deployment_id: args.deployment_id }, plain, deadline()))),
-    // Residuals go from stage to stage on their own: FetchTensor serves only "@output" and "@input_grad".
-    residual: await refusal(collect(last.FetchTensor({ key: key(1), name: "skip" }, owned, deadline()))),
+    // A name the stage neither outputs nor reads.
+    unknown: await refusal(collect(last.FetchTensor({ key: key(1), name: "nothing" }, owned, deadline()))),
   };
   const insecure = new v1.CoordinatorService(args.coordinator, grpc.credentials.createInsecure());
   refused.plaintext = await refusal(unary(insecure, "ListShards", {}, plain, deadline()));
   insecure.close();
   coordinator.close();
   held.forEach((stage) => stage.close());
-  return { losses, input_gradient: inputGradient, after, weights, refused };
+  return { losses, input_gradient: inputGradient, skip, after, weights, refused };
 }
 
 async function main() {
