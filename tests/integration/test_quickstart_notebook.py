@@ -1,5 +1,5 @@
-"""examples/quickstart.ipynb runs top to bottom in a real Jupyter kernel: the loss falls, both figures are drawn and
-the checkpoint restores."""
+"""examples/quickstart.ipynb runs top to bottom in a real Jupyter kernel: the loss falls, both figures are drawn, the
+shards read a DataSource's batches and the checkpoint restores."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def test_the_quickstart_notebook_runs_and_draws_its_figures(tmp_path):
     printed = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for output in cell.outputs if output.output_type == "stream")
     assert "loss fell from" in printed and "restored on 2 stages: True" in printed
+    assert "2560 rows in 40 batches, read by the shards" in printed
     images = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
               if "image/png" in output.get("data", {})]
     assert len(images) == 2  # history.plot() and model.timeline().plot()
