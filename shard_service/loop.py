@@ -405,7 +405,7 @@ class LinkedLoop:
                 return  # another of the step's reads failed: the step failed here already
             item.ClearField("data")  # a forward's header goes on to the next stage, which reads nothing
             self._dispatch(end, message, tensor, verdict)
-        except errors.ShardtrainError as error:
+        except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
             if key.step in self._unread:
                 return
             self._unread.add(key.step)

@@ -21,7 +21,7 @@ import torch
 
 from shardtrain import checkpoint
 from shardtrain.errors import (DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                               ShardtrainError)
+                               ShardtrainError, Unavailable)
 from shardtrain.v1 import shard_pb2
 
 FORMATS = {".safetensors": "safetensors", ".npy": "npy"}
@@ -80,9 +80,9 @@ def inspect(fs, path: str, format: str) -> dict[str, Field]:
                 return _safetensors_fields(file, size, path)
             if format == "npy":
                 return {"": _npy_field(file, size, path)}
-    except FileNotFoundError:
-        raise NotFound(f"data file {path[:200]!r} does not exist") from None
-    except (OSError, ValueError) as error:
+    except OSError as error:
+        raise storage_error(error, f"data file {path[:200]!r}") from None
+    except ValueError as error:
         raise DataLoss(f"data file {path[:200]!r} could not be read: {error}") from None
     raise InvalidArgument(f"data format {format[:40]!r} is not one of {sorted(FORMATS.values())}")
 
@@ -150,7 +150,7 @@ class HeaderCache:
         return found
 
 
-def field_of(fields: dict[str, Field], rows: DataRowsLike, url: str) -> Field:
+def field_of(fields: dict[str, Field], rows: shard_pb2.DataRows, url: str) -> Field:
     """The field a DataRows names in a file's fields (an .npy file's only one)."""
     if rows.format == "npy":
         return fields[""]
@@ -160,10 +160,7 @@ def field_of(fields: dict[str, Field], rows: DataRowsLike, url: str) -> Field:
     return fields[rows.field]
 
 
-DataRowsLike = shard_pb2.DataRows
-
-
-def describe(rows: DataRowsLike, cache: HeaderCache) -> tuple[torch.dtype, tuple[int, ...], int]:
+def describe(rows: shard_pb2.DataRows, cache: HeaderCache) -> tuple[torch.dtype, tuple[int, ...], int]:
     """(dtype, shape, bytes) of the tensor a DataRows stands for, from the files' headers; InvalidArgument for
     rows outside a file or files whose fields disagree."""
     if rows.format not in FORMATS.values():
@@ -191,7 +188,7 @@ def describe(rows: DataRowsLike, cache: HeaderCache) -> tuple[torch.dtype, tuple
     return dtype, (count, *row_shape), numel * torch.empty(0, dtype=dtype).element_size()
 
 
-def read(rows: DataRowsLike, cache: HeaderCache) -> torch.Tensor:
+def read(rows: shard_pb2.DataRows, cache: HeaderCache) -> torch.Tensor:
     """The tensor a DataRows stands for: each span's rows from its file, fetched as byte ranges (adjacent rows as
     one, every range of a filesystem in one concurrent call), in the order the spans give them."""
     describe(rows, cache)  # every file's header and every row checked before a byte of data is fetched
@@ -211,10 +208,8 @@ def read(rows: DataRowsLike, cache: HeaderCache) -> torch.Tensor:
         try:
             fetched[key] = list(fs.cat_ranges([r[0] for r in ranges], [r[1] for r in ranges],
                                               [r[2] for r in ranges], on_error="raise"))
-        except FileNotFoundError as error:
-            raise NotFound(f"data file missing: {error}") from None
         except OSError as error:
-            raise DataLoss(f"data files could not be read: {error}") from None
+            raise storage_error(error, f"data rows of {rows.field!r}") from None
     pieces, taken = [], {key: 0 for key in fetched}
     for field, fs, count, distinct, position in plans:
         start = taken[id(fs)]
@@ -227,6 +222,16 @@ def read(rows: DataRowsLike, cache: HeaderCache) -> torch.Tensor:
             .reshape(-1, *field.row_shape) if data else torch.empty(0, *field.row_shape, dtype=field.dtype)
         pieces.append(rows_read[position])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def storage_error(error: BaseException, what: str) -> ShardtrainError:
+    """The status for a storage client's failure: a missing file NOT_FOUND, a refusal PERMISSION_DENIED, the rest
+    (network, throttling, a client library's own errors) UNAVAILABLE: another try may work."""
+    if isinstance(error, FileNotFoundError):
+        return NotFound(f"{what}: no such file ({error})")
+    if isinstance(error, PermissionError):
+        return PermissionDenied(f"{what}: the storage refused this process ({error}); check its credentials")
+    return Unavailable(f"{what}: reading failed: {type(error).__name__}: {error}")
 
 
 def _runs(sorted_rows: Sequence[int]) -> list[tuple[int, int]]:
@@ -273,24 +278,25 @@ def check_allowed(url: str, roots: Sequence[str]) -> None:
 
 
 class Reader:
-    """A shard's reads of DataRows: confined to its data roots, headers cached, one read at a time per worker."""
+    """A shard's reads of DataRows: confined to its data roots, headers cached."""
 
     def __init__(self, roots: Sequence[str]):
         self.roots = [normalized_root(root) for root in roots]
         self._cache = HeaderCache()
 
-    def describe(self, rows: DataRowsLike) -> tuple[torch.dtype, tuple[int, ...], int]:
+    def describe(self, rows: shard_pb2.DataRows) -> tuple[torch.dtype, tuple[int, ...], int]:
         """What the rows will be (dtype, shape, bytes), after every URL was checked against the data roots."""
-        for span in rows.spans:
-            check_allowed(span.url, self.roots)
-        return describe(rows, self._cache)
+        return self._confined(describe, rows)
 
-    def read(self, rows: DataRowsLike) -> torch.Tensor:
+    def read(self, rows: shard_pb2.DataRows) -> torch.Tensor:
+        return self._confined(read, rows)
+
+    def _confined(self, work, rows: shard_pb2.DataRows):
         for span in rows.spans:
             check_allowed(span.url, self.roots)
         try:
-            return read(rows, self._cache)
+            return work(rows, self._cache)
         except ShardtrainError:
             raise
-        except Exception as error:  # noqa: BLE001 - a storage client's own error, named for the caller
-            raise DataLoss(f"reading rows of {rows.field!r} failed: {type(error).__name__}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - a storage client's own error (botocore's), named for the caller
+            raise storage_error(error, f"data rows of {rows.field!r}") from None
