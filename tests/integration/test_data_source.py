@@ -18,7 +18,7 @@ from torch import nn
 
 from client_sdk import Cluster, DataSource
 from shardtrain.checkpoint import write_safetensors
-from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from shardtrain.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from tests.integration.test_metrics import scrape, total
 from tests.integration.test_whole_models import gpt, token_batches
 from tests.integration.training import largest_difference
@@ -113,6 +113,15 @@ def test_replicas_read_their_shares_from_s3_and_train_as_if_fed_from_the_client(
     assert len(history.losses) == 12 and history.losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
     assert largest_difference(fed.state_dict(), trained) <= 1e-5
     assert history.losses[-1] < history.losses[0]
+
+    # A file that goes away after the plan: the step fails NOT_FOUND on a shard, and nothing changes.
+    model = cluster.deploy(net(), optimizer=ADAM, num_stages=2, replicas=2)
+    planned = next(iter(DataSource(f"s3://{BUCKET}/train/", batch_size=100, seed=5)))
+    weights = model.state_dict()
+    s3.rm(f"{BUCKET}/train/part-1.safetensors")
+    with pytest.raises(NotFound, match="no such file"):
+        model.train_step(planned)
+    assert largest_difference(model.state_dict(), weights) == 0
 
 
 def test_a_model_of_several_inputs_reads_npy_files_and_computes_its_own_loss(cluster, local_root):
