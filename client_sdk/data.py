@@ -90,7 +90,7 @@ class DataSource:
         for field, urls in self._urls.items():
             per_file = []
             for url in urls:
-                found = files.field_of(self._cache.fields(url, self.format), self._rows_message(field, []), url)
+                found = files.field_of(self._cache.fields(url, self.format), self.format, field, url)
                 if kinds.setdefault(field, found).dtype != found.dtype or kinds[field].row_shape != found.row_shape:
                     raise InvalidArgument(f"field {field!r}: {url} holds {found.dtype} rows of "
                                           f"{list(found.row_shape)}, {urls[0]} {kinds[field].dtype} rows of "
@@ -135,12 +135,9 @@ class DataSource:
 
     def rows_message(self, field: str, rows: torch.Tensor) -> shard_pb2.DataRows:
         """The DataRows of `field` for these global rows: consecutive rows of one file as one span."""
-        return self._rows_message(field, rows.tolist())
-
-    def _rows_message(self, field: str, rows: list[int]) -> shard_pb2.DataRows:
         message = shard_pb2.DataRows(format=self.format, field=field)
         urls = self._urls[field]
-        for row in rows:
+        for row in rows.tolist():
             index = bisect.bisect_right(self.offsets, row) - 1
             if not message.spans or message.spans[-1].url != urls[index]:
                 message.spans.add(url=urls[index])

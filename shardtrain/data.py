@@ -9,6 +9,7 @@ rows as one range. A shard reads only under the directories and URL prefixes it 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -41,10 +42,7 @@ class Field:
 
     @property
     def row_bytes(self) -> int:
-        count = 1
-        for dim in self.row_shape:
-            count *= dim
-        return count * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.row_shape) * torch.empty(0, dtype=self.dtype).element_size()
 
 
 def filesystem(url: str):
@@ -150,14 +148,14 @@ class HeaderCache:
         return found
 
 
-def field_of(fields: dict[str, Field], rows: shard_pb2.DataRows, url: str) -> Field:
-    """The field a DataRows names in a file's fields (an .npy file's only one)."""
-    if rows.format == "npy":
+def field_of(fields: dict[str, Field], format: str, name: str, url: str) -> Field:
+    """Field `name` among a file's fields (an .npy file has only one, whatever the name)."""
+    if format == "npy":
         return fields[""]
-    if rows.field not in fields:
-        raise InvalidArgument(f"data file {url[:200]!r} has no tensor {rows.field[:100]!r}; it holds "
+    if name not in fields:
+        raise InvalidArgument(f"data file {url[:200]!r} has no tensor {name[:100]!r}; it holds "
                               f"{sorted(fields)[:20]}")
-    return fields[rows.field]
+    return fields[name]
 
 
 def describe(rows: shard_pb2.DataRows, cache: HeaderCache) -> tuple[torch.dtype, tuple[int, ...], int]:
@@ -167,25 +165,20 @@ def describe(rows: shard_pb2.DataRows, cache: HeaderCache) -> tuple[torch.dtype,
         raise InvalidArgument(f"data rows: format {rows.format[:40]!r} is not one of {sorted(FORMATS.values())}")
     if not 1 <= len(rows.spans) <= MAX_SPANS:
         raise InvalidArgument(f"data rows: 1 to {MAX_SPANS} spans are needed, got {len(rows.spans)}")
-    kind, count = None, 0
+    first, count = None, 0
     for span in rows.spans:
-        field = field_of(cache.fields(span.url, rows.format), rows, span.url)
-        if kind is None:
-            kind = (field.dtype, field.row_shape)
-        elif kind != (field.dtype, field.row_shape):
+        field = field_of(cache.fields(span.url, rows.format), rows.format, rows.field, span.url)
+        first = first or field
+        if (field.dtype, field.row_shape) != (first.dtype, first.row_shape):
             raise InvalidArgument(f"data rows of {rows.field!r}: {span.url[:200]!r} holds {field.dtype} rows of shape "
-                                  f"{list(field.row_shape)}, other files {kind[0]} rows of {list(kind[1])}")
+                                  f"{list(field.row_shape)}, other files {first.dtype} rows of {list(first.row_shape)}")
         if any(not 0 <= row < field.rows for row in span.rows):
             raise InvalidArgument(f"data rows: {span.url[:200]!r} has rows 0..{field.rows - 1}; asked for "
                                   f"{[r for r in span.rows if not 0 <= r < field.rows][:5]}")
         count += len(span.rows)
     if not 1 <= count <= MAX_ROWS:
         raise InvalidArgument(f"data rows: 1 to {MAX_ROWS} rows are needed, got {count}")
-    dtype, row_shape = kind
-    numel = count
-    for dim in row_shape:
-        numel *= dim
-    return dtype, (count, *row_shape), numel * torch.empty(0, dtype=dtype).element_size()
+    return first.dtype, (count, *first.row_shape), count * first.row_bytes
 
 
 def read(rows: shard_pb2.DataRows, cache: HeaderCache) -> torch.Tensor:
@@ -194,7 +187,7 @@ def read(rows: shard_pb2.DataRows, cache: HeaderCache) -> torch.Tensor:
     describe(rows, cache)  # every file's header and every row checked before a byte of data is fetched
     plans, wanted = [], {}
     for span in rows.spans:
-        field = field_of(cache.fields(span.url, rows.format), rows, span.url)
+        field = field_of(cache.fields(span.url, rows.format), rows.format, rows.field, span.url)
         fs, path = filesystem(span.url)
         order = torch.tensor(list(span.rows), dtype=torch.int64)
         unique, position = torch.unique(order, return_inverse=True)  # sorted; position: each row's place in it
