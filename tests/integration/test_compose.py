@@ -14,7 +14,6 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from client_sdk.processes import Service
 from shardtrain import errors
 from shardtrain.settings import security_from_env
 from tests.integration.training import largest_difference, regression_batches, train_locally, train_remotely
+from tests.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"
@@ -80,9 +80,7 @@ class ComposeHere:
     def address(self, service: str, port: int) -> str:
         """Where `service`'s container port `port` is reached here: a free port of 127.0.0.1, fixed once picked."""
         if (service, port) not in self.ports:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                self.ports[service, port] = probe.getsockname()[1]
+            self.ports[service, port] = free_port()
         return f"127.0.0.1:{self.ports[service, port]}"
 
     def mapped(self, service: str, text: str) -> str:

@@ -4,7 +4,6 @@ a read the shard refuses fails that step only."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from shardtrain.errors import FailedPrecondition, InvalidArgument, NotFound, Per
 from tests.integration.test_metrics import scrape, total
 from tests.integration.test_whole_models import gpt, token_batches
 from tests.integration.training import largest_difference
+from tests.ports import free_port
 
 BUCKET = "shardtrain-data"
 ADAM = (torch.optim.Adam, {"lr": 1e-2})
@@ -30,12 +30,6 @@ ADAM = (torch.optim.Adam, {"lr": 1e-2})
 def net() -> nn.Sequential:
     torch.manual_seed(4)
     return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 2))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

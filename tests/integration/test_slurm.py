@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from tests.ports import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "docker" / "slurm" / "shardtrain.sbatch"
 SBIN_PATH = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"  # where Debian puts the daemons
@@ -54,12 +56,6 @@ KillWait=10
 NodeName=localhost NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mib} State=UNKNOWN
 PartitionName=test Nodes=localhost Default=YES MaxTime=UNLIMITED State=UP
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def memory_mib() -> int:
