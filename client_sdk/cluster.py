@@ -234,7 +234,8 @@ class Cluster:
         distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
                                                 list(module.state_dict()), interface))
         # A non-persistent buffer (a mask, a rotary cache) is not in the state dict, but its stages need its value.
-        distributed.load_state_dict({**module.state_dict(), **layer_tools.non_persistent_buffers(module)})
+        distributed.load_state_dict({**module.state_dict(),
+                                     **layer_tools.held_beyond_state_dict(module, layers, request.layers)})
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
         distributed.train(module.training)

@@ -35,6 +35,7 @@ class Layer:
     description: str = ""                       # one line for model.placements (default: the module's repr)
     eval_module: torch.nn.Module | None = None  # its eval-mode graph, for a unit of a whole-model capture
     varying: tuple[tuple[int, ...], ...] | None = None  # per input, the dims that vary (default: the batch)
+    constants: tuple[tuple[str, torch.Tensor], ...] = ()  # tensors its forward makes, held as buffers, by key
 
     @property
     def cost(self) -> int:
@@ -89,7 +90,8 @@ def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
     if train.names != evaluation.names or shapes(train) != shapes(evaluation) or train.inputs != evaluation.inputs:
         raise InvalidArgument(f"{type(module).__name__} passes different values between its parts in training and "
                               "eval mode, so one cut cannot serve both; deploy it as an nn.Sequential")
-    layers = [Layer(m, w, "", name=n, description=d, eval_module=e, varying=v)
+    layers = [Layer(m, w, "", name=n, description=d, eval_module=e, varying=v,
+                    constants=tuple((k, t) for k, t in train.constants.items() if k in dict(m.named_buffers())))
               for m, w, n, d, e, v in zip(train.modules, train.wirings, train.names, train.descriptions,
                                           evaluation.modules, train.varying)]
     return layers, Interface(signature, tuple(train.inputs), tuple(train.outputs), tuple(train.leaves),
@@ -218,10 +220,15 @@ def warn_frozen(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                       stacklevel=4)
 
 
-def non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers the model's state_dict leaves out, by key."""
+def held_beyond_state_dict(module: torch.nn.Module, layers: Sequence[Layer],
+                           captured: Sequence[shard_pb2.CapturedLayer]) -> dict[str, torch.Tensor]:
+    """What the stages hold that the model's state_dict leaves out, by key: non-persistent buffers (a rotary
+    embedding's inv_freq, a mask) and tensors the forward makes; only those some stage's graph reads."""
     persistent = set(module.state_dict())
-    return {key: value for key, value in module.named_buffers(remove_duplicate=False) if key not in persistent}
+    held = {entry.model_key for layer in captured for entry in layer.state}
+    values = {key: value for key, value in module.named_buffers(remove_duplicate=False) if key not in persistent}
+    values.update(pair for layer in layers for pair in layer.constants)
+    return {key: value for key, value in values.items() if key in held}
 
 
 def tied_keys(module: torch.nn.Module) -> dict[str, str]:
@@ -257,7 +264,8 @@ def capture(layers: Sequence[Layer], x: torch.Tensor,
     with torch.no_grad():
         for index, layer in enumerate(layers):
             adapter = LayerAdapter(layer.module, layer.wiring.out_variables).train()
-            args = (x, *(saved[name] for name in layer.wiring.dependencies))
+            # contiguous, as they arrive on a shard: export's guards and strides describe the example's layout
+            args = tuple(a.contiguous() for a in (x, *(saved[name] for name in layer.wiring.dependencies)))
             with ModeReads(adapter) as reads:
                 result = adapter(*args)
             program, eval_program = _export(index, layer, adapter, args), b""

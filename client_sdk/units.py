@@ -1,13 +1,15 @@
 """Any module as layers: its whole forward captured once with torch.export, then cut at module boundaries.
 
-Each unit (a top-level submodule, or an item of a ModuleList, ModuleDict or Sequential, at any depth of containers)
-becomes one layer of the chain the shards run: the value passed on to the next unit travels as the layer's main
+Each unit (a submodule that holds no container of modules: a transformer block, an embedding, a head; the search
+descends through containers and through every module that holds one, so `transformer.h.3` of a GPT-2 or
+`model.layers.7` of a Llama is a unit) becomes one layer of the chain the shards run: the value passed on to the next unit travels as the layer's main
 input, every other value a later unit reads (int64 token ids, masks, skip connections) as a named residual. So
 cutting between any two units works for any tensors crossing the cut, with no second engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from collections.abc import Sequence
@@ -17,7 +19,9 @@ import sympy
 
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
 
+from client_sdk.modes import untouched
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import Wiring
 
@@ -38,16 +42,18 @@ class CutGraph:
     leaves: list         # the model's flat outputs: ("main", None), ("output", name) or ("constant", value)
     out_spec: object     # the pytree spec the flat outputs rebuild into (a tuple, a dict, one tensor)
     limits: dict[str, dict[int, int]] = field(default_factory=dict)  # per input, dims with a largest size
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors the forward makes, by their key
 
 
 def unit_names(module: torch.nn.Module) -> list[str]:
-    """The module paths a model can be cut between: its submodules, looking through containers."""
+    """The module paths a model can be cut between: its submodules, looking through containers and through every
+    module that holds a container (a GPT-2's `transformer`, a BERT's `bert.encoder`) down to the blocks."""
     names: list[str] = []
 
     def walk(prefix: str, parent: torch.nn.Module) -> None:
         for name, child in parent.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, _CONTAINERS):
+            if isinstance(child, _CONTAINERS) or _holds_container(child):
                 walk(path, child)
             else:
                 names.append(path)
@@ -55,12 +61,60 @@ def unit_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
+def _holds_container(module: torch.nn.Module) -> bool:
+    return any(isinstance(inner, _CONTAINERS) and len(inner) > 0 for inner in module.modules())
+
+
 def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes) -> torch.export.ExportedProgram:
     """The whole forward as one graph. torch's warning that an LSTM sets its flat weights during export is its own
-    business: the weights are the module's parameters all the same."""
+    business: the weights are the module's parameters all the same. Outputs of types torch cannot flatten (a
+    Hugging Face model's DynamicCache while training) come back as None, with one warning naming them."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*were assigned during export")
-        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+        try:
+            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+        except RuntimeError as error:
+            if "which is not a known type" not in str(error):
+                raise
+        dropped = unsendable_outputs(module, args, kwargs)
+        if not dropped:
+            raise RuntimeError("the model returns a value torch.export cannot flatten")
+        with _dropping(dropped.values()):
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+            signature = program.module_call_graph[0].signature
+            signature.out_spec = pytree.tree_structure(pytree.tree_unflatten(
+                [object() for _ in range(signature.out_spec.num_leaves)], signature.out_spec))
+    names = ", ".join(f"{path} ({kind.__name__})" for path, kind in dropped.items())
+    warnings.warn(f"{type(module).__name__} returns {names}, which cannot travel between processes; the deployed "
+                  "model returns None in its place (a cache is for generation: pass use_cache=False to not make it)",
+                  stacklevel=5)
+    return program
+
+
+def unsendable_outputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, type]:
+    """The model's outputs, by path, whose types torch's pytree does not know (one forward, leaving the model and
+    torch's random stream as they were)."""
+    with untouched(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        outputs = module(*args, **kwargs)
+    found = {}
+    for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:
+        if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
+            found[pytree.keystr(path) or "its output"] = type(leaf)
+    return found
+
+
+@contextlib.contextmanager
+def _dropping(kinds):
+    """Makes torch's pytree see `kinds` as holding nothing while the model is captured."""
+    added = [kind for kind in dict.fromkeys(kinds) if kind not in pytree.SUPPORTED_NODES]
+    for kind in added:
+        pytree.register_pytree_node(kind, lambda _value: ([], None), lambda _leaves, _context: None,
+                                    flatten_with_keys_fn=lambda _value: ([], None))
+    try:
+        yield
+    finally:
+        for kind in added:
+            pytree._deregister_pytree_node(kind)
 
 
 def cut(program: torch.export.ExportedProgram, module: torch.nn.Module) -> CutGraph:
@@ -82,13 +136,13 @@ class _Cutter:
         self.inputs: list[torch.fx.Node] = []
         nodes = {node.name: node for node in program.graph.nodes}
         for spec in signature.input_specs:
-            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                self.state[spec.arg.name] = spec.target
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                self.state[spec.arg.name] = spec.target  # a constant (a tensor the forward makes) as a buffer
             elif spec.kind == InputKind.USER_INPUT:
                 self.inputs.append(nodes[spec.arg.name])
             else:
-                raise InvalidArgument(f"the model holds a tensor {spec.target!r} that is neither a parameter nor a "
-                                      "buffer; register it with register_buffer so the shards receive it")
+                raise InvalidArgument(f"the model's forward takes {spec.target!r} ({spec.kind.name}), which a "
+                                      "deployment cannot hold; register it with register_buffer")
         if not self.inputs or not all(_is_tensor(node) for node in self.inputs):
             raise InvalidArgument("the model's inputs must be tensors (at least one), each its own argument")
         output = next(node for node in program.graph.nodes if node.op == "output")
@@ -166,7 +220,9 @@ class _Cutter:
                   if isinstance(leaf, torch.fx.Node) else ("constant", leaf) for leaf in self.leaves]
         return CutGraph(list(self.order), modules, wirings, varying, descriptions, [n.name for n in self.inputs],
                         list(self.output_names), leaves, self.program.call_spec.out_spec,
-                        {node.name: self._limits(node) for node in self.inputs})
+                        {node.name: self._limits(node) for node in self.inputs},
+                        {key: value for key, value in self.program.constants.items()
+                         if isinstance(value, torch.Tensor) and key in self.state.values()})
 
     def _limits(self, node: torch.fx.Node) -> dict[int, int]:
         """The dims of a model input that may not grow past a size (a sequence length's max in dynamic_shapes, or
@@ -244,11 +300,28 @@ class _UnitBuilder:
         self.env[node].meta = dict(node.meta)
 
     def copy(self, node: torch.fx.Node) -> None:
+        self._copy_written_inputs(node)
         self.env[node] = self.graph.node_copy(node, self.resolve)
         schema = getattr(node.target, "_schema", None)
         if schema is not None and schema.is_mutable and node.args and isinstance(node.args[0], torch.fx.Node) \
                 and node.args[0].name in self.cutter.state:
             self.written.add(self.cutter.state[node.args[0].name])  # a running statistic, a counter
+
+    def _copy_written_inputs(self, node: torch.fx.Node) -> None:
+        """An in-place operation on a value the unit receives (torchvision's `relu(inplace=True)` on a block's
+        input) writes into a copy: the unit's inputs belong to its caller, as they would in one process."""
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        for position, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+            copy = self.env.get(value) if isinstance(value, torch.fx.Node) else None
+            if copy is not None and copy.op == "placeholder":
+                clone = self.graph.call_function(torch.ops.aten.clone.default, (copy,))
+                clone.meta = dict(copy.meta)
+                self.env[value] = clone
 
     def finish(self, results: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
         values = [self.env[node] for node in results]

@@ -18,22 +18,12 @@ import torch
 from torch._export.serde import schema as export_schema
 from torch._export.serde import serialize as export_serde
 
-from shardtrain import operators
+from shardtrain import operators, propagation, symbolic
 from shardtrain.errors import InvalidArgument
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?")
 _OPERATOR = re.compile(r"torch\.ops\.aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operator\.[a-z_]+")
-# sympy's srepr of shape symbols, e.g. Symbol('s77', positive=True, integer=True); no dots or
-# underscores, so nothing can reach an attribute, and no powers or long numbers, so sympy cannot be
-# made to compute for minutes (Integer(9)**9**9**9).
-_SYMPY_TOKEN = re.compile(r"\s*(Symbol|Integer|Add|Mul|Max|Min|FloorDiv|Mod|CeilToInt|positive|integer|"
-                          r"GreaterThan|LessThan|StrictGreaterThan|StrictLessThan|Equality|Unequality|"
-                          r"nonnegative|True|False|'[a-z]\d{1,6}'|\d{1,12}|[()=,+\-/]|\*(?!\*))")
-# e.g. L['x'].size()[0] == L['res'].size()[0], L['x'].size()[1] >= 2, (12*L['x'].size()[0]) == (12*L['y'].size()[0])
-_GUARD_SIZE = r"L\['[A-Za-z_][A-Za-z0-9_]*'\](\[\d+\])?\.size\(\)\[\d+\]"
-_GUARD_TERM = rf"(\(?(\d+\*)?{_GUARD_SIZE}(\*\d+)?\)?|\d+)"
-_GUARD = re.compile(rf"{_GUARD_TERM} (==|>=|<=|!=|<|>) {_GUARD_TERM}")
 # Strings that only label things (dtype names, dialects, kinds): no quotes, spaces or brackets.
 _PLAIN = re.compile(r"[A-Za-z0-9_.:\-]*")
 _NAME_KEYS = {"name", "parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name",
@@ -110,7 +100,11 @@ def _check_string(key: str, value: str, path: str) -> None:
     if key == "target":
         ok = _OPERATOR.fullmatch(value) is not None
     elif key == "expr_str":
-        ok = _SYMPY_TOKEN.sub("", value).strip() == ""
+        try:
+            symbolic.check_expression(value)
+        except InvalidArgument as error:
+            raise InvalidArgument(f"captured program: {path}: {error}") from None
+        ok = True
     elif key in _NAME_KEYS:
         ok = _DOTTED.fullmatch(value) is not None
     elif key in _FREE_TEXT_KEYS:
@@ -164,9 +158,12 @@ def _parse_program(program: bytes) -> dict:
         raise InvalidArgument(f"captured program is not valid JSON: {str(error)[:200]}") from None
     if not isinstance(tree, dict) or "graph_module" not in tree:
         raise InvalidArgument("captured program has no graph_module")
-    for guard in tree.get("guards_code", []):
-        if not isinstance(guard, str) or _GUARD.fullmatch(guard) is None:
-            raise InvalidArgument(f"captured program: guard {str(guard)[:80]!r} is not a plain shape comparison")
+    guards = tree.get("guards_code", [])
+    if not isinstance(guards, list) or not all(isinstance(guard, str) for guard in guards):
+        raise InvalidArgument("captured program: guards_code must be a list of strings")
+    for guard in guards:
+        if len(guard) > MAX_STRING:
+            raise InvalidArgument(f"captured program: a guard of {len(guard)} characters; at most {MAX_STRING}")
     try:
         for node in tree["graph_module"]["graph"].get("nodes", []):
             node["metadata"] = {}  # stack traces and module paths are not needed to run, and not trusted
@@ -188,6 +185,7 @@ class CapturedProgram:
 
     def __init__(self, program: bytes):
         self._tree = _parse_program(program)
+        self.guards = [symbolic.Guard(text) for text in self._tree.get("guards_code", [])]
         try:
             graph_module = self._tree["graph_module"]
             self._values = graph_module["graph"]["tensor_values"]
@@ -233,9 +231,14 @@ class CapturedProgram:
         except Exception as error:  # the deserializer raises many types; all mean a bad program
             raise InvalidArgument(f"captured program does not load: {type(error).__name__}: {error}") from None
         _check_targets(exported)
+        propagation.check_shapes(exported.graph)
         if device is not None:
             _create_on(exported.graph_module, device)
-        return _without_input_checks(exported.module())
+        module = _without_input_checks(exported.module())
+        if self.guards:
+            check = symbolic.check_layer_inputs(self.guards)
+            module.register_forward_pre_hook(lambda _module, arguments: check(arguments))
+        return module
 
 
 _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
@@ -290,7 +293,7 @@ def _check_targets(exported: torch.export.ExportedProgram) -> None:
         if node.op == "call_function":
             target = node.target
             if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
-                why = operators.refusal(target._schema.name.removeprefix("aten::"), target._schema)
+                why = operators.refusal(target._schema.name.removeprefix("aten::"), target._schema, target.tags)
             else:
                 allowed = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
                 why = None if allowed in operators.ALLOWED_PYTHON else "is not an allowed operator"

@@ -113,8 +113,13 @@ class Scored(nn.Module):
         return {"y": y, "loss": ((y - target) ** 2).mean(), "rows": 3, "target": target}
 
 
+def test_a_tensor_the_forward_reads_that_is_no_buffer_travels_as_a_constant_of_its_layer():
+    layers, _ = whole_model_layers(Constant(), (torch.randn(3, 2),), {})
+    (key, value), = [pair for layer in layers for pair in layer.constants]
+    assert key == "scale" and torch.equal(value, torch.ones(2))
+
+
 @pytest.mark.parametrize("model, expected", [
-    (Constant(), "holds a tensor 'scale' that is neither a parameter nor a buffer; register it with register_buffer"),
     (Counter(), "changes buffer 'rows' in 'second' and reads it in 'first'; a buffer must be changed and read within "
                 "one submodule"),
 ])

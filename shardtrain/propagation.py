@@ -1,0 +1,67 @@
+"""Shapes checked before a program runs: every operator re-run on fake tensors must give what the program declares.
+
+A serialized program declares each value's dtype and (symbolic) shape. A hostile one can declare shapes its
+operators would never produce, so that a later operator reads past a tensor. Before a shard runs a program it
+re-runs every operator on fake tensors (no memory, no data) in the program's own shape environment: each
+result must agree with the declaration, and an operator whose meta kernel refuses its arguments is refused.
+An operator whose meta kernel cannot run on symbolic sizes (an LSTM) is left to its own argument checks when
+it runs: the rule of shardtrain/operators.py admits only operators that check them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses import fake_tensor
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true, sym_eq
+
+from shardtrain.errors import InvalidArgument
+
+
+# What fake tensors raise for an operator they cannot run here, as opposed to one that refuses its arguments.
+_UNCHECKABLE = (NotImplementedError, fake_tensor.UnsupportedOperatorException, fake_tensor.DynamicOutputShapeException,
+                fake_tensor.DataDependentOutputException, GuardOnDataDependentSymNode)
+
+
+def check_shapes(graph: torch.fx.Graph) -> None:
+    """InvalidArgument naming the first node whose recomputed dtype or shape differs from its declared one."""
+    declared = [node.meta.get("val") for node in graph.nodes]
+    mode = detect_fake_mode([value for value in declared if isinstance(value, torch.Tensor)])
+    if mode is None:
+        return  # a graph without tensors computes nothing to check
+    with mode:
+        for node in graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                _check_node(node)
+
+
+def _check_node(node: torch.fx.Node) -> None:
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+    try:
+        result = node.target(*args, **kwargs)
+    except _UNCHECKABLE:
+        return
+    except Exception as error:  # a meta kernel refusing its arguments raises whatever it raises
+        if "symbolic sizes" in str(error):
+            return
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise InvalidArgument(f"captured program: {node.target} ({node.name}) refuses the shapes the program "
+                              f"gives it: {first}") from None
+    want = node.meta.get("val")
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    wants = want if isinstance(want, (tuple, list)) else (want,)
+    for got, expected in zip(results, wants):
+        if isinstance(expected, torch.Tensor) and not _agrees(got, expected):
+            raise InvalidArgument(f"captured program: {node.target} ({node.name}) computes "
+                                  f"{_describe(got)} where the program declares {_describe(expected)}")
+
+
+def _agrees(got, expected: torch.Tensor) -> bool:
+    return isinstance(got, torch.Tensor) and got.dtype == expected.dtype and got.dim() == expected.dim() and all(
+        statically_known_true(sym_eq(a, b)) for a, b in zip(got.shape, expected.shape))
+
+
+def _describe(value) -> str:
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
