@@ -89,6 +89,9 @@ class Stage:
                 home = source.tied.get(key, key)
                 tensor = self._tensors.get(home)  # tied weights: one tensor under every key
                 if tensor is None:
+                    if spec.is_parameter and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
+                        raise InvalidArgument(f"layer {source.index}: parameter {key!r} is declared {spec.dtype}; a "
+                                              "parameter that trains is floating-point or complex")
                     tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
                     if spec.is_parameter:
                         tensor = torch.nn.Parameter(tensor, requires_grad=key not in source.frozen)
@@ -217,6 +220,11 @@ class Stage:
     def _run(self, layers: list[torch.nn.Module], x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
         try:
             return run_chain(layers, self._wirings, x, saved)
+        except InvalidArgument as error:  # a layer's guard refusing its inputs
+            raise InvalidArgument(f"stage {self.index}: {error}") from None
+        except IndexError as error:  # an operator's own bounds check on the data (a token id past the embedding)
+            raise InvalidArgument(f"stage {self.index} (layers {self.layer_indexes[0]}-{self.layer_indexes[-1]}): "
+                                  f"the data is out of range: {error}") from None
         except Exception as error:  # a layer failing on its data: report which stage and layers
             raise InternalError(f"stage {self.index} (layers {self.layer_indexes[0]}-{self.layer_indexes[-1]}) "
                                 f"failed: {type(error).__name__}: {error}") from None
