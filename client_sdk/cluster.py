@@ -226,6 +226,8 @@ class Cluster:
         for previous in self._models:  # shards hold one deployment at a time: the previous one's calls end first
             previous._settle()
         response = self._io.run(self._deploy_call(request))
+        if not (num_stages or split_points or layers_per_stage):
+            self._warn_idle(response, len(request.layers), replicas)
         self._close_models()  # only now: a deploy the coordinator refused leaves the previous model training
         # torch.optim numbers its state by this order: the groups', or net.parameters()'
         parameter_keys = [key for group in spec.groups for key in group.parameters] or \
@@ -258,6 +260,16 @@ class Cluster:
         response = await self._deploy_call(again)
         handle = await self._handle(response, request.layers, *handle_arguments)
         return handle._trainer.replicas, handle
+
+    def _warn_idle(self, response: coordinator_pb2.DeployResponse, layer_count: int, replicas: int) -> None:
+        """Warns when a default deploy leaves shards (beyond the spares) without a stage, saying why."""
+        used = len({stage.shard_address for stage in response.stages})
+        idle = len(self.shards()) - self.spares - used
+        if idle > 0:
+            why = (f"the model has {layer_count} parts to cut between" if layer_count * replicas < used + idle
+                   else "a stage of every shard would not balance better")
+            warnings.warn(f"the deployment uses {used} of {used + idle} shards and leaves {idle} idle: {why}; "
+                          "num_stages= or split_points= choose the stages", stacklevel=3)
 
     async def _deploy_call(self, request: coordinator_pb2.DeployRequest) -> coordinator_pb2.DeployResponse:
         """Deploy, carrying the secret of this client's last deployment, which the new one may replace."""

@@ -101,7 +101,7 @@ def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
 def _cut(module: torch.nn.Module, args: tuple, kwargs: dict, spec: dict) -> units.CutGraph:
     """The module, in the mode it is in, captured whole and cut into units."""
     try:
-        program = units.export_model(module, args, kwargs, spec)
+        program = units.export_model(module, args, kwargs, spec, warn=module.training)
     except Exception as error:  # export reports unsupported code in many exception types
         mode = "training" if module.training else "eval"
         raise InvalidArgument(f"{type(module).__name__} cannot be captured with torch.export in {mode} "

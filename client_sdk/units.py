@@ -65,7 +65,8 @@ def _holds_container(module: torch.nn.Module) -> bool:
     return any(isinstance(inner, _CONTAINERS) and len(inner) > 0 for inner in module.modules())
 
 
-def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes) -> torch.export.ExportedProgram:
+def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes,
+                 warn: bool = True) -> torch.export.ExportedProgram:
     """The whole forward as one graph. torch's warning that an LSTM sets its flat weights during export is its own
     business: the weights are the module's parameters all the same. Outputs of types torch cannot flatten (a
     Hugging Face model's DynamicCache while training) come back as None, with one warning naming them."""
@@ -85,9 +86,10 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
             signature.out_spec = pytree.tree_structure(pytree.tree_unflatten(
                 [object() for _ in range(signature.out_spec.num_leaves)], signature.out_spec))
     names = ", ".join(f"{path} ({kind.__name__})" for path, kind in dropped.items())
-    warnings.warn(f"{type(module).__name__} returns {names}, which cannot travel between processes; the deployed "
-                  "model returns None in its place (a cache is for generation: pass use_cache=False to not make it)",
-                  stacklevel=5)
+    if warn:
+        warnings.warn(f"{type(module).__name__} returns {names}, which cannot travel between processes; the deployed "
+                      "model returns None in its place (a cache is for generation: pass use_cache=False to not make "
+                      "it)", stacklevel=5)
     return program
 
 
@@ -99,7 +101,8 @@ def unsendable_outputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> di
     found = {}
     for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:
         if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
-            found[pytree.keystr(path) or "its output"] = type(leaf)
+            name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+            found[name or "its output"] = type(leaf)
     return found
 
 

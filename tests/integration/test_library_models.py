@@ -143,3 +143,55 @@ def test_a_library_model_trains_with_a_pipelined_schedule_as_one_process(cluster
     expected = train_locally(local, batches, optimizer=SGD)
     assert losses == pytest.approx(expected, abs=TOLERANCE)
     assert largest_difference(remote.state_dict(), local.state_dict()) < (TOLERANCE, "")
+
+
+def test_gpt2_on_two_replicas_trains_with_train_step_as_one_process(cluster4):
+    local, batches = build("gpt2")
+    remote = deploy(cluster4, copy.deepcopy(local), batches, optimizer=SGD, replicas=2)
+    assert len({p.shard_address for p in remote.placements}) == 2  # 2 stages per replica, 4 shards
+    losses = [remote.train_step(batch, loss_output="loss", microbatches=2, schedule="1f1b") for batch in batches]
+    assert losses == pytest.approx(train_locally(local, batches, optimizer=SGD), abs=TOLERANCE)
+    state = remote.state_dict()
+    assert largest_difference(state, local.state_dict()) < (TOLERANCE, "")
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # still one tensor
+
+
+def test_gpt2_splits_where_its_blocks_start_and_evaluates_a_shorter_sequence_as_one_process(cluster4):
+    local, batches = build("gpt2")
+    sequence = torch.export.Dim("sequence", max=16)
+    dims = {"input_ids": {1: sequence}, "attention_mask": {1: sequence}, "labels": {1: sequence}}
+    remote = deploy(cluster4, copy.deepcopy(local), batches, split_points=["transformer.h.1", "transformer.h.2",
+                                                                           "transformer.h.3"], dynamic_shapes=dims)
+    assert [p.layers[0].split()[0] for p in remote.placements[1:]] == \
+        ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
+    short = {key: value[:, :5] for key, value in batches[0].items()}
+    local.eval()
+    remote.eval()
+    with torch.no_grad():
+        expected, got = local(**short), remote(**short)
+    assert got.logits.shape == (4, 5, 61)
+    assert (got.logits - expected.logits).abs().max() < TOLERANCE and abs(got.loss - expected.loss) < TOLERANCE
+
+
+def test_a_cache_the_model_returns_comes_back_as_none_with_one_warning(cluster4):
+    local, batches = build("gpt2")
+    assert local.config.use_cache  # the default: GPT-2 returns a DynamicCache
+    with pytest.warns(UserWarning, match=r"returns cache \(DynamicCache\).*use_cache=False"):
+        remote = cluster4.deploy(copy.deepcopy(local), example_kwargs=batches[0], num_stages=4)
+    output = remote(**batches[0])
+    assert output.past_key_values is None and output.logits.shape == (4, 12, 61)
+    remote.zero_grad()
+
+
+class TwoParts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_a_default_deploy_that_leaves_shards_idle_says_so(cluster4):
+    with pytest.warns(UserWarning, match="uses 2 of 4 shards and leaves 2 idle: the model has 2 parts"):
+        cluster4.deploy(TwoParts(), example_input=torch.randn(4, 3))
