@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from google.protobuf import message_factory
 
-from shardtrain import addresses, auth, codec, errors, health, metrics, shm, wire
+from shardtrain import addresses, auth, codec, enums, errors, health, metrics, shm, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -178,12 +178,19 @@ class Undecodable:
 
 
 def _tolerant(deserialize: Callable, servicer: Any, type_name: str) -> Callable:
+    """`deserialize`, returning Undecodable for bytes that do not parse and for an enum value its enum lacks."""
     def parse(raw: bytes) -> Any:
+        where = getattr(servicer, "location", "server")
         try:
-            return deserialize(raw)
+            request = deserialize(raw)
         except Exception as error:  # noqa: BLE001 - protobuf and the codec raise several types for bad bytes
-            return Undecodable(f"{getattr(servicer, 'location', 'server')}: a request of {len(raw)} bytes is not a "
-                               f"valid {type_name} ({type(error).__name__})")
+            return Undecodable(f"{where}: a request of {len(raw)} bytes is not a valid {type_name} "
+                               f"({type(error).__name__})")
+        try:
+            enums.check(request.message if isinstance(request, codec.Frame) else request)
+        except errors.InvalidArgument as error:
+            return Undecodable(f"{where}: {error}")
+        return request
     return parse
 
 
