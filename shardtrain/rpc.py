@@ -13,11 +13,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from google.protobuf import message_factory
 
-from shardtrain import addresses, auth, codec, enums, errors, health, metrics, shm, wire
+from shardtrain import addresses, auth, codec, enums, errors, metrics, shm, wire
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -159,15 +158,6 @@ def add_service(server: grpc.aio.Server, servicer: Any, service) -> None:
             handler, request_deserializer=_tolerant(deserialize, servicer, method.input_type.full_name),
             response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-
-
-def add_health(server: grpc.aio.Server, service) -> health.HealthServicer:
-    """Serves grpc.health.v1.Health beside `service` on `server`, and server reflection over both (tools such as
-    grpcurl list and describe them, with a token); the returned servicer reports their status."""
-    servicer = health.HealthServicer((service.full_name,))
-    add_service(server, servicer, health.SERVICE)
-    reflection.enable_server_reflection((service.full_name, health.SERVICE.full_name, reflection.SERVICE_NAME), server)
-    return servicer
 
 
 class Undecodable:

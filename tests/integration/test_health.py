@@ -4,16 +4,23 @@ reflection, for token holders."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client_sdk import Cluster
-from shardtrain import errors, health, probe, rpc
+from shardtrain import errors, probe, rpc
 from shardtrain.settings import Security
-from shardtrain.v1 import health_pb2
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def check(address: str, service: str) -> tuple[grpc.StatusCode, int]:
@@ -33,22 +40,44 @@ def test_the_coordinator_and_a_shard_answer_health_checks_without_a_token(own_cl
             check(cluster.address, ""), check(cluster.address, "shardtrain.v1.CoordinatorService"),
             check(shard, ""), check(shard, "shardtrain.v1.ShardService"), check(shard, "no.such.Service"))
     answers = cluster._io.run(probes())
-    assert answers[:4] == [(grpc.StatusCode.OK, health.SERVING)] * 4
+    assert answers[:4] == [(grpc.StatusCode.OK, SERVING)] * 4
     assert answers[4] == (grpc.StatusCode.NOT_FOUND, -1)
     with pytest.raises(errors.Unauthenticated, match="auth token"):  # the rest still takes the token
         Cluster.connect(cluster.address, security=Security())
 
 
-def test_watch_sends_the_status_then_each_change():
-    async def scenario() -> list[int]:
-        servicer = health.HealthServicer(("shardtrain.v1.ShardService",))
-        watch = servicer.Watch(health_pb2.HealthCheckRequest(service="shardtrain.v1.ShardService"), None)
-        first = await anext(watch)
-        later = asyncio.ensure_future(anext(watch))
-        await asyncio.sleep(0)
-        servicer.set_all(health.NOT_SERVING)
-        return [first.status, (await asyncio.wait_for(later, 5)).status]
-    assert asyncio.run(scenario()) == [health.SERVING, health.NOT_SERVING]
+@contextlib.contextmanager
+def coordinator_process():
+    """`shardtrain coordinator` on a loopback port the OS picks, as its own process; yields it and its address once
+    it says it is ready."""
+    process = subprocess.Popen(["shardtrain", "coordinator", "--bind", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield process, f"127.0.0.1:{json.loads(process.stdout.readline())['port']}"
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(30)
+
+
+def test_watch_sends_serving_then_not_serving_as_the_server_stops():
+    with coordinator_process() as (process, address), grpc.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="shardtrain.v1.CoordinatorService"), timeout=60)
+        assert next(watch).status == SERVING
+        process.send_signal(signal.SIGTERM)
+        assert next(watch).status == NOT_SERVING
+        assert process.wait(30) == 0
+
+
+@pytest.mark.parametrize("first, second", [("client_sdk", "grpc_health.v1.health_pb2"),
+                                           ("grpc_health.v1.health_pb2", "client_sdk")])
+def test_the_sdk_and_grpc_health_checking_import_into_one_process_in_either_order(first, second):
+    """Applications that serve standard health checks themselves can use the SDK, and the services' modules."""
+    imported = subprocess.run([sys.executable, "-c", f"import {first}, {second}, coordinator.server, "
+                                                     "shard_service.server"],
+                              capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0, imported.stderr[-2000:]
 
 
 async def reflect(address: str, security: Security, request: dict | None) -> list:
