@@ -13,7 +13,7 @@ from google.protobuf import descriptor as protobuf_descriptor
 from google.protobuf import message_factory
 from torch import nn
 
-from shardtrain import auth, rpc
+from shardtrain import auth, channels, rpc
 from shardtrain.v1 import coordinator_pb2, shard_pb2, tensor_pb2
 from tests.integration.training import trains_like_one_process
 
@@ -131,7 +131,7 @@ async def fuzz(targets, security, requests: Requests, secret: str = "") -> dict[
     metadata = auth.with_deployment(security.metadata, secret)
     seen: dict[tuple[str, str], set] = {}
     for address, service in targets:
-        channel = rpc.open_channel(address, security)
+        channel = channels.open_channel(address, security)
         try:
             for method in service.methods:
                 for _ in range(REQUESTS_PER_METHOD):
@@ -203,7 +203,7 @@ def test_undecodable_bytes_are_invalid_argument_naming_the_type_expected(cluster
                            else (cluster4.shards()[0].address, rpc.SHARD_SERVICE))
 
     async def send() -> tuple[grpc.StatusCode, str]:
-        channel = rpc.open_channel(address, cluster4.security)
+        channel = channels.open_channel(address, cluster4.security)
         try:
             return await call_raw(channel, descriptor, descriptor.methods_by_name[method], [b"\xff\xff\xff"],
                                   cluster4.security.metadata)
@@ -220,7 +220,7 @@ ROLES = ("LINK_ROLE_UNSPECIFIED (0), LINK_ROLE_INPUT (1), LINK_ROLE_OUTPUT (2), 
 async def call_once(cluster, address: str, method: str, request, metadata) -> tuple[grpc.StatusCode, str]:
     """One call of `method` on the coordinator or a shard at `address`, with `request` serialized as it is."""
     descriptor = rpc.COORDINATOR_SERVICE if address == cluster.address else rpc.SHARD_SERVICE
-    channel = rpc.open_channel(address, cluster.security)
+    channel = channels.open_channel(address, cluster.security)
     try:
         return await call_raw(channel, descriptor, descriptor.methods_by_name[method], [request.SerializeToString()],
                               metadata)
