@@ -33,13 +33,12 @@ import asyncio, json, sys, time
 import grpc
 from shardtrain.settings import Security
 from shardtrain import rpc
-from shardtrain.v1 import health_pb2, shard_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from shardtrain.v1 import shard_pb2
 
 async def main(address, token):
     channel = grpc.aio.insecure_channel(address)
-    check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    check = health_pb2_grpc.HealthStub(channel).Check
     peer = rpc.Peer("shard", address, rpc.SHARD_SERVICE, Security(token=token), 10)
     stop = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     health, describe = [], []

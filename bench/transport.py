@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from bench.transport_baselines import (TransferResult, default_repeats, peak_rss, reset_peak_rss,  # noqa: E402
                                        run_gloo, run_torch_rpc)
-from shardtrain import carrier, link, rpc, shm, wire  # noqa: E402
+from shardtrain import carrier, channels, link, rpc, shm, wire  # noqa: E402
 from shardtrain.lifecycle import keep_freed_memory  # noqa: E402
 from shardtrain.codec import Codec, Frame  # noqa: E402
 from shardtrain.settings import Security  # noqa: E402
@@ -154,7 +154,7 @@ class Sender:
 
     def __init__(self, address: str, device: str = "cpu", tls_ca: str = ""):
         self.device, self.address, self.tls_ca = device, address, tls_ca
-        self.channel = rpc.open_channel(address, Security())
+        self.channel = channels.open_channel(address, Security())
         self.channels = [self.channel]
         self.segments = shm.SegmentPool()
         self._control = self.channel.unary_unary(f"/{SERVICE}/Control")
@@ -192,7 +192,7 @@ class Sender:
     def _channel(self, index: int) -> grpc.aio.Channel:
         """Channel `index`: each its own TCP connection (a distinct option keeps grpc from sharing one)."""
         while len(self.channels) <= index:
-            options = [*rpc.CHANNEL_OPTIONS, ("shardtrain.bench.channel", len(self.channels))]
+            options = [*channels.CHANNEL_OPTIONS, ("shardtrain.bench.channel", len(self.channels))]
             self.channels.append(grpc.aio.insecure_channel(self.address, options=options))
         return self.channels[index]
 

@@ -23,7 +23,7 @@ async def build_server(settings: CoordinatorSettings,
     port = rpc.bind(server, address, settings.security)
     servicer = CoordinatorServicer(settings, f"{address.rsplit(':', 1)[0]}:{port}")
     rpc.add_service(server, servicer, rpc.COORDINATOR_SERVICE)
-    servicer.health = rpc.add_health(server, rpc.COORDINATOR_SERVICE)
+    servicer.health = await health.add_service(server, rpc.COORDINATOR_SERVICE)
     await server.start()
     return server, port, servicer
 
@@ -37,7 +37,7 @@ async def serve(settings: CoordinatorSettings) -> None:
     try:
         await server.wait_for_termination()
     finally:
-        servicer.health.set_all(health.NOT_SERVING)
+        await servicer.health.enter_graceful_shutdown()
         await server.stop(grace=1)
 
 

@@ -17,6 +17,7 @@ import datetime
 import hashlib
 import logging
 import os
+import socket
 import threading
 
 import torch
@@ -44,7 +45,9 @@ class GradientAverager:
         self.rank, self.size, self._host = rank, size, host
         self._timeout = datetime.timedelta(seconds=timeout)
         if rank == 0:
-            server = dist.TCPStore(host, 0, size, True, self._timeout, wait_for_workers=False)
+            listener = _listener(host)
+            server = dist.TCPStore(host, listener.getsockname()[1], size, True, self._timeout, wait_for_workers=False,
+                                   master_listen_fd=listener.detach())  # the store owns and closes the socket now
             self.hosted = f"{host}:{server.port}"
         else:
             store_host, port = rendezvous.rsplit(":", 1)
@@ -162,6 +165,22 @@ class _Bucket:
             size = parameter.numel()
             parameter.grad = self.flat[offset:offset + size].view_as(parameter).clone()
             offset += size
+
+
+def _listener(host: str) -> socket.socket:
+    """A socket bound to this replica's own address (`host`, as its peers reach it) on a port the OS picks, for the
+    rendezvous store: left to itself, TCPStore listens on every interface. gloo binds its pairs to the same host."""
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, protocol)
+        try:
+            listener.bind(address)
+        except OSError:
+            listener.close()
+            raise
+    except OSError as error:
+        raise Unavailable(f"replica 0: cannot serve the replicas' rendezvous store on {host}: {error}") from None
+    return listener
 
 
 def _buckets(parameters: list) -> list[_Bucket]:

@@ -35,7 +35,7 @@ async def build_server(settings: ShardSettings, bind: str | None = None,
     port = rpc.bind(server, bind or settings.bind, settings.security)
     servicer = ShardServicer(settings, _advertised(settings.advertise, bind or settings.bind, port), device)
     rpc.add_service(server, servicer, rpc.SHARD_SERVICE)
-    servicer.health = rpc.add_health(server, rpc.SHARD_SERVICE)
+    servicer.health = await health.add_service(server, rpc.SHARD_SERVICE)
     await server.start()
     return server, port, servicer
 
@@ -117,7 +117,7 @@ async def serve(settings: ShardSettings) -> None:
                 heartbeat.cancel()
     finally:
         for server, _, servicer in shards:
-            servicer.health.set_all(health.NOT_SERVING)
+            await servicer.health.enter_graceful_shutdown()
             await servicer.close()
             await server.stop(grace=1)
         device.close()

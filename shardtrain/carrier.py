@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy
 from google.protobuf.message import DecodeError
 
-from shardtrain import errors, shm
+from shardtrain import enums, errors, shm
 from shardtrain.codec import Frame
 from shardtrain.v1 import shard_pb2
 
@@ -79,6 +79,7 @@ def _head(body: memoryview, frame_size: int) -> tuple[shard_pb2.LinkMessage, int
         message = shard_pb2.LinkMessage.FromString(body[_PREFIX.size:_PREFIX.size + head_size])
     except DecodeError as error:
         raise errors.DataLoss(f"local link: a frame's message does not parse as a LinkMessage ({error})") from None
+    enums.check(message)  # as the gRPC stream's items are (rpc.add_service)
     return message, _PREFIX.size + head_size
 
 

@@ -1,46 +1,24 @@
-"""gRPC's health checking protocol (grpc.health.v1.Health) for the coordinator and the shards.
+"""gRPC's health checking protocol (grpc.health.v1.Health) on the coordinator and the shards, and server reflection.
 
-A server reports SERVING for itself ("") and for its service once it serves, and NOT_SERVING while it
-shuts down. Health calls need no token (auth.py): a probe learns only whether the server serves.
+The servicer and its messages are grpcio-health-checking's: protobuf holds one definition of grpc.health.v1 per
+process, so a copy of our own would break every program that also imports grpc_health. A server reports SERVING
+for itself ("") and for its service from the start, and NOT_SERVING for both once it shuts down
+(enter_graceful_shutdown). Health calls need no token (auth.py): a probe learns only whether the server serves.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
-
-from shardtrain.v1 import health_pb2
-
-SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 
-class HealthServicer:
-    """The serving status of a server and its services, answered to Check and streamed to Watch."""
-
-    def __init__(self, services: tuple[str, ...]):
-        self.location = "health"
-        self._status = {name: SERVING for name in ("", *services)}
-        self._changed = asyncio.Event()
-
-    def set_all(self, status: int) -> None:
-        """Sets every service's status (NOT_SERVING as the server shuts down); watchers hear at once."""
-        self._status = dict.fromkeys(self._status, status)
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def Check(self, request, context):
-        status = self._status.get(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"health: no service {request.service[:200]!r} here; "
-                                                           f"known: {sorted(self._status)}")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(self, request, context):
-        while True:
-            changed = self._changed
-            yield health_pb2.HealthCheckResponse(status=self._status.get(request.service, SERVICE_UNKNOWN))
-            await changed.wait()
+async def add_service(server: grpc.aio.Server, service) -> grpc_health.aio.HealthServicer:
+    """Serves grpc.health.v1.Health beside `service` on `server`, and server reflection over both (tools such as
+    grpcurl list and describe them, with a token); the returned servicer reports their status."""
+    servicer = grpc_health.aio.HealthServicer()
+    await servicer.set(service.full_name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection((service.full_name, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return servicer

@@ -1,4 +1,5 @@
-"""The gRPC edge every component shares: channels, servers, peers and the error boundary (auth.py checks tokens)."""
+"""The gRPC edge every component shares: servers, peers and the error boundary (channels.py opens channels,
+auth.py checks tokens)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,16 @@ import hmac
 import inspect
 import logging
 import os
-import pathlib
 import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from google.protobuf import message_factory
 
-from shardtrain import addresses, auth, codec, errors, health, metrics, shm, wire
+from shardtrain import addresses, auth, codec, enums, errors, metrics, shm, wire
+from shardtrain.channels import CHANNEL_OPTIONS, open_channel, read_pem
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -25,34 +25,6 @@ SHARD_SERVICE = shard_pb2.DESCRIPTOR.services_by_name["ShardService"]
 COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 
 log = logging.getLogger("shardtrain.rpc")
-
-# Control messages (a deploy carries every captured graph) can be large; tensors travel in
-# chunks far below this, so the limit only bounds what one message may allocate.
-MAX_MESSAGE_BYTES = 256 << 20
-# HTTP/2 flow control stays at grpc's defaults (BDP probing on): no option measured beat them
-# (docs/performance.md).
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-
-
-def _read(path: str) -> bytes:
-    return pathlib.Path(path).read_bytes()
-
-
-def open_channel(address: str, security: Security) -> grpc.aio.Channel:
-    """An aio channel to `address`, over TLS when security names a CA."""
-    if not security.tls_ca:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    options = list(CHANNEL_OPTIONS)
-    if security.tls_server_name:
-        options.append(("grpc.ssl_target_name_override", security.tls_server_name))
-    key, chain = (_read(security.tls_key), _read(security.tls_cert)) if security.tls_cert and security.tls_key \
-        else (None, None)  # a client certificate, for servers that ask for one (mutual TLS)
-    credentials = grpc.ssl_channel_credentials(root_certificates=_read(security.tls_ca), private_key=key,
-                                               certificate_chain=chain)
-    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 def tls_server_context(security: Security) -> ssl.SSLContext | None:
@@ -108,8 +80,8 @@ def bind(server: grpc.aio.Server, address: str, security: Security) -> int:
     if not security.tls_cert:
         port = server.add_insecure_port(address)
     else:
-        pair = [(_read(security.tls_key), _read(security.tls_cert))]
-        credentials = grpc.ssl_server_credentials(pair, root_certificates=_read(security.tls_ca)
+        pair = [(read_pem(security.tls_key), read_pem(security.tls_cert))]
+        credentials = grpc.ssl_server_credentials(pair, root_certificates=read_pem(security.tls_ca)
                                                   if security.tls_client_auth else None,
                                                   require_client_auth=security.tls_client_auth)
         port = server.add_secure_port(address, credentials)
@@ -161,15 +133,6 @@ def add_service(server: grpc.aio.Server, servicer: Any, service) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def add_health(server: grpc.aio.Server, service) -> health.HealthServicer:
-    """Serves grpc.health.v1.Health beside `service` on `server`, and server reflection over both (tools such as
-    grpcurl list and describe them, with a token); the returned servicer reports their status."""
-    servicer = health.HealthServicer((service.full_name,))
-    add_service(server, servicer, health.SERVICE)
-    reflection.enable_server_reflection((service.full_name, health.SERVICE.full_name, reflection.SERVICE_NAME), server)
-    return servicer
-
-
 class Undecodable:
     """What a request that did not parse becomes, so that its handler can refuse it with the right code."""
 
@@ -178,12 +141,19 @@ class Undecodable:
 
 
 def _tolerant(deserialize: Callable, servicer: Any, type_name: str) -> Callable:
+    """`deserialize`, returning Undecodable for bytes that do not parse and for an enum value its enum lacks."""
     def parse(raw: bytes) -> Any:
+        where = getattr(servicer, "location", "server")
         try:
-            return deserialize(raw)
+            request = deserialize(raw)
         except Exception as error:  # noqa: BLE001 - protobuf and the codec raise several types for bad bytes
-            return Undecodable(f"{getattr(servicer, 'location', 'server')}: a request of {len(raw)} bytes is not a "
-                               f"valid {type_name} ({type(error).__name__})")
+            return Undecodable(f"{where}: a request of {len(raw)} bytes is not a valid {type_name} "
+                               f"({type(error).__name__})")
+        try:
+            enums.check(request.message if isinstance(request, codec.Frame) else request)
+        except errors.InvalidArgument as error:
+            return Undecodable(f"{where}: {error}")
+        return request
     return parse
 
 

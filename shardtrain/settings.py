@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 
 from shardtrain import logs, slurm
 from shardtrain.errors import InvalidArgument
-from shardtrain.wire import DEFAULT_CHUNK_BYTES
 
 ENV_PREFIX = "SHARDTRAIN_"
+# 1 MiB chunks: per-message costs dominate small chunks, and big ones stall grpc's flow control and raise
+# peak memory (`python -m bench.transport --chunk-sweep`; docs/performance.md). Here rather than in wire.py,
+# which uses it too, so that reading flags imports no torch (`shardtrain health` stays light).
+DEFAULT_CHUNK_BYTES = 1 << 20
 
 log = logging.getLogger("shardtrain.settings")
 

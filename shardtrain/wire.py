@@ -20,11 +20,9 @@ import torch
 from shardtrain import compression, shm
 from shardtrain.codec import Frame
 from shardtrain.errors import DataLoss, InvalidArgument, ResourceExhausted
+from shardtrain.settings import DEFAULT_CHUNK_BYTES
 from shardtrain.v1 import tensor_pb2
 
-# 1 MiB chunks: per-message costs dominate small chunks, and big ones stall grpc's flow control and raise
-# peak memory (`python -m bench.transport --chunk-sweep`; docs/performance.md).
-DEFAULT_CHUNK_BYTES = 1 << 20
 # Hard cap on one received tensor, checked against the header before anything is allocated.
 MAX_TENSOR_BYTES = 1 << 40
 

@@ -13,8 +13,8 @@ from google.protobuf import descriptor as protobuf_descriptor
 from google.protobuf import message_factory
 from torch import nn
 
-from shardtrain import auth, rpc
-from shardtrain.v1 import coordinator_pb2, shard_pb2
+from shardtrain import auth, channels, rpc
+from shardtrain.v1 import coordinator_pb2, shard_pb2, tensor_pb2
 from tests.integration.training import trains_like_one_process
 
 REQUESTS_PER_METHOD = 150
@@ -76,8 +76,8 @@ class Requests:
         rng, kind = self.rng, field.type
         if kind == _TYPES.TYPE_MESSAGE:
             return self.message(message_factory.GetMessageClass(field.message_type), depth + 1)
-        if kind == _TYPES.TYPE_ENUM:
-            return rng.choice([v.number for v in field.enum_type.values])
+        if kind == _TYPES.TYPE_ENUM:  # now and then a number the enum does not define (proto3 keeps it)
+            return rng.choice([v.number for v in field.enum_type.values] + [len(field.enum_type.values), -1])
         if kind == _TYPES.TYPE_BOOL:
             return rng.random() < 0.5
         if kind == _TYPES.TYPE_STRING:
@@ -131,7 +131,7 @@ async def fuzz(targets, security, requests: Requests, secret: str = "") -> dict[
     metadata = auth.with_deployment(security.metadata, secret)
     seen: dict[tuple[str, str], set] = {}
     for address, service in targets:
-        channel = rpc.open_channel(address, security)
+        channel = channels.open_channel(address, security)
         try:
             for method in service.methods:
                 for _ in range(REQUESTS_PER_METHOD):
@@ -203,7 +203,7 @@ def test_undecodable_bytes_are_invalid_argument_naming_the_type_expected(cluster
                            else (cluster4.shards()[0].address, rpc.SHARD_SERVICE))
 
     async def send() -> tuple[grpc.StatusCode, str]:
-        channel = rpc.open_channel(address, cluster4.security)
+        channel = channels.open_channel(address, cluster4.security)
         try:
             return await call_raw(channel, descriptor, descriptor.methods_by_name[method], [b"\xff\xff\xff"],
                                   cluster4.security.metadata)
@@ -211,3 +211,43 @@ def test_undecodable_bytes_are_invalid_argument_naming_the_type_expected(cluster
             await channel.close()
     code, details = cluster4._io.run(send())
     assert code == grpc.StatusCode.INVALID_ARGUMENT and re.search(expected, details), (code, details)
+
+
+ROLES = ("LINK_ROLE_UNSPECIFIED (0), LINK_ROLE_INPUT (1), LINK_ROLE_OUTPUT (2), LINK_ROLE_NEXT (3), "
+         "LINK_ROLE_RESIDUAL (4), LINK_ROLE_TIED (5)")
+
+
+async def call_once(cluster, address: str, method: str, request, metadata) -> tuple[grpc.StatusCode, str]:
+    """One call of `method` on the coordinator or a shard at `address`, with `request` serialized as it is."""
+    descriptor = rpc.COORDINATOR_SERVICE if address == cluster.address else rpc.SHARD_SERVICE
+    channel = channels.open_channel(address, cluster.security)
+    try:
+        return await call_raw(channel, descriptor, descriptor.methods_by_name[method], [request.SerializeToString()],
+                              metadata)
+    finally:
+        await channel.close()
+
+
+def test_a_link_role_its_enum_lacks_is_invalid_argument_naming_the_field_and_the_roles(cluster4):
+    live = cluster4.deploy(nn.Sequential(nn.Linear(2, 1)))
+    opening = shard_pb2.LinkMessage(open=shard_pb2.LinkOpen(deployment_id=live.deployment_id, role=9, from_stage=-1))
+    metadata = auth.with_deployment(cluster4.security.metadata, live._clients.secret)
+    code, details = cluster4._io.run(call_once(cluster4, live.placements[0].shard_address, "Link", opening, metadata))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert f"LinkMessage.open.role is 9, which is no LinkRole; expected one of {ROLES}" in details
+    assert trains_like_one_process(cluster4, num_stages=1) <= 1e-5  # and the shard serves on
+
+
+@pytest.mark.parametrize("service, method, request_message, expected", [
+    ("shard", "ProfileLayers", shard_pb2.ProfileLayersRequest(layers=[shard_pb2.CapturedLayer(
+        example_inputs=[shard_pb2.TensorSpec(dtype=-1)])]),
+     "ProfileLayersRequest.layers[0].example_inputs[0].dtype is -1, which is no DType; expected one of "
+     "DTYPE_UNSPECIFIED (0), DTYPE_FLOAT32 (1)"),
+    ("coordinator", "Deploy", coordinator_pb2.DeployRequest(encodings=tensor_pb2.WireEncodings(gradients=4)),
+     "DeployRequest.encodings.gradients is 4, which is no Encoding; expected one of ENCODING_NONE (0)"),
+])
+def test_an_enum_value_its_enum_lacks_is_invalid_argument_naming_the_field_and_the_values(
+        cluster4, service, method, request_message, expected):
+    address = cluster4.address if service == "coordinator" else cluster4.shards()[0].address
+    code, details = cluster4._io.run(call_once(cluster4, address, method, request_message, cluster4.security.metadata))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and expected in details, (code, details)
