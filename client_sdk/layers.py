@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import json
 import os
 import traceback
 import warnings
@@ -16,7 +17,7 @@ from client_sdk import frozen, profile, units
 from client_sdk.interface import Interface
 from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
-from shardtrain.capture import LayerAdapter, capture_layer
+from shardtrain.capture import CapturedProgram, LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import Wiring, passed_on
 from shardtrain.v1 import shard_pb2
@@ -282,13 +283,52 @@ def capture(layers: Sequence[Layer], x: torch.Tensor,
 
 
 def _export(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[torch.Tensor, ...]) -> bytes:
+    what = layer.description or type(layer.module).__name__
     try:
-        return capture_layer(adapter, args, layer.varying)
+        program = capture_layer(adapter, args, layer.varying)
     except Exception as error:  # export reports unsupported code in many exception types
         mode = "training" if adapter.training else "eval"
-        what = layer.description or type(layer.module).__name__
         raise InvalidArgument(f"layer {index} ({what}) cannot be captured with torch.export in {mode} "
                               f"mode{_user_line(error)}: {_why(error)}") from None
+    try:
+        CapturedProgram(program)  # the shards' own checks, here, before anything is shipped
+    except InvalidArgument as error:
+        raise InvalidArgument(f"layer {index} ({what}): {error}{_located(program, layer, str(error))}") from None
+    return program
+
+
+def _located(program: bytes, layer: Layer, message: str) -> str:
+    """"; in MODULE at FILE:LINE (`code`)": where in the user's model the operator a refusal names was called, from
+    the capture's stack traces (the unit's own graph for a model captured whole, else the program's metadata)."""
+    nodes = json.loads(program)["graph_module"]["graph"]["nodes"]
+    node = next((n for n in nodes if n["target"] in message or n["target"].removeprefix("torch.ops.") in message),
+                None)
+    if node is None:
+        return ""
+    trace, path = node["metadata"].get("stack_trace", ""), node["metadata"].get("nn_module_stack", "")
+    path = path.split(";")[-1].split(",")[1].removeprefix("layer").lstrip(".") if path else ""
+    if isinstance(layer.module, torch.fx.GraphModule):  # a unit: its nodes keep the whole model's traces
+        target = node["target"].removeprefix("torch.ops.")
+        original = next((n for n in layer.module.graph.nodes if str(n.target) == target), None)
+        if original is not None:
+            trace = original.meta.get("stack_trace") or trace
+            stack = original.meta.get("nn_module_stack") or {}
+            path = next(reversed(stack.values()))[0] if stack else layer.name
+    return f"; in {path or layer.name or layer.prefix or 'the layer'}" + _frame_of(trace)
+
+
+def _frame_of(trace: str) -> str:
+    """ " at FILE:LINE (`code`)" for the deepest frame of a stack trace outside torch and this project."""
+    ours = (os.sep + "torch" + os.sep, os.sep + "client_sdk" + os.sep, os.sep + "shardtrain" + os.sep)
+    lines = trace.splitlines()
+    frames = [(i, line.strip()) for i, line in enumerate(lines) if line.strip().startswith('File "')]
+    frames = [(i, line) for i, line in frames if not any(part in line for part in ours)]
+    if not frames:
+        return ""
+    i, line = frames[-1]
+    file, _, rest = line.removeprefix('File "').partition('", line ')
+    code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
+    return f" at {file}:{rest.split(',')[0]}" + (f" (`{code[:80]}`)" if code else "")
 
 
 _DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "Data-dependent")

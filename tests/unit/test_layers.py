@@ -165,3 +165,32 @@ def test_weight_bytes_count_gradients_and_optimizer_state_of_what_trains():
     layer = layer_tools.layers_of(nn.Sequential(nn.BatchNorm1d(4)))[0]
     # weight and bias (4 floats each) with a gradient and 2 Adam moments; running mean, var (4 floats) and count once
     assert layer_tools.weight_bytes(layer, 2) == 2 * 16 * 4 + 16 + 16 + 8
+
+
+class Uninitialised(nn.Module):
+    """Adds memory nobody wrote: refused, on the client, at the line that calls it."""
+
+    def forward(self, x):
+        return x + torch.empty_like(x)
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(3, 3), Uninitialised()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_refused_operator_is_named_with_its_module_and_source_line_before_anything_is_shipped():
+    model = Blocks()
+    layers, _ = layer_tools.whole_model_layers(model, (torch.randn(4, 3),), {})
+    line = inspect.getsourcelines(Uninitialised.forward)[1] + 1
+    with pytest.raises(InvalidArgument, match=rf"layer 1 \(blocks.1 \(Uninitialised\)\): captured program calls "
+                                              rf"'torch.ops.aten.empty_like.default', which returns uninitialized "
+                                              rf".*; in blocks.1 at .*test_layers.py:{line} "
+                                              rf"\(`return x \+ torch.empty_like\(x\)`\)"):
+        layer_tools.capture_model(model, layers, torch.randn(4, 3))

@@ -1,4 +1,4 @@
-"""A shipped program may only compute: the operator allow-list, the schema check and the write rule."""
+"""A shipped program may only compute: the operator rule over names, schemas and tags, and the write rule."""
 
 from __future__ import annotations
 
