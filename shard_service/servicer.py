@@ -107,6 +107,15 @@ class ShardServicer:
         loaded = await self.runtime.run(stage.load_state, tensors)
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
+    def _may_read_from(self, context, address: str) -> None:
+        """PermissionDenied unless the call carries the secret of this shard's deployment and `address` is one of
+        its shards: the read there carries this shard's own token, which no caller may aim elsewhere."""
+        if not self.runtime.secret:
+            raise PermissionDenied("this shard holds no deployment with a secret: it reads no other shard's "
+                                   "snapshot for a caller")
+        auth.check_deployment(context, self.runtime.secret, f"deployment {self.runtime.deployment_id}")
+        self.peers.check_member(address)
+
     def _snapshot(self, context, name: str) -> snapshots.Snapshot:
         """A snapshot, for a call that carries the secret of the deployment that took it."""
         snapshot = self.snapshots.get(name)
@@ -163,6 +172,7 @@ class ShardServicer:
                                        "source_deployment_secret is not its secret")
             moved = 0
         else:
+            self._may_read_from(context, request.source_address)
             snapshot = await self.peers.read_snapshot(request.source_address, request.snapshot,
                                                       request.source_deployment_secret)
             moved = snapshot.bytes
@@ -182,6 +192,7 @@ class ShardServicer:
         name = snapshots.Snapshots.check_name(request.name)
         if request.source_address in ("", self.address):
             raise InvalidArgument("CopySnapshot copies another shard's snapshot: source_address must name that shard")
+        self._may_read_from(context, request.source_address)
         snapshot = await self.peers.read_snapshot(request.source_address, request.snapshot,
                                                   request.source_deployment_secret)
         self.snapshots.keep(name, snapshot)
