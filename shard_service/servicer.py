@@ -16,7 +16,7 @@ from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import auth, carrier, checkpoint, link, optim, rpc, shm, wire
+from shardtrain import auth, carrier, checkpoint, checkpoint_store, link, optim, rpc, shm, wire
 from shardtrain.errors import InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
@@ -28,13 +28,13 @@ from shardtrain.v1 import shard_pb2
 _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL, shard_pb2.LINK_ROLE_TIED)
 
 
-def _stage_state(stage: Stage) -> tuple[dict[str, torch.Tensor], optim.KeyedState]:
-    """The stage's weights and optimizer state, read together under the device's lock (a GPU's copied to the host
-    here: the files are written after the lock is released)."""
+def _stage_state(stage: Stage) -> tuple[dict[str, torch.Tensor], optim.KeyedState, int]:
+    """The stage's weights, optimizer state and last optimizer step, read together under the device's lock (a
+    GPU's copied to the host here: the files are written after the lock is released)."""
     weights = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in stage.state().items()}
     state = stage.optimizer_state()
     tensors = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in state.tensors.items()}
-    return weights, optim.KeyedState(state.groups, tensors, state.values)
+    return weights, optim.KeyedState(state.groups, tensors, state.values), stage.applied_step
 
 
 def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
@@ -203,16 +203,20 @@ class ShardServicer:
     async def SaveCheckpoint(self, request, context):
         stage = self._owned(context, request.deployment_id)
         directory = checkpoint.under(self.settings.checkpoint_dir, request.directory)
-        if not request.description:
-            checkpoint.part_files(request.part, request.parts)  # a bad part is refused before anything is made
-        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        generation = checkpoint_store.check_generation(request.generation)
+        access = checkpoint_store.Access(self.settings.checkpoint_group)
         if request.description:
-            written = await asyncio.to_thread(checkpoint.write_description, directory, request.description)
+            written = await asyncio.to_thread(checkpoint.publish, directory, generation, request.description, access)
             return shard_pb2.SaveCheckpointResponse(bytes=written, files=[checkpoint.DESCRIPTION])
-        weights, state = await self.runtime.run(_stage_state, stage)
-        files, written = await asyncio.to_thread(checkpoint.write_part, directory, request.part, request.parts,
-                                                 weights, state)
-        return shard_pb2.SaveCheckpointResponse(bytes=written, files=files)
+        checkpoint.part_files(request.part, request.parts)  # a bad part is refused before anything is made
+        if request.discard:
+            await asyncio.to_thread(checkpoint.discard_part, directory, generation, request.part, request.parts,
+                                    access)
+            return shard_pb2.SaveCheckpointResponse()
+        weights, state, step = await self.runtime.run(_stage_state, stage)
+        files, written = await asyncio.to_thread(checkpoint.write_part, directory, generation, request.part,
+                                                 request.parts, weights, state, step, access)
+        return shard_pb2.SaveCheckpointResponse(bytes=written, files=files, optimizer_step=step)
 
     @boundary
     async def LoadCheckpoint(self, request, context):

@@ -303,26 +303,32 @@ class CopySnapshotRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source_address: _Optional[str] = ..., snapshot: _Optional[str] = ..., source_deployment_secret: _Optional[str] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
-    __slots__ = ("deployment_id", "directory", "part", "parts", "description")
+    __slots__ = ("deployment_id", "directory", "part", "parts", "description", "generation", "discard")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     directory: str
     part: int
     parts: int
     description: str
-    def __init__(self, deployment_id: _Optional[str] = ..., directory: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+    generation: str
+    discard: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., directory: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., description: _Optional[str] = ..., generation: _Optional[str] = ..., discard: _Optional[bool] = ...) -> None: ...
 
 class SaveCheckpointResponse(_message.Message):
-    __slots__ = ("bytes", "files")
+    __slots__ = ("bytes", "files", "optimizer_step")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     files: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, bytes: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+    optimizer_step: int
+    def __init__(self, bytes: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("deployment_id", "directory", "optimizer", "check_only")

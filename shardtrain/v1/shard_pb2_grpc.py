@@ -286,10 +286,12 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Writes the stage's weights and optimizer state as one safetensors file of a checkpoint directory, or
-        the directory's checkpoint.json, under the directory the shard was started with (--checkpoint-dir):
-        every stage writes its own file at once. PERMISSION_DENIED for a directory outside it,
-        FAILED_PRECONDITION when the shard has none.
+        """Writes the stage's weights and optimizer state as one part of a save into a checkpoint directory (under
+        generation-<generation>/), or publishes the save by renaming its checkpoint.json into place, under the
+        directory the shard was started with (--checkpoint-dir): every stage writes its own part at once.
+        PERMISSION_DENIED for a directory outside it, FAILED_PRECONDITION when the shard has none; no room is
+        RESOURCE_EXHAUSTED and another I/O error UNAVAILABLE, naming the path and the bytes free there, with
+        nothing of the part left behind.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
