@@ -26,7 +26,7 @@ from client_sdk.pipeline import MAIN, TARGET, Batch, PipelineTrainer
 from client_sdk.reports import ShardReport
 from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
-from shardtrain import checkpoint, optim
+from shardtrain import checkpoint, checkpoint_store, optim
 from shardtrain import schedule as schedules
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, RolledBack, ShardtrainError
 from shardtrain.v1 import shard_pb2
@@ -222,7 +222,13 @@ class DistributedModel:
         `directory` lies under it, each shard writes its own stage, all at once, and nothing passes through this
         process; otherwise the SDK gathers the state and writes one file of each kind here. `on_shards`: True
         insists on the shards (a relative `directory` is then relative to their --checkpoint-dir), False on this
-        process."""
+        process.
+
+        A save replaces a checkpoint already in `directory` whole, with one rename, or not at all. One that fails
+        (no room is ResourceExhausted, another I/O error Unavailable, a shard that died) removes what it wrote
+        but leaves its generation-* directory: loads of `directory` are then refused until a save succeeds, or
+        that directory is removed to load the checkpoint it did not replace. The files are this user's alone
+        (0600; a shard's --checkpoint-group lets a group read them)."""
         self._check_open()
         target = self._io.run(self._checkpoint_target(directory, on_shards))
         if target is not None:
@@ -234,8 +240,10 @@ class DistributedModel:
     def load_checkpoint(self, directory: str | os.PathLike, optimizer: bool = True,
                         on_shards: bool | None = None) -> None:
         """Loads a checkpoint that save_checkpoint wrote, on this split or another, with the optimizer state unless
-        `optimizer` is False; a checkpoint that does not fit the model is refused and changes nothing. The shards
-        read their own tensors where they can, as save_checkpoint writes them (`on_shards` as there)."""
+        `optimizer` is False; a checkpoint that does not fit the model, whose parts are of different saves or
+        steps (DataLoss, naming the stage), or whose directory holds a save that did not finish
+        (FailedPrecondition) is refused and changes nothing. The shards read their own tensors where they can, as
+        save_checkpoint writes them (`on_shards` as there)."""
         self._check_open()
         target = self._io.run(self._checkpoint_target(directory, on_shards))
         if target is not None and (on_shards or checkpoint.readable_by_shards(directory)):
@@ -690,16 +698,36 @@ class DistributedModel:
         return None
 
     async def _save_on_shards(self, directory: str) -> None:
-        """Every stage writes its part at once (replica 0's: the replicas are equal), then checkpoint.json."""
+        """Every stage writes its part of a new generation at once (replica 0's: the replicas are equal), then
+        stage 0 publishes it with checkpoint.json. When any part fails, the others are discarded and the error
+        raised: the directory then refuses loads until a save into it succeeds (checkpoint_store.py)."""
         await self._synchronize()
         stages = self._clients.stages
-        deployment = self._clients.deployment_id
-        await asyncio.gather(*(stage.call("SaveCheckpoint", shard_pb2.SaveCheckpointRequest(
-            deployment_id=deployment, directory=directory, part=index, parts=len(stages)))
-            for index, stage in enumerate(stages)))
-        text = checkpoint.description(len(stages), self._key_order, self._parameter_keys, self._hyperparameters.all())
-        await stages[0].call("SaveCheckpoint", shard_pb2.SaveCheckpointRequest(
-            deployment_id=deployment, directory=directory, description=text))
+        generation = checkpoint_store.new_generation()
+
+        def request(**fields) -> shard_pb2.SaveCheckpointRequest:
+            return shard_pb2.SaveCheckpointRequest(deployment_id=self._clients.deployment_id, directory=directory,
+                                                   generation=generation, parts=len(stages), **fields)
+        answers = await asyncio.gather(*(stage.call("SaveCheckpoint", request(part=index))
+                                         for index, stage in enumerate(stages)), return_exceptions=True)
+        try:
+            failed = [answer for answer in answers if isinstance(answer, BaseException)]
+            if failed:
+                raise failed[0]
+            await stages[0].call("SaveCheckpoint", request(description=self._description(generation, answers)))
+        except BaseException:
+            await asyncio.gather(*(stage.call("SaveCheckpoint", request(part=index, discard=True))
+                                   for index, stage in enumerate(stages)), return_exceptions=True)
+            raise
+
+    def _description(self, generation: str, answers: list[shard_pb2.SaveCheckpointResponse]) -> str:
+        """checkpoint.json of save `generation`, whose parts the stages wrote (`answers`) at one optimizer step."""
+        steps = [answer.optimizer_step for answer in answers]
+        if len(set(steps)) != 1:
+            raise InternalError(f"the stages saved at different optimizer steps {steps}, though every step had "
+                                "settled")
+        return checkpoint.description(len(steps), self._key_order, self._parameter_keys, self._hyperparameters.all(),
+                                      generation, steps[0])
 
     async def _load_on_shards(self, directory: str, optimizer: bool) -> None:
         """Every stage of every replica checks its share, then loads it (a checkpoint one stage refuses changes

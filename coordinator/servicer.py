@@ -226,11 +226,13 @@ class CoordinatorServicer:
             await peer.close()
 
     async def _ship_all(self, deployment: tuple[str, str], pipelines, layers, request) -> None:
-        """Replica 0 first: its shards host the rendezvous where each stage's other replicas meet."""
+        """Replica 0 first: its shards host the rendezvous where each stage's other replicas meet. Every stage
+        learns every registered shard of the deployment: the only ones it reads snapshots from."""
+        members = [p.shard.address for pipeline in pipelines for p in pipeline]
         first = await asyncio.gather(*(self._ship(deployment, p, len(pipelines[0]), layers, request,
-                                                  0, len(pipelines), "") for p in pipelines[0]))
+                                                  0, len(pipelines), "", members) for p in pipelines[0]))
         await asyncio.gather(*(self._ship(deployment, p, len(pipeline), layers, request, replica, len(pipelines),
-                                          first[p.stage].rendezvous)
+                                          first[p.stage].rendezvous, members)
                                for replica, pipeline in enumerate(pipelines) if replica for p in pipeline))
 
     @boundary
@@ -250,7 +252,8 @@ class CoordinatorServicer:
             for stage, plan in enumerate(plans)])
 
     async def _ship(self, deployment: tuple[str, str], placement: StagePlacement, num_stages: int, layers, deploy,
-                    replica: int, num_replicas: int, rendezvous: str) -> shard_pb2.LoadStageResponse:
+                    replica: int, num_replicas: int, rendezvous: str,
+                    members: list[str]) -> shard_pb2.LoadStageResponse:
         plan = shard_pb2.StagePlan(
             stage=placement.stage, num_stages=num_stages, previous_address=placement.previous_address,
             next_address=placement.next_address, replica=replica, num_replicas=num_replicas, rendezvous=rendezvous,
@@ -261,7 +264,8 @@ class CoordinatorServicer:
                                                        consumer_addresses=placement.consumers.get(n, []))
                                 for n, c in placement.outgoing.items()],
             tied=[shard_pb2.TiedWeight(key=key, stages=[s for s, _ in holders], addresses=[a for _, a in holders])
-                  for key, holders in placement.tied.items()])
+                  for key, holders in placement.tied.items()],
+            shard_addresses=members)
         request = shard_pb2.LoadStageRequest(deployment_id=deployment[0], deployment_secret=deployment[1], plan=plan,
                                              optimizer=deploy.optimizer,
                                              layers=layers[placement.first_layer:placement.end_layer],

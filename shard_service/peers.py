@@ -1,7 +1,9 @@
 """A shard's connections to other shards: who its peers are and how tensors reach each.
 
 It decides per peer whether tensors go through shared memory (a peer that proved it shares this host)
-and in which wire encoding (the deployment's choice per tensor kind).
+and in which wire encoding (the deployment's choice per tensor kind). It calls only the shards of its current
+deployment, as the coordinator named them in the stage's plan: every call carries this shard's own token, so an
+address a caller picked (a snapshot's source) must be one of them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 
 from shard_service.snapshots import Snapshot
 from shardtrain import auth, optim, shm, wire
+from shardtrain.errors import PermissionDenied
 from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import ShardSettings
 from shardtrain.streams import RequestReader
@@ -25,9 +28,18 @@ class Peers:
         self.segments = shm.SegmentPool() if settings.shared_memory and shm.available() else None
         self._peers: dict[str, Peer] = {}
         self._secret = ""  # the deployment's, carried by the calls and links this shard makes for it
+        self._members: frozenset[str] = frozenset()  # the deployment's shards: the only addresses this one calls
+
+    def check_member(self, address: str) -> None:
+        """PermissionDenied unless `address` is a shard of the current deployment."""
+        if address not in self._members:
+            named = ", ".join(sorted(self._members)[:8]) or "none: it holds no deployment"
+            raise PermissionDenied(f"{address[:80]!r} is not a shard of this shard's deployment ({named}); it calls "
+                                   "no other address, since its calls carry its own token")
 
     def peer(self, address: str) -> Peer:
-        """The Peer at `address`, opened on first use."""
+        """The Peer at `address`, a shard of the deployment, opened on first use."""
+        self.check_member(address)
         if address not in self._peers:
             peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security,
                         self.settings.timeouts.rpc)
@@ -46,18 +58,22 @@ class Peers:
         """Takes a new stage's plan and its deployment's secret; learns which of the peers it sends to share this
         host."""
         self._secret = secret
+        neighbours = {plan.previous_address, plan.next_address,
+                      *(r.producer_address for r in plan.incoming_residuals),
+                      *(a for r in plan.outgoing_residuals for a in r.consumer_addresses)} - {""}
+        self._members = frozenset({*plan.shard_addresses, *neighbours,
+                                   *(a for tie in plan.tied for a in tie.addresses)})
         for peer in self._peers.values():
             peer.metadata = auth.with_deployment(peer.metadata, secret)
         if self.segments is not None:
-            addresses = {plan.previous_address, plan.next_address,
-                         *(r.producer_address for r in plan.incoming_residuals),
-                         *(a for r in plan.outgoing_residuals for a in r.consumer_addresses)}
-            await asyncio.gather(*(self.peer(address).probe() for address in addresses if address))
+            await asyncio.gather(*(self.peer(address).probe() for address in neighbours))
         self.encodings = encodings
 
     async def read_snapshot(self, address: str, name: str, secret: str) -> Snapshot:
-        """Snapshot `name` of the shard at `address` (weights, then optimizer state, each chunk checked), on a
-        channel of its own: the call carries the secret of the deployment that took it, not the current one's."""
+        """Snapshot `name` of the shard at `address`, a shard of the deployment (weights, then optimizer state, each
+        chunk checked), on a channel of its own: the call carries the secret of the deployment that took it, not
+        the current one's."""
+        self.check_member(address)
         peer = Peer(f"shard at {address}", address, SHARD_SERVICE, self.settings.security, self.settings.timeouts.rpc)
         peer.metadata = auth.with_deployment(peer.metadata, secret)
         request = shard_pb2.ReadStateRequest(snapshot=name)

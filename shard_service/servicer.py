@@ -16,7 +16,7 @@ from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import auth, carrier, checkpoint, link, optim, rpc, shm, wire
+from shardtrain import auth, carrier, checkpoint, checkpoint_store, link, optim, rpc, shm, wire
 from shardtrain.errors import InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
@@ -28,13 +28,13 @@ from shardtrain.v1 import shard_pb2
 _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL, shard_pb2.LINK_ROLE_TIED)
 
 
-def _stage_state(stage: Stage) -> tuple[dict[str, torch.Tensor], optim.KeyedState]:
-    """The stage's weights and optimizer state, read together under the device's lock (a GPU's copied to the host
-    here: the files are written after the lock is released)."""
+def _stage_state(stage: Stage) -> tuple[dict[str, torch.Tensor], optim.KeyedState, int]:
+    """The stage's weights, optimizer state and last optimizer step, read together under the device's lock (a
+    GPU's copied to the host here: the files are written after the lock is released)."""
     weights = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in stage.state().items()}
     state = stage.optimizer_state()
     tensors = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in state.tensors.items()}
-    return weights, optim.KeyedState(state.groups, tensors, state.values)
+    return weights, optim.KeyedState(state.groups, tensors, state.values), stage.applied_step
 
 
 def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
@@ -107,6 +107,15 @@ class ShardServicer:
         loaded = await self.runtime.run(stage.load_state, tensors)
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
+    def _may_read_from(self, context, address: str) -> None:
+        """PermissionDenied unless the call carries the secret of this shard's deployment and `address` is one of
+        its shards: the read there carries this shard's own token, which no caller may aim elsewhere."""
+        if not self.runtime.secret:
+            raise PermissionDenied("this shard holds no deployment with a secret: it reads no other shard's "
+                                   "snapshot for a caller")
+        auth.check_deployment(context, self.runtime.secret, f"deployment {self.runtime.deployment_id}")
+        self.peers.check_member(address)
+
     def _snapshot(self, context, name: str) -> snapshots.Snapshot:
         """A snapshot, for a call that carries the secret of the deployment that took it."""
         snapshot = self.snapshots.get(name)
@@ -163,6 +172,7 @@ class ShardServicer:
                                        "source_deployment_secret is not its secret")
             moved = 0
         else:
+            self._may_read_from(context, request.source_address)
             snapshot = await self.peers.read_snapshot(request.source_address, request.snapshot,
                                                       request.source_deployment_secret)
             moved = snapshot.bytes
@@ -182,6 +192,7 @@ class ShardServicer:
         name = snapshots.Snapshots.check_name(request.name)
         if request.source_address in ("", self.address):
             raise InvalidArgument("CopySnapshot copies another shard's snapshot: source_address must name that shard")
+        self._may_read_from(context, request.source_address)
         snapshot = await self.peers.read_snapshot(request.source_address, request.snapshot,
                                                   request.source_deployment_secret)
         self.snapshots.keep(name, snapshot)
@@ -192,16 +203,20 @@ class ShardServicer:
     async def SaveCheckpoint(self, request, context):
         stage = self._owned(context, request.deployment_id)
         directory = checkpoint.under(self.settings.checkpoint_dir, request.directory)
-        if not request.description:
-            checkpoint.part_files(request.part, request.parts)  # a bad part is refused before anything is made
-        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        generation = checkpoint_store.check_generation(request.generation)
+        access = checkpoint_store.Access(self.settings.checkpoint_group)
         if request.description:
-            written = await asyncio.to_thread(checkpoint.write_description, directory, request.description)
+            written = await asyncio.to_thread(checkpoint.publish, directory, generation, request.description, access)
             return shard_pb2.SaveCheckpointResponse(bytes=written, files=[checkpoint.DESCRIPTION])
-        weights, state = await self.runtime.run(_stage_state, stage)
-        files, written = await asyncio.to_thread(checkpoint.write_part, directory, request.part, request.parts,
-                                                 weights, state)
-        return shard_pb2.SaveCheckpointResponse(bytes=written, files=files)
+        checkpoint.part_files(request.part, request.parts)  # a bad part is refused before anything is made
+        if request.discard:
+            await asyncio.to_thread(checkpoint.discard_part, directory, generation, request.part, request.parts,
+                                    access)
+            return shard_pb2.SaveCheckpointResponse()
+        weights, state, step = await self.runtime.run(_stage_state, stage)
+        files, written = await asyncio.to_thread(checkpoint.write_part, directory, generation, request.part,
+                                                 request.parts, weights, state, step, access)
+        return shard_pb2.SaveCheckpointResponse(bytes=written, files=files, optimizer_step=step)
 
     @boundary
     async def LoadCheckpoint(self, request, context):

@@ -10,6 +10,7 @@ from shardtrain.residuals import CLIENT
 from shardtrain.schedule import MAX_STAGES
 
 MAX_REPLICAS = 1024
+MAX_SHARDS = 4096  # in plan.shard_addresses: no coordinator registers more
 _DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _RESIDUAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,127}")
 
@@ -27,6 +28,10 @@ def check_load(request) -> None:
     _check_address("plan.next_address", plan.next_address, required=False)
     if plan.replica > 0:
         _check_address("plan.rendezvous", plan.rendezvous, required=True)
+    if len(plan.shard_addresses) > MAX_SHARDS:
+        raise InvalidArgument(f"plan.shard_addresses names {len(plan.shard_addresses)} shards; at most {MAX_SHARDS}")
+    for address in plan.shard_addresses:
+        _check_address("an address of plan.shard_addresses", address, required=True)
     first, last = plan.stage == 0, plan.stage == plan.num_stages - 1
     for source in plan.incoming_residuals:  # the first stage's may come from the SDK (CLIENT, no address)
         _check_residual(source.name)

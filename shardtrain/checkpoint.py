@@ -3,20 +3,24 @@
     model.save_checkpoint("runs/step-1000")   # a directory of safetensors files and checkpoint.json
     model.load_checkpoint("runs/step-1000")   # into any deployment of the same model, split any way
 
-A checkpoint directory holds, for each of its parts (one per stage when the shards write it themselves, one
-when the SDK gathers it), `model-<p>-of-<n>.safetensors` with the weights under their state-dict keys and
+A save writes, for each of its parts (one per stage when the shards write it themselves, one when the SDK
+gathers it), `model-<p>-of-<n>.safetensors` with the weights under their state-dict keys and
 `optimizer-<p>-of-<n>.safetensors` with the optimizer's tensors under "<parameter key>/<state name>" and its
-param groups and plain values as JSON in the file's metadata; then `checkpoint.json`, written last, names the
-parts, the weights in the model's order and the parameters in torch.optim's order. Every reader picks the
-tensors it needs by name from every part, so a checkpoint of one split loads into any other. The files follow
-the safetensors format (an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape
-and byte range, then the bytes), so other tools read them; nothing is executed when they are loaded, unlike a
-pickle from torch.save. Checkpoints of the earlier layout (model.safetensors, optimizer.safetensors, torch's
-indexes) still load through the SDK.
+param groups and plain values as JSON in the file's metadata, into `generation-<g>/`, a directory of that save
+alone (checkpoint_store.py); every file's metadata names the generation and the optimizer step. Then one rename
+publishes `checkpoint.json`, which names the generation, the step, the parts, the weights in the model's order
+and the parameters in torch.optim's order. A reader refuses parts of another generation or step, naming the
+stage, and a directory where a later save did not finish. Every reader picks the tensors it needs by name from
+every part, so a checkpoint of one split loads into any other. The files follow the safetensors format (an
+8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and byte range, then the
+bytes), so other tools read them; nothing is executed when they are loaded, unlike a pickle from torch.save.
+Checkpoints of the earlier layouts (parts beside checkpoint.json; model.safetensors and optimizer.safetensors
+with torch's indexes, through the SDK only) still load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -25,10 +29,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from shardtrain import checkpoint_store as store
 from shardtrain import optim
 from shardtrain.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
-FORMAT = "shardtrain-checkpoint-2"
+FORMAT = "shardtrain-checkpoint-3"
+FORMAT_2 = "shardtrain-checkpoint-2"  # the parts beside checkpoint.json, no generation: read only
 FORMAT_1 = "shardtrain-checkpoint-1"  # model.safetensors and optimizer.safetensors, torch's indexes: read only
 MODEL, OPTIMIZER, DESCRIPTION = "model.safetensors", "optimizer.safetensors", "checkpoint.json"
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -48,9 +54,10 @@ def part_files(part: int, parts: int) -> tuple[str, str]:
 
 
 def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> int:
+                      metadata: dict[str, str] | None = None, access: store.Access = store.PRIVATE) -> int:
     """Writes `tensors` (and `metadata`, strings) to `path` in the safetensors format, through a temporary file
-    renamed into place; returns the bytes written."""
+    renamed into place, readable as `access` says; returns the bytes written. A failure leaves no temporary
+    file."""
     header, offset, payloads = ({"__metadata__": metadata} if metadata else {}), 0, []
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
@@ -64,14 +71,16 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor],
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     temporary = path.with_name(path.name + ".partial")
-    with open(temporary, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
-        for data in payloads:
-            out.write(data)
-        out.flush()
-        os.fsync(out.fileno())  # on disk before checkpoint.json can name it
-    os.replace(temporary, path)
+    try:
+        with store.new_file(temporary, access) as out:  # synced: on disk before checkpoint.json can name it
+            out.write(struct.pack("<Q", len(encoded)))
+            out.write(encoded)
+            for data in payloads:
+                out.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        store.remove(temporary)
+        raise
     return 8 + len(encoded) + offset
 
 
@@ -147,39 +156,86 @@ def tensor_entry(path, name: str, entry, data_length: int) -> tuple[torch.dtype,
     return dtype, shape, begin, end
 
 
-def write_part(directory: pathlib.Path, part: int, parts: int, weights: dict[str, torch.Tensor],
-               optimizer_state: optim.KeyedState) -> tuple[list[str], int]:
-    """Writes one part of a checkpoint; (its files, the bytes written)."""
+def _stamp(generation: str, step: int | None) -> dict[str, str]:
+    """The metadata every file of a part carries: which save, and at which optimizer step."""
+    return {"generation": generation, **({"step": str(step)} if step is not None else {})}
+
+
+def write_part(directory: pathlib.Path, generation: str, part: int, parts: int, weights: dict[str, torch.Tensor],
+               optimizer_state: optim.KeyedState, step: int | None,
+               access: store.Access = store.PRIVATE) -> tuple[list[str], int]:
+    """Writes one part of save `generation` (the stage's weights and optimizer state after optimizer step
+    `step`); (its files, relative to `directory`, the bytes written). On a failure nothing of the part is left,
+    and an OS error becomes the status that says what to do (checkpoint_store.storage_error)."""
+    folder = store.generation_directory(directory, generation)
     model_file, optimizer_file = part_files(part, parts)
-    written = write_safetensors(directory / model_file, weights)
-    written += write_safetensors(directory / optimizer_file, optimizer_state.tensors,
-                                 {"layout": optimizer_state.layout()})
-    return [model_file, optimizer_file], written
+    stamp, target = _stamp(generation, step), folder
+    try:
+        store.make_directory(folder, access)
+        target = folder / model_file
+        written = write_safetensors(target, weights, stamp, access)
+        target = folder / optimizer_file
+        written += write_safetensors(target, optimizer_state.tensors, {"layout": optimizer_state.layout(), **stamp},
+                                     access)
+        store.sync_directory(folder)
+    except BaseException as error:
+        discard_part(directory, generation, part, parts, access)
+        if isinstance(error, OSError):
+            raise store.storage_error(error, target) from None
+        raise
+    return [f"{folder.name}/{model_file}", f"{folder.name}/{optimizer_file}"], written
 
 
-def description(parts: int, weights: Iterable[str], parameters: Iterable[str], hyperparameters: str = "") -> str:
-    """checkpoint.json's text for a checkpoint of `parts` parts; `hyperparameters` (JSON: each param group's
-    settings, as the script's optimizer holds them) stand over those in the parts' optimizer files."""
-    described = {"format": FORMAT, "parts": parts, "weights": list(weights), "parameters": list(parameters)}
+def discard_part(directory: pathlib.Path, generation: str, part: int, parts: int,
+                 access: store.Access = store.PRIVATE) -> None:
+    """Removes what save `generation` wrote of a part, keeping the generation's directory (made if missing): it
+    tells readers that the save did not finish."""
+    folder = store.generation_directory(directory, generation)
+    with contextlib.suppress(OSError):
+        store.make_directory(folder, access)
+    store.remove(*(folder / (name + suffix) for name in part_files(part, parts) for suffix in ("", ".partial")))
+
+
+def description(parts: int, weights: Iterable[str], parameters: Iterable[str], hyperparameters: str = "",
+                generation: str = "", step: int | None = None) -> str:
+    """checkpoint.json's text for save `generation` of `parts` parts, at optimizer step `step` (None: unknown);
+    `hyperparameters` (JSON: each param group's settings, as the script's optimizer holds them) stand over those
+    in the parts' optimizer files."""
+    described = {"format": FORMAT, "generation": store.check_generation(generation), "parts": parts,
+                 "weights": list(weights), "parameters": list(parameters)}
+    if step is not None:
+        described["step"] = step
     if hyperparameters:
         described["hyperparameters"] = json.loads(hyperparameters)
     return json.dumps(described, indent=1)
 
 
-def write_description(directory: pathlib.Path, text: str) -> int:
-    """Writes checkpoint.json, after checking it is one (a shard writes what the SDK sends)."""
-    _checked_description(text, directory)
+def publish(directory: pathlib.Path, generation: str, text: str, access: store.Access = store.PRIVATE) -> int:
+    """Publishes save `generation` with one rename of checkpoint.json (`text`, checked first: a shard writes what
+    the SDK sends), once every part is there and of that save; then removes the generations it replaces.
+    Returns the bytes written."""
+    described = _checked_description(text, directory)
+    if described["format"] != FORMAT or described["generation"] != generation:
+        raise InvalidArgument(f"checkpoint: a {DESCRIPTION} to publish is a {FORMAT} one naming generation "
+                              f"{generation!r}; this one is {described['format']} of {described.get('generation')!r}")
+    folder = store.generation_directory(directory, generation)
+    for part in range(described["parts"]):  # every part there and of this save (their headers only)
+        for file in part_files(part, described["parts"]):
+            _check_stamp(directory, described, part, file, read_part(folder / file, lambda _: False, meta=True)[1])
     temporary = directory / (DESCRIPTION + ".partial")
-    with open(temporary, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, directory / DESCRIPTION)  # last: a checkpoint without it is incomplete
-    handle = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(handle)  # the renames too
-    finally:
-        os.close(handle)
+        with store.new_file(temporary, access) as out:
+            out.write(text.encode())
+        os.replace(temporary, directory / DESCRIPTION)  # the one step that replaces the checkpoint
+    except OSError as error:
+        store.remove(temporary)
+        raise store.storage_error(error, temporary) from None
+    try:  # published: from here on nothing may fail the save, or its parts would be discarded under it
+        store.sync_directory(directory)
+    except OSError as error:
+        store.log.warning("checkpoint %s is published, but syncing its directory failed (%s): a crash of this host "
+                          "may still bring back the checkpoint it replaced", directory, error.strerror)
+    store.sweep(directory, generation, (MODEL, OPTIMIZER))
     return len(text.encode())
 
 
@@ -188,32 +244,56 @@ def _checked_description(text: str, where) -> dict:
         described = json.loads(text)
     except ValueError as error:
         raise DataLoss(f"checkpoint: {where}'s {DESCRIPTION} is not JSON ({error})") from None
-    if not isinstance(described, dict) or described.get("format") not in (FORMAT, FORMAT_1):
+    if not isinstance(described, dict) or described.get("format") not in (FORMAT, FORMAT_2, FORMAT_1):
         raise InvalidArgument(f"checkpoint: {where} is not a {FORMAT} checkpoint (its {DESCRIPTION} says format "
                               f"{described.get('format') if isinstance(described, dict) else None!r})")
-    if described["format"] == FORMAT:
+    if described["format"] in (FORMAT, FORMAT_2):
         parts, weights, parameters = (described.get(k) for k in ("parts", "weights", "parameters"))
         if not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS or \
                 not all(isinstance(names, list) and all(isinstance(n, str) for n in names)
                         for names in (weights, parameters)):
             raise DataLoss(f"checkpoint: {where}'s {DESCRIPTION} needs parts (1 to {MAX_PARTS}), weights and "
                            "parameters (lists of keys)")
+    if described["format"] == FORMAT:
+        step = described.get("step", 0)
+        if not isinstance(described.get("generation"), str) or not isinstance(step, int) or \
+                isinstance(step, bool):
+            raise DataLoss(f"checkpoint: {where}'s {DESCRIPTION} needs a generation (a string) and a step "
+                           "(a whole number) where it has one")
+        store.check_generation(described["generation"])
     return described
 
 
 def read_description(directory: str | os.PathLike) -> dict:
-    """checkpoint.json of a checkpoint directory; NotFound when there is none."""
+    """checkpoint.json of a checkpoint directory; NotFound when there is none, FailedPrecondition while a save
+    into the directory that did not finish (or is under way) left its generation there."""
     root = pathlib.Path(directory)
     if not (root / DESCRIPTION).is_file():
-        raise NotFound(f"checkpoint: {root} holds no {DESCRIPTION} (not a checkpoint, or one not finished)")
-    return _checked_description((root / DESCRIPTION).read_text(), root)
+        begun = " (a save into it began but did not finish)" if store.others(root, "") else ""
+        raise NotFound(f"checkpoint: {root} holds no {DESCRIPTION}{begun} (not a checkpoint, or one not finished)")
+    described = _checked_description((root / DESCRIPTION).read_text(), root)
+    _check_finished(root, described)
+    return described
+
+
+def _check_finished(root: pathlib.Path, described: dict) -> None:
+    """FailedPrecondition when a generation other than the published one is in `root`: a later save did not finish
+    (or is under way), and the checkpoint it meant to replace holds older weights than the script last saved."""
+    unfinished = store.others(root, described.get("generation", ""))
+    if not unfinished:
+        return
+    newest = unfinished[-1]
+    step = f", optimizer step {described['step']}" if "step" in described else ""
+    raise FailedPrecondition(f"checkpoint: {root}: a save into it did not finish, or is under way ({newest.name}: "
+                             f"{store.unfinished(newest)}); the checkpoint it was to replace{step} is still whole, "
+                             f"but older than that save. Remove {newest} to load it, or save into {root} again")
 
 
 def readable_by_shards(directory: str | os.PathLike) -> bool:
-    """False for a checkpoint of the earlier layout, which only the SDK reads (True when there is none here: the
+    """False for a checkpoint of the earliest layout, which only the SDK reads (True when there is none here: the
     shards then say what they find)."""
     try:
-        return read_description(directory)["format"] == FORMAT
+        return read_description(directory)["format"] in (FORMAT, FORMAT_2)
     except NotFound:
         return True
 
@@ -224,12 +304,13 @@ def read_parts(directory: str | os.PathLike, weight_keys: Iterable[str] | None =
     """(the description, the weights, the optimizer state, the bytes read) of a checkpoint, limited to
     `weight_keys` and to the state of `parameter_keys` when they are given (a stage's share: only its tensors'
     bytes are read; with `meta`, none: see read_part). A weight tied across parts is read from the first that
-    holds it."""
+    holds it. Every part must be of the save and step checkpoint.json names: DataLoss naming the stage otherwise."""
     root = pathlib.Path(directory)
     described = read_description(root)
-    if described["format"] != FORMAT:
-        raise FailedPrecondition(f"checkpoint: {root} has the earlier layout ({FORMAT_1}), which only the SDK "
+    if described["format"] == FORMAT_1:
+        raise FailedPrecondition(f"checkpoint: {root} has the earliest layout ({FORMAT_1}), which only the SDK "
                                  "reads: load it with model.load_checkpoint(path, on_shards=False)")
+    folder = store.generation_directory(root, described["generation"]) if described["format"] == FORMAT else root
     weights_wanted = None if weight_keys is None else set(weight_keys)
     params_wanted = None if parameter_keys is None else set(parameter_keys)
     weights: dict[str, torch.Tensor] = {}
@@ -239,21 +320,39 @@ def read_parts(directory: str | os.PathLike, weight_keys: Iterable[str] | None =
         return 0 if meta else sum(t.numel() * t.element_size() for t in tensors.values())
     for part in range(described["parts"]):
         model_file, optimizer_file = part_files(part, described["parts"])
-        tensors, _ = read_part(root / model_file, lambda name: name not in weights and (
+        tensors, metadata = read_part(folder / model_file, lambda name: name not in weights and (
             weights_wanted is None or name in weights_wanted), meta)
+        _check_stamp(root, described, part, model_file, metadata)
         weights.update(tensors)
         read += stored(tensors)
         if not optimizer:
             continue
-        tensors, metadata = read_part(root / optimizer_file, lambda name: params_wanted is None or
+        tensors, metadata = read_part(folder / optimizer_file, lambda name: params_wanted is None or
                                       name.rpartition("/")[0] in params_wanted, meta)
+        _check_stamp(root, described, part, optimizer_file, metadata)
         read += stored(tensors)
         try:
             state = optim.KeyedState.parse(metadata.get("layout", ""), tensors)
         except InvalidArgument as error:
-            raise DataLoss(f"checkpoint: {root / optimizer_file}: {error}") from None
+            raise DataLoss(f"checkpoint: {folder / optimizer_file}: {error}") from None
         states.append(state if params_wanted is None else restricted(state, params_wanted))
     return described, weights, _overlaid(optim.merged(states), described.get("hyperparameters")), read
+
+
+def _check_stamp(root: pathlib.Path, described: dict, part: int, file: str, metadata: dict[str, str]) -> None:
+    """DataLoss naming the stage when a part's file is not of the save and optimizer step checkpoint.json names
+    (a checkpoint of the earlier layout names neither)."""
+    if described["format"] != FORMAT:
+        return
+    whose = f"stage {part}'s part" if described["parts"] > 1 else "its part"
+    expected = _stamp(described["generation"], described.get("step"))
+    if metadata.get("generation") != expected["generation"]:
+        raise DataLoss(f"checkpoint: {root}: {whose} ({file}) belongs to save {metadata.get('generation')!r}, not "
+                       f"to {expected['generation']!r}, which {DESCRIPTION} names: its parts come from different "
+                       "saves")
+    if metadata.get("step") != expected.get("step"):
+        raise DataLoss(f"checkpoint: {root}: {whose} ({file}) holds optimizer step {metadata.get('step')}, the "
+                       f"checkpoint step {described.get('step')}: its parts do not all belong to the same step")
 
 
 def _overlaid(state: optim.KeyedState, hyperparameters) -> optim.KeyedState:
@@ -276,13 +375,19 @@ def restricted(state: optim.KeyedState, keys: set[str]) -> optim.KeyedState:
 
 def save(directory: str | os.PathLike, weights: dict[str, torch.Tensor], optimizer_state: optim.KeyedState,
          parameters: Iterable[str]) -> None:
-    """Writes a checkpoint of one part: the weights in their order, the optimizer state, the parameters'
-    torch.optim order."""
-    root = pathlib.Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    text = description(1, weights, parameters)
-    write_part(root, 0, 1, weights, optimizer_state)
-    write_description(root, text)
+    """Writes a checkpoint of one part, readable by this user only: the weights in their order, the optimizer
+    state, the parameters' torch.optim order; published as a shard's parts are (write_part, publish)."""
+    root, generation = pathlib.Path(directory), store.new_generation()
+    try:
+        store.make_directory(root, store.PRIVATE)
+    except OSError as error:
+        raise store.storage_error(error, root) from None
+    write_part(root, generation, 0, 1, weights, optimizer_state, None)
+    try:
+        publish(root, generation, description(1, weights, parameters, generation=generation))
+    except BaseException:
+        discard_part(root, generation, 0, 1)
+        raise
 
 
 def load(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import grp
 import logging
 import os
 import pathlib
@@ -84,6 +85,7 @@ class ShardSettings:
     memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
     virtual_stages: int = 1   # shards this process serves on its one device (the interleaved schedule)
     checkpoint_dir: str = ""  # SaveCheckpoint writes and LoadCheckpoint reads only under it; "": neither
+    checkpoint_group: int = -1  # a gid that may read the checkpoints written here (files 0640); -1: none (0600)
     data_roots: tuple[str, ...] = ()  # directories and URL prefixes this shard reads training data from
     log_level: str = "info"
     log_format: str = "text"  # or "json": one JSON object a line
@@ -316,6 +318,10 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                         help="the directory (a shared filesystem, for several hosts) under which this shard writes "
                              "and reads its stage's checkpoint files itself, all stages at once (default: none; "
                              "the SDK then gathers a checkpoint and writes it where the script runs)")
+    parser.add_argument("--checkpoint-group", type=_group, default=_env(env, "CHECKPOINT_GROUP", "-1"),
+                        metavar="GROUP", help="a group (name or id) whose members may read the checkpoints this "
+                                              "shard writes: files 0640 and directories 0750 of that group "
+                                              "(default: none, files 0600 and directories 0700)")
     parser.add_argument("--data-root", action="append", dest="data_roots", metavar="DIR_OR_URL",
                         default=[root for root in _env(env, "DATA_ROOTS").split(",") if root],
                         help="a directory or URL prefix (s3://bucket/train/) under which this shard reads training "
@@ -342,6 +348,19 @@ def add_slurm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
                         help="with --from-slurm: the port of a node's first shard; the shard with SLURM_LOCALID n "
                              "takes the port n after it (default 50052; 0: a port the OS picks for each, advertised "
                              "as bound)")
+
+
+def _group(text: str) -> int:
+    """A group's id from its name or id ("-1": none); one this process cannot give its files is refused."""
+    if text.strip() == "-1":
+        return -1
+    try:
+        gid = int(text) if text.strip().isdigit() else grp.getgrnam(text.strip()).gr_gid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no group is called {text!r}") from None
+    if os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
+        raise argparse.ArgumentTypeError(f"this user is not in group {text!r}, so cannot give it its files")
+    return gid
 
 
 def _virtual_stages(text: str) -> int:
@@ -373,6 +392,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
                          virtual_stages=args.virtual_stages,
                          checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else "",
+                         checkpoint_group=args.checkpoint_group,
                          data_roots=tuple(args.data_roots),
                          log_level=args.log_level, log_format=args.log_format,
                          metrics_port=args.metrics_port, security=security_from(args, role="shard"),

@@ -151,7 +151,7 @@ class ResidualSink(_message.Message):
     def __init__(self, name: _Optional[str] = ..., consumer_stages: _Optional[_Iterable[int]] = ..., consumer_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StagePlan(_message.Message):
-    __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals", "replica", "num_replicas", "rendezvous", "tied", "virtual_stages")
+    __slots__ = ("stage", "num_stages", "previous_address", "next_address", "incoming_residuals", "outgoing_residuals", "replica", "num_replicas", "rendezvous", "tied", "virtual_stages", "shard_addresses")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class StagePlan(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     TIED_FIELD_NUMBER: _ClassVar[int]
     VIRTUAL_STAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     previous_address: str
@@ -174,7 +175,8 @@ class StagePlan(_message.Message):
     rendezvous: str
     tied: _containers.RepeatedCompositeFieldContainer[TiedWeight]
     virtual_stages: int
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., rendezvous: _Optional[str] = ..., tied: _Optional[_Iterable[_Union[TiedWeight, _Mapping]]] = ..., virtual_stages: _Optional[int] = ...) -> None: ...
+    shard_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., previous_address: _Optional[str] = ..., next_address: _Optional[str] = ..., incoming_residuals: _Optional[_Iterable[_Union[ResidualSource, _Mapping]]] = ..., outgoing_residuals: _Optional[_Iterable[_Union[ResidualSink, _Mapping]]] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., rendezvous: _Optional[str] = ..., tied: _Optional[_Iterable[_Union[TiedWeight, _Mapping]]] = ..., virtual_stages: _Optional[int] = ..., shard_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "groups")
@@ -301,26 +303,32 @@ class CopySnapshotRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source_address: _Optional[str] = ..., snapshot: _Optional[str] = ..., source_deployment_secret: _Optional[str] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
-    __slots__ = ("deployment_id", "directory", "part", "parts", "description")
+    __slots__ = ("deployment_id", "directory", "part", "parts", "description", "generation", "discard")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     directory: str
     part: int
     parts: int
     description: str
-    def __init__(self, deployment_id: _Optional[str] = ..., directory: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+    generation: str
+    discard: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., directory: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., description: _Optional[str] = ..., generation: _Optional[str] = ..., discard: _Optional[bool] = ...) -> None: ...
 
 class SaveCheckpointResponse(_message.Message):
-    __slots__ = ("bytes", "files")
+    __slots__ = ("bytes", "files", "optimizer_step")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     files: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, bytes: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+    optimizer_step: int
+    def __init__(self, bytes: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("deployment_id", "directory", "optimizer", "check_only")

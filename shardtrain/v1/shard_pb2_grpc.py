@@ -261,7 +261,8 @@ class ShardServiceServicer:
 
     def RestoreStage(self, request, context):
         """Replaces the stage's weights and optimizer state with a snapshot's, held here or by another shard, after
-        checking that it is of the same layers, names, shapes and optimizer.
+        checking that it is of the same layers, names, shapes and optimizer. Another shard must be one of this
+        deployment's (StagePlan.shard_addresses): PERMISSION_DENIED otherwise, and no call is made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,17 +277,21 @@ class ShardServiceServicer:
 
     def CopySnapshot(self, request, context):
         """Reads another shard's snapshot and keeps a copy of it here, under a name of its own: a stage's snapshot
-        then survives its shard.
+        then survives its shard. The call carries the secret of this shard's deployment, and source_address is
+        one of that deployment's shards (StagePlan.shard_addresses): PERMISSION_DENIED otherwise, and no call is
+        made (the read carries this shard's own token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Writes the stage's weights and optimizer state as one safetensors file of a checkpoint directory, or
-        the directory's checkpoint.json, under the directory the shard was started with (--checkpoint-dir):
-        every stage writes its own file at once. PERMISSION_DENIED for a directory outside it,
-        FAILED_PRECONDITION when the shard has none.
+        """Writes the stage's weights and optimizer state as one part of a save into a checkpoint directory (under
+        generation-<generation>/), or publishes the save by renaming its checkpoint.json into place, under the
+        directory the shard was started with (--checkpoint-dir): every stage writes its own part at once.
+        PERMISSION_DENIED for a directory outside it, FAILED_PRECONDITION when the shard has none; no room is
+        RESOURCE_EXHAUSTED and another I/O error UNAVAILABLE, naming the path and the bytes free there, with
+        nothing of the part left behind.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

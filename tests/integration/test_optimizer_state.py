@@ -101,9 +101,11 @@ def test_a_durable_checkpoint_resumes_training_exactly_on_another_split_and_hold
     model = cluster4.deploy(net, optimizer=ADAM, num_stages=3)
     train_remotely(model, batches[:4])
     model.save_checkpoint(tmp_path / "step-4")
-    assert sorted(p.name for p in (tmp_path / "step-4").iterdir()) == [
-        "checkpoint.json", "model-00000-of-00001.safetensors", "optimizer-00000-of-00001.safetensors"]
-    stored = safetensors_torch.load_file(str(tmp_path / "step-4" / "model-00000-of-00001.safetensors"))  # others read it
+    (saved,) = (tmp_path / "step-4").glob("generation-*")  # the save's own directory, named by checkpoint.json
+    assert sorted(p.name for p in (tmp_path / "step-4").iterdir()) == ["checkpoint.json", saved.name]
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "model-00000-of-00001.safetensors", "optimizer-00000-of-00001.safetensors"]
+    stored = safetensors_torch.load_file(str(saved / "model-00000-of-00001.safetensors"))  # others read it
     assert largest_difference(stored, model.state_dict()) == 0.0
     resumed = cluster4.deploy(seed_net(), optimizer=ADAM, num_stages=2)  # another split, fresh weights
     resumed.load_checkpoint(tmp_path / "step-4")
@@ -120,7 +122,8 @@ def test_a_checkpoint_that_is_missing_or_damaged_is_refused_and_the_model_keeps_
     with pytest.raises(NotFound, match="holds no checkpoint.json"):
         model.load_checkpoint(tmp_path / "nowhere")
     model.save_checkpoint(tmp_path / "good")
-    damaged = tmp_path / "good" / "model-00000-of-00001.safetensors"
+    (saved,) = (tmp_path / "good").glob("generation-*")
+    damaged = saved / "model-00000-of-00001.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:-4])  # the last tensor lost its last bytes
     with pytest.raises(DataLoss, match="does not match its bytes"):
         model.load_checkpoint(tmp_path / "good")

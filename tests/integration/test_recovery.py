@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import socket
 import threading
 import time
 
@@ -16,6 +17,7 @@ from torch import nn
 from client_sdk import Cluster
 from shardtrain import auth, errors
 from shardtrain.rpc import SHARD_SERVICE, Peer
+from shardtrain.settings import Security
 from shardtrain.v1 import shard_pb2
 from tests.integration.test_errors import kill_shard
 from tests.integration.training import largest_difference, regression_batches
@@ -259,3 +261,40 @@ def test_a_shard_keeps_the_snapshots_of_its_deployment_and_the_one_before_only(c
         assert not run(owner.call("DropSnapshot", shard_pb2.DropSnapshotRequest(name="first"))).dropped
     finally:
         run(owner.close())
+
+
+def test_a_shard_reads_snapshots_only_from_shards_of_its_deployment_and_only_for_its_owner():
+    """RestoreStage and CopySnapshot make a shard call another with the shard role's token: a client, even the
+    owner, cannot aim that call at an address outside the deployment, and without the deployment's secret
+    cannot make it at all. The coordinator likewise calls only shards that registered."""
+    roles = Security(token="client-token", shard_token="shard-token")
+    bait = socket.create_server(("127.0.0.1", 0))  # would see the shard's call, token and all
+    bait.setblocking(False)
+    elsewhere = f"127.0.0.1:{bait.getsockname()[1]}"
+    with bait, Cluster.local(num_shards=2, security=roles) as cluster:
+        model = cluster.deploy(reference_model(), optimizer=ADAM, num_stages=2)
+        first, second = model._clients.stages
+        deployment, secret, run = model.deployment_id, model._clients.secret, model._io.run
+        run(first.call("Snapshot", shard_pb2.SnapshotRequest(deployment_id=deployment, name="s0", copy=True)))
+        aimed = [("CopySnapshot", shard_pb2.CopySnapshotRequest(name="stolen", source_address=elsewhere,
+                                                                snapshot="s0", source_deployment_secret=secret)),
+                 ("RestoreStage", shard_pb2.RestoreStageRequest(deployment_id=deployment, source_address=elsewhere,
+                                                                snapshot="s0", source_deployment_secret=secret))]
+        for method, request in aimed:  # the owner's client, with the secret: still not to that address
+            with pytest.raises(errors.PermissionDenied, match=f"'{elsewhere}' is not a shard of this shard's "
+                                                              "deployment"):
+                run(second.call(method, request))
+        stranger = run(peer_with_secret(second.address, roles, ""))  # the client token alone
+        for source in (elsewhere, first.address):
+            with pytest.raises(errors.PermissionDenied, match="must carry its secret"):
+                run(stranger.call("CopySnapshot", shard_pb2.CopySnapshotRequest(
+                    name="stolen", source_address=source, snapshot="s0", source_deployment_secret=secret)))
+        run(stranger.close())
+        copied = run(second.call("CopySnapshot", shard_pb2.CopySnapshotRequest(
+            name="kept", source_address=first.address, snapshot="s0", source_deployment_secret=secret)))
+        assert copied.stage == 0 and copied.bytes > 0  # a shard of the deployment: read as before
+        split = [p.end_layer - p.first_layer for p in model.placements]
+        again, _ = run(model._redeploy([elsewhere, first.address], split))  # an unregistered address is no choice
+        assert [stage.address for stage in again[0].stages] == [second.address, first.address]
+        with pytest.raises(BlockingIOError):
+            bait.accept()  # nothing called it

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import grp
+import os
+
 import pytest
 
 from shardtrain.settings import (
@@ -244,3 +247,14 @@ def test_a_deadline_that_is_not_a_positive_number_of_seconds_is_refused(value, c
 def test_every_flag_says_what_it_does(parser):
     undocumented = [action.option_strings for action in parser({})._actions if not action.help]
     assert not undocumented
+
+
+def test_shard_checkpoint_group_by_name_or_id_from_a_flag_or_variable(capsys):
+    own = grp.getgrgid(os.getegid())
+    assert shard_settings([], COORDINATOR).checkpoint_group == -1  # none: the files are the shard's user's alone
+    assert shard_settings(["--checkpoint-group", own.gr_name], COORDINATOR).checkpoint_group == own.gr_gid
+    assert shard_settings([], {**COORDINATOR, "SHARDTRAIN_CHECKPOINT_GROUP": str(own.gr_gid)}).checkpoint_group \
+        == own.gr_gid
+    with pytest.raises(SystemExit):
+        shard_settings(["--checkpoint-group", "no-such-group-here"], COORDINATOR)
+    assert "no group is called 'no-such-group-here'" in capsys.readouterr().err
