@@ -242,6 +242,7 @@ class Cluster:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
         distributed.train(module.training)
         distributed.virtual_stages = virtual_stages
+        distributed.batch_norms = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
         distributed.snapshot_every = snapshot_every
         distributed._redeploy = functools.partial(self._redeploy, request, (encodings, parameter_keys, spec, shapes,
                                                                             list(module.state_dict()), interface))

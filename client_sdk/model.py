@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ class DistributedModel:
         self.steps_done = 0  # train_step calls whose step the model holds (after a roll-back, the snapshot's)
         self._periodic: recovery.Periodic | None = None
         self.training = True  # as nn.Module's: train() and eval() set it; every forward says which graphs run
+        self.batch_norms = False  # the model has batch norms: train_step with micro-batches warns once
 
     @property
     def deployment_id(self) -> str:
@@ -313,6 +315,11 @@ class DistributedModel:
                                       "its inputs (x), not as y")
             batch = Batch(main, inputs, y)
         self._check_schedule(schedule, microbatches)
+        if self.batch_norms and self.training and microbatches > 1:
+            self.batch_norms = False  # once
+            warnings.warn(f"the model has BatchNorm layers: with microbatches={microbatches} each micro-batch is "
+                          "normalised with its own statistics (the running statistics advance as for the whole "
+                          "batch), so a step differs from one full-batch step", stacklevel=2)
         clip = None if clip_grad_norm is None else (float(clip_grad_norm), 2.0)
         call = (batch, loss_fn, loss_output, microbatches, schedule, clip, self._hyperparameters.all())
         return self._io.run(self._train_step_surviving(call))

@@ -149,7 +149,8 @@ class PlannedRun:
         if header.zero_grad:
             await ports.run(ports.stage.zero_grad)
         (output, outgoing), seconds = await self._timed(ports.stage.forward, (self.step, k), x, incoming, True,
-                                                        False, not header.eval_mode, action=(schedule.FORWARD, k))
+                                                        False, not header.eval_mode, self.plan.microbatches,
+                                                        action=(schedule.FORWARD, k))
         wall = self.began
         self.figures.forward_seconds += seconds
         self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, ports.stage.in_flight_bytes)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shard_service import split_backward
+from shard_service.deferred_norms import DeferredNorms
 from shardtrain import optim, wire
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
@@ -63,6 +64,7 @@ class Stage:
         self._wirings = [source.wiring for source in sources]
         self._tensors: dict[str, torch.Tensor] = {}  # each weight once, by its key (a tied one by its first key)
         self._two_rows: tuple | None = None  # (layer index, description, input shape) of a layer that needs 2 rows
+        self._norms = DeferredNorms()  # batch norms' running statistics, updated once per step
         self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
         self._unloaded = set(self._state)
         named = {key: self._tensors[key] for key in self._parameter_keys()}
@@ -102,6 +104,8 @@ class Stage:
                                           f"shape {list(spec.shape)}")
                 graph_state[spec.graph_key] = state[key] = tensor
             layers.append(program.load(graph_state, self.device))
+            if source.eval_program:  # a layer that reads `training` (a batch norm) has graphs of its own per mode
+                self._norms.install(layers[-1])
             shape = one_row_batch_norm(layers[-1])
             if shape is not None and self._two_rows is None:
                 self._two_rows = (source.index, source.description, shape)
@@ -172,12 +176,13 @@ class Stage:
         return None
 
     def forward(self, key: StepKey, x: torch.Tensor, incoming: dict[str, torch.Tensor], requires_grad: bool,
-                input_requires_grad: bool = False,
-                training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                input_requires_grad: bool = False, training: bool = True,
+                microbatches: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Runs the stage; keeps autograd state under `key` when requires_grad. Returns output and outgoing residuals.
 
         A later stage always differentiates into its input; the first only when `input_requires_grad`.
-        `training` False runs the layers' eval-mode graphs (the model's eval()).
+        `training` False runs the layers' eval-mode graphs (the model's eval()). In training, batch norms' running
+        statistics advance once per step, after the forward of its last of `microbatches` (deferred_norms.py).
         """
         self._check_ready(key, requires_grad)
         self.check_input(x)
@@ -192,9 +197,13 @@ class Stage:
         leaves = {name: _leaf(t.to(self.device), requires_grad) for name, t in incoming.items()}
         saved = dict(leaves)
         layers = self._layers if training else self._eval_layers
+        if training and key[1] == 0:
+            self._norms.start_step()
         with torch.set_grad_enabled(requires_grad):
             output, saved_bytes = self._run_counted(layers, x, saved) if requires_grad else \
                 (self._run(layers, x, saved), 0)
+        if training and key[1] + 1 >= microbatches:
+            self._norms.commit()
         outgoing = {name: saved[name] for name in self.residuals.outgoing}
         if requires_grad:
             self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing, saved_bytes))
