@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import os
 import secrets
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -30,6 +32,20 @@ from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 
 BALANCES = ("time", "parameters")  # measured on the shards, or parameter counts
+log = logging.getLogger("shardtrain.client")
+
+
+class _PhaseClock:
+    """Seconds per named phase of a deploy, for model.deploy_seconds and the deploy's log line."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
 
 
 class Cluster:
@@ -192,8 +208,10 @@ class Cluster:
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise InvalidArgument(f"virtual_stages must be a whole number >= 1, got {virtual_stages!r}")
         module = layer_tools.as_module(model)
+        clock = _PhaseClock()
         layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
                                                      dynamic_shapes)
+        clock.done("capture whole")
         if split_points or layers_per_stage:
             balance = "parameters"  # nothing to balance: the costs shown are parameter counts
         balance = balance or ("parameters" if layer_tools.is_layered(module) else "time")
@@ -216,6 +234,7 @@ class Cluster:
                                                     balance_by_time=balance == "time",
                                                     virtual_stages=virtual_stages),
             replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs, take_over=take_over)
+        clock.done("capture units")
         if self.spares and not (num_stages or split_points or layers_per_stage):  # the spares stay idle
             in_use = len(self.shards()) - self.spares
             request.partition.num_stages = max(1, min(in_use // replicas, len(request.layers)))
@@ -225,7 +244,9 @@ class Cluster:
         layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
         for previous in self._models:  # shards hold one deployment at a time: the previous one's calls end first
             previous._settle()
+        clock.done("describe")
         response = self._io.run(self._deploy_call(request))
+        clock.done("partition and load stages")
         if not (num_stages or split_points or layers_per_stage):
             self._warn_idle(response, len(request.layers), replicas)
         self._close_models()  # only now: a deploy the coordinator refused leaves the previous model training
@@ -240,6 +261,10 @@ class Cluster:
                                      **layer_tools.held_beyond_state_dict(module, layers, request.layers)})
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
+        clock.done("send weights")
+        distributed.deploy_seconds = clock.seconds
+        log.info("deployed %d layers over %d stages in %.2f s: %s", len(request.layers), len(distributed.placements),
+                 sum(clock.seconds.values()), ", ".join(f"{k} {v:.2f} s" for k, v in clock.seconds.items()))
         distributed.train(module.training)
         distributed.virtual_stages = virtual_stages
         distributed.batch_norms = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())

@@ -129,6 +129,7 @@ class DistributedModel:
         self._periodic: recovery.Periodic | None = None
         self.training = True  # as nn.Module's: train() and eval() set it; every forward says which graphs run
         self.batch_norms = False  # the model has batch norms: train_step with micro-batches warns once
+        self.deploy_seconds: dict[str, float] = {}  # where the deploy's time went, by phase
 
     @property
     def deployment_id(self) -> str:

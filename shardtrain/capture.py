@@ -9,6 +9,7 @@ against an allow-list first, every operator against the allow-list of pure tenso
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ class CapturedProgram:
 
     def __init__(self, program: bytes):
         self._tree = _parse_program(program)
+        self._digest = hashlib.sha256(program).digest()
         self.guards = [symbolic.Guard(text) for text in self._tree.get("guards_code", [])]
         try:
             graph_module = self._tree["graph_module"]
@@ -231,7 +233,7 @@ class CapturedProgram:
         except Exception as error:  # the deserializer raises many types; all mean a bad program
             raise InvalidArgument(f"captured program does not load: {type(error).__name__}: {error}") from None
         _check_targets(exported)
-        propagation.check_shapes(exported.graph)
+        propagation.check_program_shapes(self._digest, exported.graph)
         if device is not None:
             _create_on(exported.graph_module, device)
         module = _without_input_checks(exported.module())
