@@ -292,7 +292,8 @@ class DistributedModel:
         with each backward split into the input gradient the stage before waits for and the weight gradient,
         which fills the stage's idle time) or "interleaved" (a deployment of several stages per device,
         deploy(virtual_stages=v): each device runs its stages' actions in interleaved 1F1B's order, the bubble
-        divided by v). It runs on the same Links as the loop; no call is opened per step.
+        divided by v); torch.distributed.pipelining's names ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1") and
+        schedule classes are taken too. It runs on the same Links as the loop; no call is opened per step.
 
         The loss is computed on the last stage: `loss_fn(output, y)` on the model's (first) output, with a
         torch.nn loss by name ("MSELoss"), class or instance from the allow-list, or a loss module of your own
@@ -315,6 +316,7 @@ class DistributedModel:
                 raise InvalidArgument("with loss_output the model computes its loss itself: pass its targets among "
                                       "its inputs (x), not as y")
             batch = Batch(main, inputs, y)
+        schedule = schedules.canonical(schedule)
         self._check_schedule(schedule, microbatches)
         if self.batch_norms and self.training and microbatches > 1:
             self.batch_norms = False  # once

@@ -20,6 +20,20 @@ from dataclasses import dataclass
 from shardtrain.errors import InvalidArgument
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+# Other spellings users bring: torch.distributed.pipelining's names (and its classes' names without "Schedule").
+_SPELLINGS = {"gpipe": "gpipe", "1f1b": "1f1b", "zbh1": "zb-h1", "zb-h1": "zb-h1", "zerobubble": "zb-h1",
+              "interleaved": "interleaved", "interleaved1f1b": "interleaved"}
+
+
+def canonical(schedule) -> str:
+    """A schedule's name as this module spells it, from any case of it or of torch's names ("GPipe", "1F1B",
+    "Interleaved1F1B", "ZBH1") or torch's schedule class itself (ScheduleGPipe); unknown names pass through, to be
+    refused naming the known ones."""
+    name = getattr(schedule, "__name__", schedule)
+    if not isinstance(name, str):
+        return schedule
+    key = name.lower().removeprefix("schedule").replace("_", "")
+    return _SPELLINGS.get(key, name)
 SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is B (input gradient) then W (weight gradient)
 INTERLEAVED = ("interleaved",)  # schedules of several stages per device, ordered per device
 # A plan holds 2 * microbatches actions per stage; these bound what one request can make a server build.

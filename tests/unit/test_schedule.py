@@ -326,3 +326,17 @@ def test_interleaved_bubble_is_1f1b_s_divided_by_v(p, v, m):
 def test_interleaved_refusals_say_what_fits(call, message):
     with pytest.raises(InvalidArgument, match=message):
         call()
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("GPipe", "gpipe"), ("1F1B", "1f1b"), ("Interleaved1F1B", "interleaved"), ("ZBH1", "zb-h1"), ("ZB-H1", "zb-h1"),
+    ("gpipe", "gpipe"), ("zb-h1", "zb-h1"), ("no-such", "no-such")])
+def test_schedules_are_taken_by_torch_names_and_any_case(given, expected):
+    assert schedule.canonical(given) == expected
+
+
+def test_torch_schedule_classes_are_taken_by_their_names():
+    pipelining = pytest.importorskip("torch.distributed.pipelining")
+    assert schedule.canonical(pipelining.ScheduleGPipe) == "gpipe"
+    assert schedule.canonical(pipelining.Schedule1F1B) == "1f1b"
+    assert schedule.canonical(pipelining.ScheduleInterleaved1F1B) == "interleaved"
