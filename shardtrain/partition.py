@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy
+
 from shardtrain.errors import InvalidArgument, ResourceExhausted
 
 Ranges = list[tuple[int, int]]  # (first layer, end layer exclusive) per stage
@@ -12,29 +14,68 @@ Ranges = list[tuple[int, int]]  # (first layer, end layer exclusive) per stage
 def balanced(costs: Sequence, num_stages: int, memory: Sequence = (), capacities: Sequence[int] = ()) -> Ranges:
     """Contiguous stages minimising the largest stage cost; ties cut as early as possible. `costs` (and `memory`)
     hold one value per layer, or one row of them per stage: what each layer costs on that stage's shard. With
-    `memory` and `capacities` (per stage, 0: unlimited), only stages that fit their shard are considered."""
+    `memory` and `capacities` (per stage, 0: unlimited), only stages that fit their shard are considered.
+
+    A binary search on the largest stage cost; each guess is checked stage by stage over every layer at once
+    (numpy), so the work is O(stages x layers x log(total cost))."""
     layers = len(costs[0]) if _per_stage(costs) else len(costs)
     _check_count(layers, num_stages)
-    prices = [_prefix(row) for row in rows(costs, num_stages)]
-    held = [_prefix(row) for row in rows(memory or [0] * layers, num_stages)]
-    limits = list(capacities) or [0] * num_stages
-    # best[k][i]: the smallest possible largest-stage cost for layers[:i] in k stages.
-    inf = float("inf")
-    best = [[inf] * (layers + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (layers + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, num_stages + 1):
-        price, hold, limit = prices[k - 1], held[k - 1], limits[k - 1]
-        for i in range(k, layers + 1):
-            for j in range(k - 1, i):
-                if limit and hold[i] - hold[j] > limit:
-                    continue
-                candidate = max(best[k - 1][j], price[i] - price[j])
-                if candidate < best[k][i]:
-                    best[k][i], cut[k][i] = candidate, j
-    if best[num_stages][layers] == inf:
+    fill = _Filling(rows(costs, num_stages), rows(memory or [0] * layers, num_stages),
+                    list(capacities) or [0] * num_stages)
+    high = int(max(price[-1] for price in fill.prices))
+    if not fill.finishing(high)[0][0]:
         raise ResourceExhausted(_does_not_fit(_largest(memory, num_stages), capacities))
-    return _walk_back(cut, num_stages, layers)
+    low = 0
+    while low < high:  # the smallest largest-stage cost that fits
+        middle = (low + high) // 2
+        low, high = (low, middle) if fill.finishing(middle)[0][0] else (middle + 1, high)
+    return fill.earliest(low)
+
+
+class _Filling:
+    """Stages filled within a largest cost, from prefix sums of each stage's layer costs and memory."""
+
+    def __init__(self, costs: list[Sequence[int]], memory: list[Sequence[int]], limits: list[int]):
+        cumulative = lambda row: numpy.concatenate(([0], numpy.cumsum(numpy.asarray(row, dtype=numpy.int64))))  # noqa: E731
+        self.prices, self.held = [cumulative(row) for row in costs], [cumulative(row) for row in memory]
+        self.limits, self.stages, self.layers = limits, len(costs), len(costs[0])
+
+    def reach(self, stage: int, target: int) -> numpy.ndarray:
+        """For every start s, the last end e (exclusive) stage `stage` can have from s within `target` and its
+        memory (e == s: not even one layer)."""
+        price, hold, limit = self.prices[stage], self.held[stage], self.limits[stage]
+        ends = numpy.searchsorted(price, price + target, side="right") - 1
+        if limit:
+            ends = numpy.minimum(ends, numpy.searchsorted(hold, hold + limit, side="right") - 1)
+        return ends
+
+    def finishing(self, target: int) -> list[numpy.ndarray]:
+        """finishing[k][s]: stages k.. can hold layers s.. within `target`, each at least one layer; with
+        following[k][s], the first such start at or after s (layers + 1 where there is none)."""
+        done = numpy.zeros(self.layers + 1, dtype=bool)
+        done[self.layers] = True
+        finishing = [done]
+        for stage in range(self.stages - 1, -1, -1):
+            after = _next_true(finishing[0])
+            following = after[numpy.minimum(numpy.arange(self.layers + 1) + 1, self.layers)]  # an end after s
+            following[self.layers] = self.layers + 1
+            finishing.insert(0, following <= self.reach(stage, target))
+        return finishing
+
+    def earliest(self, target: int) -> Ranges:
+        """The stages within `target` whose cuts come as early as possible, one after another."""
+        finishing, ranges, start = self.finishing(target), [], 0
+        for stage in range(self.stages):
+            end = int(_next_true(finishing[stage + 1])[start + 1])  # the first end the later stages can go on from
+            ranges.append((start, end))
+            start = end
+        return ranges
+
+
+def _next_true(flags: numpy.ndarray) -> numpy.ndarray:
+    """For each index, the first index at or after it whose flag is set (len(flags) where none is)."""
+    positions = numpy.where(flags, numpy.arange(len(flags)), len(flags))
+    return numpy.minimum.accumulate(positions[::-1])[::-1]
 
 
 def _per_stage(values: Sequence) -> bool:
@@ -54,13 +95,6 @@ def _largest(memory: Sequence, num_stages: int) -> list[int]:
     """Each layer's memory on the shard where it needs the most."""
     per_stage = rows(memory, num_stages) if memory else []
     return [max(column) for column in zip(*per_stage)] if per_stage else []
-
-
-def _prefix(values: Sequence[int]) -> list[int]:
-    sums = [0]
-    for value in values:
-        sums.append(sums[-1] + value)
-    return sums
 
 
 def check_memory(ranges: Ranges, memory: Sequence, capacities: Sequence[int]) -> None:
@@ -83,15 +117,6 @@ def _does_not_fit(memory: Sequence[int], capacities: Sequence[int]) -> str:
 
 def _gib(size: int) -> str:
     return f"{size / 2**30:.4g} GiB" if size >= 2**30 else f"{size / 2**20:.4g} MiB"
-
-
-def _walk_back(cut: list[list[int]], num_stages: int, num_layers: int) -> Ranges:
-    ranges, end = [], num_layers
-    for k in range(num_stages, 0, -1):
-        start = cut[k][end]
-        ranges.append((start, end))
-        end = start
-    return ranges[::-1]
 
 
 def at_split_points(num_layers: int, split_points: Sequence[int]) -> Ranges:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import random
 import re
+import time
 
 import pytest
 
@@ -197,3 +199,31 @@ def test_per_stage_memory_keeps_each_stage_within_its_own_shard():
         balanced([[1] * 6, [1] * 6], 2, [[10] * 6, [20] * 6], [30, 40])
     with pytest.raises(InvalidArgument, match="3 rows of layer costs for 2 stages"):
         balanced([[1] * 6] * 3, 2)
+
+
+def test_balanced_stays_optimal_with_per_stage_costs_and_memory_limits_against_every_partition():
+    generator = random.Random(7)
+    for _ in range(200):
+        layers, stages = generator.randint(1, 7), generator.randint(1, 4)
+        if stages > layers:
+            continue
+        costs = [[generator.randint(0, 9) for _ in range(layers)] for _ in range(stages)]
+        memory = [[generator.randint(0, 5) for _ in range(layers)] for _ in range(stages)]
+        limits = [generator.choice([0, 6, 10]) for _ in range(stages)]
+        fitting = [r for r in all_partitions(layers, stages)
+                   if all(not limit or sum(memory[k][a:b]) <= limit for k, ((a, b), limit) in enumerate(zip(r, limits)))]
+        if not fitting:
+            with pytest.raises(ResourceExhausted):
+                balanced(costs, stages, memory, limits)
+            continue
+        cost = lambda r: max(sum(costs[k][a:b]) for k, (a, b) in enumerate(r))  # noqa: E731
+        best = min(cost(r) for r in fitting)
+        assert balanced(costs, stages, memory, limits) == min(r for r in fitting if cost(r) == best)
+
+
+def test_balancing_100000_layers_over_8_stages_takes_under_a_second():
+    costs = [random.Random(1).randint(1, 1000) for _ in range(100_000)]
+    start = time.process_time()
+    ranges = balanced(costs, 8, [c * 10 for c in costs], [0] * 8)
+    assert time.process_time() - start < 1.0
+    assert ranges[0][0] == 0 and ranges[-1][1] == 100_000 and len(ranges) == 8
