@@ -15,6 +15,7 @@ from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
 from shardtrain.v1 import shard_pb2
 
 FETCHABLE = (OUTPUT, INPUT_GRADIENT)
+KEPT_BYTES = 256 << 20  # tensors kept for FetchTensor that nobody fetched: the oldest go first beyond this
 
 
 class CallOutbox:
@@ -25,7 +26,7 @@ class CallOutbox:
     toward_first = True
 
     def __init__(self) -> None:
-        self._kept = Mailbox()
+        self._kept = Mailbox(max_bytes=KEPT_BYTES)
 
     async def send(self, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None = None,
                    options: wire.SendOptions = wire.EXACT) -> None:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from shard_service.mailbox import Mailbox
-from shardtrain.errors import DeadlineExceeded, ShardtrainError
+from shardtrain.errors import DeadlineExceeded, FailedPrecondition, ShardtrainError
 
 LONG = 5.0    # a wait that must not time out
 SHORT = 0.01  # a wait that must
@@ -86,8 +86,8 @@ def test_oldest_entries_are_evicted_beyond_capacity():
         for key in ("a", "b", "c"):
             mailbox.put(key, key.upper())
         kept = [await mailbox.get(key, LONG, key) for key in ("b", "c")]
-        with pytest.raises(DeadlineExceeded, match="'a' did not arrive"):
-            await mailbox.get("a", SHORT, "'a'")
+        with pytest.raises(FailedPrecondition, match="'a' was evicted: too many entries waiting"):
+            await mailbox.get("a", SHORT, "'a'")  # at once: no wait for what will never come
         return kept
     assert run(scenario()) == ["B", "C"]
 
@@ -126,4 +126,22 @@ def test_reader_of_a_discarded_entry_gets_a_shardtrain_error():
         mailbox.discard("k")
         with pytest.raises(ShardtrainError, match="residual 'r' of step 1"):
             await reader
+    run(scenario())
+
+
+def test_tensors_beyond_the_byte_bound_evict_the_oldest_and_their_readers_are_told():
+    import torch
+
+    async def scenario():
+        box = Mailbox(max_bytes=3 << 20)
+        for step in range(5):
+            box.put((step, 0, "@output"), torch.zeros(1 << 18))  # 1 MiB each
+        assert len(box.delivered()) == 3  # the newest three: 3 MiB
+        with pytest.raises(FailedPrecondition, match="evicted: more than 3 MiB of tensors were waiting"):
+            await box.get((0, 0, "@output"), 1.0, "step 0's output")
+        assert (await box.get((4, 0, "@output"), 1.0, "step 4's output")).numel() == 1 << 18
+        box.discard((4, 0, "@output"))
+        box.put((5, 0, "@output"), torch.zeros(1 << 18))
+        assert len(box.delivered()) == 3
+
     run(scenario())
