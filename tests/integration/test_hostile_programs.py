@@ -48,3 +48,25 @@ def test_a_program_that_opens_a_file_is_refused_and_training_goes_on(cluster4, t
     assert secret.read_bytes() == b"SECRET!"
 
     assert trains_like_one_process(cluster4, num_stages=3) <= 1e-5
+
+
+@pytest.mark.parametrize("target, why", [
+    ("torch.ops.aten._print.default", "reads or writes outside the computation"),
+    ("torch.ops.aten.set_.source_Storage", "re-points a tensor's memory"),
+    ("torch.ops.aten.empty_like.default", "uninitialized memory"),
+    ("torch.ops.aten.mkldnn_convolution.default", "backend kernel"),
+    ("torch.ops.aten._native_batch_norm_legit_no_training.default", "internal operator"),
+    ("torch.ops.c10d.allreduce_.default", "only aten operators"),
+    ("torch.ops._c10d_functional.all_reduce.default", "only aten operators"),
+    ("torch.ops.mylib.custom.default", "only aten operators"),
+    ("torch.ops.higher_order.cond", "only aten operators"),
+])
+def test_every_family_the_rule_refuses_is_refused_from_a_raw_client_and_training_goes_on(cluster4, target, why):
+    request = hostile_request("/etc/hostname", False)
+    tree = json.loads(request.layers[1].program)
+    node = next(n for n in tree["graph_module"]["graph"]["nodes"] if n["target"] == "torch.ops.aten.from_file.default")
+    node["target"] = target
+    request.layers[1].program = json.dumps(tree).encode()
+    with pytest.raises(errors.InvalidArgument, match=why):
+        cluster4._io.run(cluster4._deploy_call(request))
+    assert trains_like_one_process(cluster4, num_stages=3) <= 1e-5
