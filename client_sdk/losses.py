@@ -13,6 +13,21 @@ from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
 
 EXAMPLE_ROWS = 2
+FUNCTIONS_KEPT = 16  # loss functions whose capture is kept for the next step
+
+
+class FunctionLoss(torch.nn.Module):
+    """A loss function (F.cross_entropy, a lambda, a functools.partial) as a module, to be captured like one."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.function(prediction, target)
+
+    def __repr__(self) -> str:
+        return getattr(self.function, "__name__", repr(self.function))[:120]
 
 
 class LossSpecs:
@@ -24,14 +39,28 @@ class LossSpecs:
     def __init__(self, predict: Callable[[torch.Tensor, dict[str, torch.Tensor]], Awaitable[torch.Tensor]]):
         self._predict = predict
         self._captured: dict[int, tuple[torch.nn.Module, shard_pb2.LossSpec]] = {}
+        self._functions: dict[int, FunctionLoss] = {}  # a function's module, kept so its capture is reused
 
     async def __call__(self, loss, batch: Batch) -> shard_pb2.LossSpec:
-        """The LossSpec of `loss`: a name, a torch.nn loss class or instance, or a module of your own."""
+        """The LossSpec of `loss`: a name, a torch.nn loss class or instance, a module of your own, or any function
+        of (prediction, target) such as F.mse_loss or a lambda (captured like a module)."""
+        if callable(loss) and not isinstance(loss, (str, type, torch.nn.Module)):
+            loss = self._module_of(loss)
         if isinstance(loss, torch.nn.Module) and type(loss).__name__ not in losses.ALLOWED:
             return await self._custom(loss, batch)
         name, kwargs_json = losses.encode(loss)
         losses.build(name, kwargs_json)  # refuse bad kwargs here, before any shard sees them
         return shard_pb2.LossSpec(name=name, kwargs_json=kwargs_json)
+
+    def _module_of(self, function) -> FunctionLoss:
+        """The function's module, the same each call with the same function (the last few kept: a fresh lambda per
+        step is captured again)."""
+        module = self._functions.get(id(function))
+        if module is None or module.function is not function:
+            module = self._functions[id(function)] = FunctionLoss(function)
+            while len(self._functions) > FUNCTIONS_KEPT:
+                self._captured.pop(id(self._functions.pop(next(iter(self._functions)))), None)
+        return module
 
     async def _custom(self, loss: torch.nn.Module, batch: Batch) -> shard_pb2.LossSpec:
         if id(loss) in self._captured and self._captured[id(loss)][0] is loss:

@@ -98,6 +98,17 @@ def test_a_loss_of_your_own_is_captured_and_shipped(cluster4):
     assert largest_difference(model.state_dict(), expected) <= PIPELINE_TOLERANCE
 
 
+@pytest.mark.parametrize("loss_fn", [torch.nn.functional.mse_loss, lambda prediction, target: (
+    (prediction - target).abs().mean() / 2)], ids=["F.mse_loss", "a lambda"])
+def test_a_loss_function_is_captured_and_shipped_under_a_torch_schedule_name(cluster4, loss_fn):
+    batches = regression_batches(steps=4, batch=12, features=6, outputs=5)
+    expected, expected_losses = train_full_batch(classifier(), batches, ADAM, loss_fn)
+    model = cluster4.deploy(classifier(), optimizer=ADAM, num_stages=2)
+    losses = train_pipelined(model, batches, loss_fn, microbatches=4, schedule="GPipe")
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert largest_difference(model.state_dict(), expected) <= PIPELINE_TOLERANCE
+
+
 def test_1f1b_keeps_at_most_p_micro_batches_alive_and_gpipe_keeps_m(cluster4):
     x, y = regression_batches(steps=1, batch=64, features=6, outputs=5)[0]
     peaks = {}
