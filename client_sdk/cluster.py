@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from client_sdk import layers as layer_tools
-from client_sdk import modes
+from client_sdk import materialize, modes
 from client_sdk import optimizer as optimizer_tools
 from client_sdk.interface import Interface
 from client_sdk.io_loop import shared_loop
@@ -33,6 +33,11 @@ from shardtrain.v1 import coordinator_pb2, shard_pb2
 
 BALANCES = ("time", "parameters")  # measured on the shards, or parameter counts
 log = logging.getLogger("shardtrain.client")
+
+
+def _on_meta(values):
+    """The same structure with every tensor moved to the meta device (examples for a model built there)."""
+    return torch.utils._pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, values)
 
 
 class _PhaseClock:
@@ -209,8 +214,14 @@ class Cluster:
             raise InvalidArgument(f"virtual_stages must be a whole number >= 1, got {virtual_stages!r}")
         module = layer_tools.as_module(model)
         clock = _PhaseClock()
+        empty = materialize.is_empty(module)  # built on meta: captured from shapes, initialised a part at a time
+        if empty:
+            materialize.check_initialisable(module)
+            example_input, example_inputs, example_kwargs = _on_meta((example_input, example_inputs, example_kwargs))
         layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
                                                      dynamic_shapes)
+        if empty:
+            x, inputs = _on_meta((x, inputs))
         clock.done("capture whole")
         if split_points or layers_per_stage:
             balance = "parameters"  # nothing to balance: the costs shown are parameter counts
@@ -256,9 +267,13 @@ class Cluster:
         shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
         distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
                                                 list(module.state_dict()), interface))
-        # A non-persistent buffer (a mask, a rotary cache) is not in the state dict, but its stages need its value.
-        distributed.load_state_dict({**module.state_dict(),
-                                     **layer_tools.held_beyond_state_dict(module, layers, request.layers)})
+        if empty:
+            materialize.initialise_in_parts(module, [{entry.model_key for entry in layer.state}
+                                                     for layer in request.layers],
+                                            lambda part: distributed.load_state_dict(part, strict=False))
+        else:  # a non-persistent buffer (a mask, a rotary cache) is not in the state dict; its stages need its value
+            distributed.load_state_dict({**module.state_dict(),
+                                         **layer_tools.held_beyond_state_dict(module, layers, request.layers)})
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
             distributed.load_optimizer_state_dict(optimizer.state_dict())
         clock.done("send weights")
@@ -313,6 +328,7 @@ class Cluster:
         if layer_tools.is_layered(module):
             layers, interface = layer_tools.layers_of(module), Interface()
             x = example_input if example_input is not None else layer_tools.example_input(module, layers)
+            x = x.to("meta") if materialize.is_empty(module) else x
             args, kwargs, bound = (x,), {}, (x, {})
         else:
             args = (example_input,) if isinstance(example_input, torch.Tensor) else tuple(example_inputs)
