@@ -14,6 +14,7 @@ import secrets
 
 import grpc
 
+from shardtrain import logs
 from shardtrain.errors import PermissionDenied
 from shardtrain.settings import Security
 
@@ -114,13 +115,15 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
         presented = dict(details.invocation_metadata or ()).get("authorization", "")
         roles = roles_of(presented, self._security)
         if not roles:
-            log.info("refused %s: UNAUTHENTICATED (%s token)", details.method, "a wrong" if presented else "no")
+            log.info("refused %s: UNAUTHENTICATED (%s token)", details.method, "a wrong" if presented else "no",
+                     extra=logs.fields(method=details.method.rpartition("/")[2], code="UNAUTHENTICATED"))
             return _refusing(await continuation(details), grpc.StatusCode.UNAUTHENTICATED,
                              f"{details.method}: missing or wrong auth token (expected metadata "
                              "'authorization: Bearer <token>')")
         allowed = ALLOWED.get(method, frozenset())
         if not roles & allowed:
-            log.info("refused %s: PERMISSION_DENIED (the %s role)", details.method, " or ".join(sorted(roles)))
+            log.info("refused %s: PERMISSION_DENIED (the %s role)", details.method, " or ".join(sorted(roles)),
+                     extra=logs.fields(method=details.method.rpartition("/")[2], code="PERMISSION_DENIED"))
             return _refusing(await continuation(details), grpc.StatusCode.PERMISSION_DENIED,
                              f"{details.method}: the {' or '.join(sorted(roles))} token may not call this; it takes "
                              f"the {' or '.join(sorted(allowed)) or 'no'} role")

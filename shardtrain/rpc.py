@@ -16,7 +16,7 @@ import grpc
 
 from google.protobuf import message_factory
 
-from shardtrain import addresses, auth, codec, enums, errors, metrics, shm, wire
+from shardtrain import addresses, auth, codec, enums, errors, logs, metrics, shm, wire
 from shardtrain.channels import CHANNEL_OPTIONS, open_channel, read_pem
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
@@ -232,7 +232,7 @@ def _refusal(error: Exception, where: str, method: str, context) -> tuple[grpc.S
     metrics.failed(method, code.name)
     level = logging.INFO if code.name in CALLER_ERRORS else logging.WARNING
     log.log(level, "%s %s from %s: %s %s", "refused" if level == logging.INFO else "failed", method,
-            context.peer(), code.name, message)
+            context.peer(), code.name, message, extra=logs.fields(method=method, code=code.name, peer=context.peer()))
     return code, message
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -256,6 +257,10 @@ def test_refused_requests_are_logged_once_with_the_code_and_the_caller_as_json_l
     assert "INVALID_ARGUMENT coordinator 127.0.0.1" in refusals[0]["message"]
     assert refusals[0]["message"].endswith("a deploy needs at least one layer")
     assert "CoordinatorService/Deploy: UNAUTHENTICATED (a wrong token)" in refusals[1]["message"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", lines[0]["time"])  # RFC 3339, UTC
+    assert refusals[0]["method"] == "Deploy" and refusals[0]["code"] == "INVALID_ARGUMENT"
+    assert refusals[0]["peer"].startswith("ipv4:127.0.0.1")
+    assert refusals[1]["method"] == "Deploy" and refusals[1]["code"] == "UNAUTHENTICATED"
 
 
 def test_entry_point_lists_its_commands_and_its_version():
