@@ -84,7 +84,8 @@ def _constructed_order(module: torch.nn.Module):
 def _keys_by_tensor(module: torch.nn.Module) -> dict[int, list[str]]:
     """Every state key of each tensor (several for tied weights), by the tensor's identity."""
     keys: dict[int, list[str]] = {}
-    for key, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for key, tensor in named:
         keys.setdefault(id(tensor), []).append(key)
     return keys
 

@@ -2,9 +2,10 @@
 
 Each unit (a submodule that holds no container of modules: a transformer block, an embedding, a head; the search
 descends through containers and through every module that holds one, so `transformer.h.3` of a GPT-2 or
-`model.layers.7` of a Llama is a unit) becomes one layer of the chain the shards run: the value passed on to the next unit travels as the layer's main
-input, every other value a later unit reads (int64 token ids, masks, skip connections) as a named residual. So
-cutting between any two units works for any tensors crossing the cut, with no second engine.
+`model.layers.7` of a Llama is a unit) becomes one layer of the chain the shards run: the value passed on to the next
+unit travels as the layer's main input, every other value a later unit reads (int64 token ids, masks, skip
+connections) as a named residual. So cutting between any two units works for any tensors crossing the cut, with no
+second engine.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
 def unsendable_outputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, type]:
     """The model's outputs, by path, whose types torch's pytree does not know (one forward, leaving the model and
     torch's random stream as they were)."""
-    with untouched(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with untouched(module), torch.no_grad():
         outputs = module(*args, **kwargs)
     found = {}
     for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:

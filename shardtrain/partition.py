@@ -36,8 +36,7 @@ class _Filling:
     """Stages filled within a largest cost, from prefix sums of each stage's layer costs and memory."""
 
     def __init__(self, costs: list[Sequence[int]], memory: list[Sequence[int]], limits: list[int]):
-        cumulative = lambda row: numpy.concatenate(([0], numpy.cumsum(numpy.asarray(row, dtype=numpy.int64))))  # noqa: E731
-        self.prices, self.held = [cumulative(row) for row in costs], [cumulative(row) for row in memory]
+        self.prices, self.held = [_cumulative(row) for row in costs], [_cumulative(row) for row in memory]
         self.limits, self.stages, self.layers = limits, len(costs), len(costs[0])
 
     def reach(self, stage: int, target: int) -> numpy.ndarray:
@@ -70,6 +69,11 @@ class _Filling:
             ranges.append((start, end))
             start = end
         return ranges
+
+
+def _cumulative(row: Sequence[int]) -> numpy.ndarray:
+    """0 and the running sums of a row of layer values."""
+    return numpy.concatenate(([0], numpy.cumsum(numpy.asarray(row, dtype=numpy.int64))))
 
 
 def _next_true(flags: numpy.ndarray) -> numpy.ndarray:
