@@ -3,8 +3,9 @@
 `torch.export.load` falls back to `torch.load(weights_only=False)` and the serialized program it
 reads is trusted input (operator names resolved by getattr, guard strings exec'd, node names
 pasted into generated source). So a shard never calls it: it checks every string in the program
-against an allow-list first, every operator against the allow-list of pure tensor operators
-(shardtrain/operators.py), then hands the deserializer weights it received as plain tensors.
+against an allow-list first (shape expressions and guards by the grammar of shardtrain/symbolic.py),
+every operator against the rule of shardtrain/operators.py, then hands the deserializer weights it
+received as plain tensors, and re-checks the built graph's shapes (shardtrain/propagation.py).
 """
 
 from __future__ import annotations
