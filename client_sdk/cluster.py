@@ -220,8 +220,6 @@ class Cluster:
             example_input, example_inputs, example_kwargs = _on_meta((example_input, example_inputs, example_kwargs))
         layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
                                                      dynamic_shapes)
-        if empty:
-            x, inputs = _on_meta((x, inputs))
         clock.done("capture whole")
         if split_points or layers_per_stage:
             balance = "parameters"  # nothing to balance: the costs shown are parameter counts

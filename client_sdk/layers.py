@@ -317,12 +317,15 @@ def _located(program: bytes, layer: Layer, message: str) -> str:
     return f"; in {path or layer.name or layer.prefix or 'the layer'}" + _frame_of(trace)
 
 
+# Where frames of torch's, this project's or Python's own code come from: a user's line is in none of them.
+_NOT_USERS = (os.sep + "torch" + os.sep, os.sep + "client_sdk" + os.sep, os.sep + "shardtrain" + os.sep, "<frozen")
+
+
 def _frame_of(trace: str) -> str:
     """ " at FILE:LINE (`code`)" for the deepest frame of a stack trace outside torch and this project."""
-    ours = (os.sep + "torch" + os.sep, os.sep + "client_sdk" + os.sep, os.sep + "shardtrain" + os.sep)
     lines = trace.splitlines()
     frames = [(i, line.strip()) for i, line in enumerate(lines) if line.strip().startswith('File "')]
-    frames = [(i, line) for i, line in frames if not any(part in line for part in ours)]
+    frames = [(i, line) for i, line in frames if not any(part in line for part in _NOT_USERS)]
     if not frames:
         return ""
     i, line = frames[-1]
@@ -347,9 +350,8 @@ def _why(error: Exception) -> str:
 
 def _user_line(error: Exception) -> str:
     """ " at FILE:LINE (`code`)": the deepest frame of the failure in the user's code, not torch's or ours."""
-    ours = (os.sep + "torch" + os.sep, os.sep + "client_sdk" + os.sep, os.sep + "shardtrain" + os.sep, "<frozen")
     frames = [frame for frame in traceback.extract_tb(error.__traceback__)
-              if not any(part in frame.filename for part in ours)]
+              if not any(part in frame.filename for part in _NOT_USERS)]
     if not frames:
         return ""
     frame = frames[-1]

@@ -132,21 +132,14 @@ def test_a_stage_whose_replicas_each_have_a_gpu_sums_gradients_with_nccl():
 
 def test_transformers_gpt2_and_llama_on_cuda_shards_train_as_one_process():
     pytest.importorskip("transformers")
-    from tests.integration.test_library_models import build, train_locally
+    from tests.integration.test_library_models import build, deploy, train_in_the_loop, train_locally
     for name in ("gpt2", "llama"):
         local, batches = build(name)
         with Cluster.local(num_shards=4, device="cuda") as cluster:
-            remote = cluster.deploy(copy.deepcopy(local), optimizer=(torch.optim.AdamW, {"lr": 1e-3}),
-                                    example_kwargs=batches[0])
+            remote = deploy(cluster, copy.deepcopy(local), batches)
             assert len({p.shard_address for p in remote.placements}) == 4
             assert all(report.device == "cuda" for report in remote.describe())
-            losses = []
-            for batch in batches:
-                loss = remote(**batch).loss
-                loss.backward()
-                remote.step()
-                remote.zero_grad()
-                losses.append(loss.item())
+            losses = train_in_the_loop(remote, batches, remote)
             state = remote.state_dict()
         assert losses == pytest.approx(train_locally(local, batches), abs=1e-4), name
         assert largest_difference(state, local.state_dict()) <= 1e-4, name

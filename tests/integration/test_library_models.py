@@ -103,8 +103,9 @@ def largest_difference(remote: dict, local: dict) -> tuple[float, str]:
     return max(((remote[key] - local[key]).abs().max().item(), key) for key in local)
 
 
-def train_locally(model, batches, optimizer=ADAMW):
-    optimizer = optimizer[0](model.parameters(), **optimizer[1])
+def train_in_the_loop(model, batches, optimizer) -> list[float]:
+    """The losses of a loop of model(**batch).loss, backward, optimizer.step() and zero_grad(); a deployed model
+    is its own optimizer."""
     losses = []
     for batch in batches:
         loss = model(**batch).loss
@@ -115,19 +116,17 @@ def train_locally(model, batches, optimizer=ADAMW):
     return losses
 
 
+def train_locally(model, batches, optimizer=ADAMW):
+    return train_in_the_loop(model, batches, optimizer[0](model.parameters(), **optimizer[1]))
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_library_model_is_cut_block_by_block_over_every_shard_and_trains_in_the_loop_as_one_process(cluster4,
                                                                                                       name):
     local, batches = build(name)
     remote = deploy(cluster4, copy.deepcopy(local), batches)
     assert len({p.shard_address for p in remote.placements}) == 4  # every shard holds blocks
-    losses = []
-    for batch in batches:
-        output = remote(**batch)
-        output.loss.backward()
-        remote.step()
-        remote.zero_grad()
-        losses.append(output.loss.item())
+    losses = train_in_the_loop(remote, batches, remote)
     expected = train_locally(local, batches)
     assert losses == pytest.approx(expected, abs=TOLERANCE)
     assert largest_difference(remote.state_dict(), local.state_dict()) < (TOLERANCE, "")
