@@ -25,6 +25,7 @@ from client_sdk.processes import LocalServices
 from client_sdk.reports import DeploymentReport
 from client_sdk.transport import StageClients
 from shardtrain import auth, optim, wire
+from shardtrain import recompute as recompute_mode
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env, timeouts_env
@@ -163,7 +164,8 @@ class Cluster:
                compression: str | dict[str, str] = "none", replicas: int = 1,
                dynamic_shapes=None, balance: str = "", example_inputs: tuple = (),
                example_kwargs: dict | None = None, virtual_stages: int = 1,
-               snapshot_every: int = 0, take_over: bool = False) -> DistributedModel:
+               snapshot_every: int = 0, take_over: bool = False,
+               weights: str | os.PathLike | None = None, recompute: str = "never") -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: any nn.Module torch.export can capture. An nn.Sequential, a LayerList or a seed layer list
@@ -198,6 +200,13 @@ class Cluster:
         train_step calls (and before the first), and the next stage's shard keeps a copy; when a shard dies, a spare
         takes its place, every stage goes back to the snapshots and train_step raises RolledBack naming the step to
         train again from (fit does that itself). 0: none. With replicas a dead shard costs no step at all.
+        weights: where the weights lie (a safetensors file, a directory, a Hugging Face sharded checkpoint, locally
+        or on s3://, under the shards' --data-root): each shard reads only its own stage's tensors
+        (model.load_weights), so a model built on the meta device never holds a weight here. Without it, the
+        model's own weights are sent, or, for a model on meta, initialised here one part at a time.
+        recompute: activation recomputation, to hold less memory on the shards: "always" (every micro-batch keeps
+        only its inputs and outputs and its forward runs again in its backward, with the same random numbers),
+        "except_last" (all but each step's last micro-batch) or "never". The results are the same.
         A deploy replaces the cluster's previous deployment; its handle stops working once the coordinator took
         the new one. A model refused before that (it cannot be captured, a bad argument, too few shards) leaves
         the previous deployment training. Another client's deployment that its client still uses (its Links are
@@ -208,6 +217,7 @@ class Cluster:
         """
         if replicas < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
+        recompute_mode.check(recompute)
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
             raise InvalidArgument(f"snapshot_every must be a whole number >= 0, got {snapshot_every!r}")
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
@@ -216,7 +226,8 @@ class Cluster:
         clock = _PhaseClock()
         empty = materialize.is_empty(module)  # built on meta: captured from shapes, initialised a part at a time
         if empty:
-            materialize.check_initialisable(module)
+            if weights is None:
+                materialize.check_initialisable(module)
             example_input, example_inputs, example_kwargs = _on_meta((example_input, example_inputs, example_kwargs))
         layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
                                                      dynamic_shapes)
@@ -242,7 +253,8 @@ class Cluster:
                                                     layers_per_stage=layers_per_stage,
                                                     balance_by_time=balance == "time",
                                                     virtual_stages=virtual_stages),
-            replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs, take_over=take_over)
+            replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs, take_over=take_over,
+            recompute=recompute)
         clock.done("capture units")
         if self.spares and not (num_stages or split_points or layers_per_stage):  # the spares stay idle
             in_use = len(self.shards()) - self.spares
@@ -265,7 +277,13 @@ class Cluster:
         shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
         distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
                                                 list(module.state_dict()), interface))
-        if empty:
+        if weights is not None:
+            beyond = layer_tools.held_beyond_state_dict(module, layers, request.layers)
+            beyond = materialize.initialise_buffers(module, beyond) if empty else beyond
+            distributed.load_weights(weights)  # all but these, which no checkpoint holds
+            if beyond:
+                distributed.load_state_dict(beyond, strict=False)
+        elif empty:
             materialize.initialise_in_parts(module, [{entry.model_key for entry in layer.state}
                                                      for layer in request.layers],
                                             lambda part: distributed.load_state_dict(part, strict=False))
@@ -342,13 +360,14 @@ class Cluster:
         owners, holders, placements = {}, {}, []
         for stage in (s for s in response.stages if s.replica == 0):
             held = captured[stage.first_layer:stage.end_layer]
-            for key in dict.fromkeys(entry.model_key for layer in held for entry in layer.state):
+            keys = tuple(dict.fromkeys(entry.model_key for layer in held for entry in layer.state))
+            for key in keys:
                 owners.setdefault(key, []).append(stage.stage)
             for entry in (entry for layer in held for entry in layer.state):  # a tied weight: on every stage using it
                 holders.setdefault(entry.tied_to or entry.model_key, set()).add(stage.stage)
             placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
                                         tuple(layer.description for layer in held),
-                                        stage.cost, response.cost_unit, tuple(stage.layer_costs)))
+                                        stage.cost, response.cost_unit, tuple(stage.layer_costs), keys))
         replicas = []
         for replica in range(max(s.replica for s in response.stages) + 1):
             addresses = [s.shard_address for s in response.stages if s.replica == replica]

@@ -210,7 +210,7 @@ def weight_bytes(layer: Layer, state_tensors: int) -> int:
 def warn_frozen(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Warns, naming them, of the Python values the model's forward reads that a capture fixes (one forward on the
     example, leaving the model as it was)."""
-    with untouched(module), torch.no_grad():
+    with untouched(module), torch.no_grad(), units.shapes_only(module, (args, kwargs)):
         module.train()
         reads = frozen.frozen_reads(module, lambda: module(*(_rows(a) for a in args),
                                                            **{k: _rows(v) for k, v in kwargs.items()}))

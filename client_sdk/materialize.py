@@ -62,6 +62,48 @@ def initialise_in_parts(module: torch.nn.Module, layer_keys: Sequence[set[str]],
         raise InvalidArgument(f"the stages hold {missing}, which no module of the model initialised")
 
 
+def initialise_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`values` (non-persistent buffers and constants of the forward, which a checkpoint leaves out) with those on
+    the meta device computed: each module owning one is made and initialised alone, by its own initialiser or its
+    library's (a Hugging Face model's _init_weights computes a rotary embedding's inv_freq from the config)."""
+    wanted = {key for key, value in values.items() if value.is_meta}
+    made = {key: value if not value.is_meta else torch.empty(value.shape, dtype=value.dtype)
+            for key, value in values.items() if not value.is_meta or not value.numel()}  # nothing to compute
+    owners = {name: sub for name, sub in module.named_modules()
+              if any((f"{name}.{b}" if name else b) in wanted for b in sub._buffers)}
+    for name, sub in owners.items():
+        work = copy.copy(sub)  # its own tensors only: to_empty(recurse=False) replaces them in the copy's dicts
+        work._parameters, work._buffers = dict(sub._parameters), dict(sub._buffers)
+        initialiser = _initialiser(work) or _library_initialiser(module, name, work)
+        if initialiser is None:
+            raise InvalidArgument(f"{name or 'the model'} ({type(sub).__name__}) holds non-persistent buffers "
+                                  f"{list(sub._buffers)[:4]} on the meta device, which no checkpoint holds, and has no "
+                                  "reset_parameters() to compute them; give it one, or build that module off meta")
+        work.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            initialiser()
+        for buffer_name, buffer in work.named_buffers(recurse=False):
+            key = f"{name}.{buffer_name}" if name else buffer_name
+            if key in wanted:
+                made[key] = buffer.detach()
+    unmade = sorted(set(values) - set(made))
+    if unmade:
+        raise InvalidArgument(f"the stages read {unmade[:4]}, tensors the model's forward makes from values on the "
+                              "meta device; build the model off meta, or make them buffers of a module")
+    return made
+
+
+def _library_initialiser(model: torch.nn.Module, name: str, module: torch.nn.Module) -> Callable[[], None] | None:
+    """The initialiser a library gives a module through the nearest ancestor that has one (a Hugging Face
+    PreTrainedModel's _init_weights(module))."""
+    parts = name.split(".") if name else []
+    for end in range(len(parts), -1, -1):
+        owner = model.get_submodule(".".join(parts[:end]))
+        if callable(getattr(owner, "_init_weights", None)):
+            return lambda: owner._init_weights(module)
+    return None
+
+
 def _push_complete(pending: list[set[str]], ready: dict[str, torch.Tensor], push) -> None:
     """Pushes every layer whose tensors are all ready, then forgets tensors no layer still waits for."""
     for keys in pending:

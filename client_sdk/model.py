@@ -67,6 +67,7 @@ class Placement:
     cost: int = 0  # what the partitioner balanced: the stage's time as its shard measured it, or its parameters
     cost_unit: str = "parameters"
     layer_costs: tuple[int, ...] = ()  # the same per layer
+    state_keys: tuple[str, ...] = ()  # the weights and buffers it holds, by state-dict key (a tied one on each)
 
 
 class DistributedModel:
@@ -239,6 +240,39 @@ class DistributedModel:
             return
         state = optim.from_torch(self.optimizer_state_dict(), self._parameter_keys)
         checkpoint.save(directory, self.state_dict(), state, self._parameter_keys)
+
+    def load_weights(self, source: str | os.PathLike, provided: Sequence[str] = ()) -> dict[str, int]:
+        """Has every stage read its own weights from `source`, where they lie: a safetensors file, a directory,
+        a Hugging Face sharded checkpoint (model.safetensors.index.json and its files), on a disk the shards see
+        or an s3:// URL, under their --data-root; nothing passes through this process. A directory that
+        save_checkpoint wrote loads as load_checkpoint(source, optimizer=False) does. Every stage checks every
+        tensor (present under its key or a tied weight's, same dtype and shape) before any stage reads one: a
+        source that does not fit is refused, naming the tensor, and changes nothing. What state_dict() leaves out
+        (non-persistent buffers), and `provided` keys, are not looked for. Returns the bytes each shard read."""
+        self._check_open()
+        source = os.fspath(source)
+        if "://" not in source:
+            source = os.path.abspath(source)
+            if os.path.exists(os.path.join(source, checkpoint.DESCRIPTION)):
+                self.load_checkpoint(source, optimizer=False)
+                return {}
+        provided = sorted({*provided, *(set(self._owners) - set(self._key_order))})
+        answers = self._io.run(self._load_weights(source, provided))
+        read = {stage.address: answer.bytes for stage, answer in answers}
+        log.info("the shards read %d bytes of weights from %s: %s", sum(read.values()), source, read)
+        return read
+
+    async def _load_weights(self, source: str, provided: list[str]) -> list:
+        """Every stage of every replica checks its tensors in `source`, then reads them."""
+        await self._synchronize()
+        self._periodic = None
+        stages = [(clients.deployment_id, stage) for clients in self._trainer.replicas for stage in clients.stages]
+        answers = []
+        for check_only in (True, False):
+            answers = await asyncio.gather(*(stage.call("LoadWeights", shard_pb2.LoadWeightsRequest(
+                deployment_id=deployment, source=source, provided=provided, check_only=check_only))
+                for deployment, stage in stages))
+        return [(stage, answer) for (_, stage), answer in zip(stages, answers)]
 
     def load_checkpoint(self, directory: str | os.PathLike, optimizer: bool = True,
                         on_shards: bool | None = None) -> None:

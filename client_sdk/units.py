@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import sympy
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
@@ -94,10 +95,17 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     return program
 
 
+def shapes_only(module: torch.nn.Module, values) -> contextlib.AbstractContextManager:
+    """Where an eager forward of a model on the meta device runs: on fake tensors, which libraries take for
+    tracing, so that they skip the reads of values (a mask's .all()) that meta tensors cannot answer."""
+    on_meta = any(t.is_meta for t in (*module.parameters(), *pytree.tree_leaves(values)) if isinstance(t, torch.Tensor))
+    return FakeTensorMode(allow_non_fake_inputs=True) if on_meta else contextlib.nullcontext()
+
+
 def unsendable_outputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, type]:
     """The model's outputs, by path, whose types torch's pytree does not know (one forward, leaving the model and
     torch's random stream as they were)."""
-    with untouched(module), torch.no_grad():
+    with untouched(module), torch.no_grad(), shapes_only(module, (args, kwargs)):
         outputs = module(*args, **kwargs)
     found = {}
     for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:

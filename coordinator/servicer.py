@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain import auth, metrics, optim, partition, schedule, wire
+from shardtrain import auth, metrics, optim, partition, recompute, schedule, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                ShardtrainError)
@@ -60,6 +60,7 @@ class CoordinatorServicer:
         _check_layers(layers)
         if request.optimizer.name not in optim.ALLOWED:
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
+        recompute.check(request.recompute)
         spec, replicas = request.partition, max(request.replicas, 1)
         per_device = max(spec.virtual_stages, 1)
 
@@ -269,7 +270,7 @@ class CoordinatorServicer:
         request = shard_pb2.LoadStageRequest(deployment_id=deployment[0], deployment_secret=deployment[1], plan=plan,
                                              optimizer=deploy.optimizer,
                                              layers=layers[placement.first_layer:placement.end_layer],
-                                             encodings=deploy.encodings)
+                                             encodings=deploy.encodings, recompute=deploy.recompute)
         return await self._call(placement.shard, "LoadStage", request)
 
     async def _call(self, shard: ShardRecord, method: str, request, timeout: float = 0.0):

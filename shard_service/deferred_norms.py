@@ -9,6 +9,7 @@ running statistics equal one full-batch step's.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,7 @@ class DeferredNorms:
     norms: list[_Norm] = field(default_factory=list)
     counters: list[torch.Tensor] = field(default_factory=list)  # num_batches_tracked
     observed: bool = False
+    replaying: bool = False  # a forward run again in backward (recomputation): its statistics were counted
 
     def install(self, module: torch.fx.GraphModule) -> None:
         """Rewrites `module`'s graph: its batch norms update no running statistics, each passes its input to a
@@ -78,9 +80,19 @@ class DeferredNorms:
 
     def _observer(self, norm: _Norm):
         def observe_batch_norm_input(x: torch.Tensor) -> None:
-            norm.observe(x)
-            self.observed = True
+            if not self.replaying:
+                norm.observe(x)
+                self.observed = True
         return observe_batch_norm_input
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards run again (recomputation) count nothing: their micro-batches were counted the first time."""
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
 
     def start_step(self) -> None:
         """Forgets what an unfinished step summed."""

@@ -16,8 +16,8 @@ from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import auth, carrier, checkpoint, checkpoint_store, link, optim, rpc, shm, wire
-from shardtrain.errors import InvalidArgument, PermissionDenied
+from shardtrain import auth, carrier, checkpoint, checkpoint_store, data, link, metrics, optim, rpc, shm, weights, wire
+from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
 from shardtrain.settings import ShardSettings
@@ -234,6 +234,38 @@ class ShardServicer:
         if request.optimizer and not request.check_only:
             await self.runtime.run(stage.load_optimizer_state, state)
         return shard_pb2.LoadCheckpointResponse(bytes=read, layout=state.layout() if request.optimizer else "")
+
+    @boundary
+    async def LoadWeights(self, request, context):
+        stage = self._owned(context, request.deployment_id)
+        if not self.settings.data_roots:
+            raise FailedPrecondition("this shard reads no weights itself: start it with --data-root DIR or URL "
+                                     "prefix (or SHARDTRAIN_DATA_ROOTS) over the checkpoint, or send the weights "
+                                     "from the client")
+        roots = [data.normalized_root(root) for root in self.settings.data_roots]
+        provided = set(request.provided)
+        names = {key: aliases for key, aliases in stage.tensor_names().items() if not provided & set(aliases)}
+        located = await asyncio.to_thread(weights.locate, request.source, names, roots)
+        missing = sorted(set(names) - set(located))
+        if missing:
+            tied = names[missing[0]][1:]
+            raise InvalidArgument(f"weights {request.source[:200]!r} hold no tensor {missing[0]!r}"
+                                  f"{f' (nor its tied {list(tied)})' if tied else ''} of stage {stage.index}: "
+                                  f"{len(missing)} of its {len(names)} missing, e.g. {missing[:5]}")
+        held = stage.state()
+        weights.check(located, held, request.source)
+        response = shard_pb2.LoadWeightsResponse(
+            loaded=sorted(alias for key in located for alias in names[key] if alias in held),
+            files=sorted({entry.url for entry in located.values()}))
+        if request.check_only:
+            return response
+        for batch in weights.batches(located):
+            tensors = await asyncio.to_thread(weights.read, batch)
+            response.bytes += sum(entry.end - entry.begin for entry in batch.values())
+            every_key = {alias: tensors[key] for key in tensors for alias in names[key] if alias in held}
+            await self.runtime.run(stage.load_state, every_key)
+        metrics.moved("received", "weights", "storage", response.bytes)
+        return response
 
     @boundary
     async def DropSnapshot(self, request, context):

@@ -48,14 +48,30 @@ class InFlight:
     saved_bytes: int = 0  # what autograd saved for backward: the step's activation memory
     is_loss: bool = False  # output is a scalar loss (a planned step's last stage): backward starts from ones
     weight_pass: split_backward.WeightPass | None = None  # a split backward between its two passes
+    replay: Replay | None = None  # recomputed in backward: output and outgoing are None until then
+
+
+@dataclass
+class Replay:
+    """What recomputing a micro-batch's forward in its backward needs beyond its inputs: the layers it ran, the
+    random state its dropout drew from, and the loss attached to its output, if any."""
+
+    layers: list
+    input: torch.Tensor
+    random_state: object
+    output: torch.Tensor | None = None  # as forward returned them (no graph), for the loss's value
+    outgoing: dict[str, torch.Tensor] | None = None
+    loss: tuple | None = None  # attach_loss's arguments, applied again to the recomputed output
 
 
 class Stage:
     """Runs forward and backward of a contiguous slice of layers, keeping per-step state until backward."""
 
     def __init__(self, index: int, sources: Sequence[LayerSource], residuals: StageResiduals,
-                 optimizer: tuple, device: str, max_in_flight: int = 64):
+                 optimizer: tuple, device: str, max_in_flight: int = 64, recompute: str = "never"):
         self.index = index
+        self.recompute = recompute  # which micro-batches keep only their inputs until backward (recompute.py)
+        self.computes_loss = False  # the pipeline's last stage: a recomputed micro-batch keeps its output too
         self.applied_step = 0  # the last optimizer step applied (StepRequest numbering); 0: none
         self.device = torch.device(device)
         self.residuals = residuals
@@ -137,28 +153,41 @@ class Stage:
     def attach_loss(self, key: StepKey, loss_fn, target: torch.Tensor | None, weight: float,
                     model_output: str = "") -> float:
         """Computes `weight * loss_fn(output, target)` of an in-flight step, or with `model_output` takes the loss
-        the model computed itself: `weight *` that output ("output" for the main one). Its backward starts there."""
+        the model computed itself: `weight *` that output ("output" for the main one). Its backward starts there.
+        A micro-batch recomputed in backward takes its loss's value now and its graph then."""
         state = self._in_flight_state(key)
-        if model_output:
-            loss = self._model_loss(state, model_output, key) * weight
+        arguments = (loss_fn, target.to(self.device) if target is not None else None, weight, model_output)
+        if state.replay is not None:
+            with torch.no_grad():
+                loss = self._loss(state, key, *arguments, trains=False)
+            state.replay.loss, state.replay.output, state.replay.outgoing = arguments, None, None
+            state.output, state.outgoing = None, {}
         else:
-            with torch.enable_grad():
+            loss = state.output = self._loss(state, key, *arguments)
+        state.is_loss = True
+        return loss.item()
+
+    def _loss(self, state: InFlight, key: StepKey, loss_fn, target: torch.Tensor | None, weight: float,
+              model_output: str, trains: bool = True) -> torch.Tensor:
+        if model_output:
+            loss = self._model_loss(state, model_output, key, trains) * weight
+        else:
+            with torch.set_grad_enabled(trains):
                 try:
-                    loss = loss_fn(state.output, target.to(self.device)) * weight
+                    loss = loss_fn(state.output, target) * weight
                 except Exception as error:  # a target that does not fit the output, a loss that fails on its data
                     raise InvalidArgument(f"stage {self.index}: the loss failed on micro-batch {key[1]}: "
                                           f"{type(error).__name__}: {error}") from None
         if loss.dim() != 0:
             raise InvalidArgument(f"stage {self.index}: the loss must be a scalar, got shape {list(loss.shape)}")
-        state.output, state.is_loss = loss, True
-        return loss.item()
+        return loss
 
-    def _model_loss(self, state: InFlight, name: str, key: StepKey) -> torch.Tensor:
+    def _model_loss(self, state: InFlight, name: str, key: StepKey, trains: bool = True) -> torch.Tensor:
         if name != "output" and name not in state.outgoing:
             raise InvalidArgument(f"stage {self.index}: the model's output {name!r}, named as its loss, is not "
                                   f"computed here (this last stage computes 'output' and {sorted(state.outgoing)})")
         value = state.output if name == "output" else state.outgoing[name]
-        if not value.requires_grad:
+        if trains and not value.requires_grad:
             raise InvalidArgument(f"stage {self.index}: the model's output {name!r}, named as its loss, does not "
                                   f"depend on any weight on micro-batch {key[1]}: nothing to train from it")
         return value
@@ -199,15 +228,46 @@ class Stage:
         layers = self._layers if training else self._eval_layers
         if training and key[1] == 0:
             self._norms.start_step()
-        with torch.set_grad_enabled(requires_grad):
-            output, saved_bytes = self._run_counted(layers, x, saved) if requires_grad else \
+        replay = Replay(layers, x, _random_state(self.device)) if requires_grad and \
+            self._recomputes(key, microbatches) else None
+        with torch.set_grad_enabled(requires_grad and replay is None):
+            output, saved_bytes = self._run_counted(layers, x, saved) if requires_grad and replay is None else \
                 (self._run(layers, x, saved), 0)
         if training and key[1] + 1 >= microbatches:
             self._norms.commit()
         outgoing = {name: saved[name] for name in self.residuals.outgoing}
-        if requires_grad:
+        if replay is not None:  # what stays is the inputs, to run the forward again in backward
+            if self.computes_loss:  # and the outputs, whose loss attach_loss takes next
+                replay.output, replay.outgoing = output.detach(), {name: t.detach() for name, t in outgoing.items()}
+            saved_bytes = sum(t.nbytes for t in (x, *leaves.values(), *((output, *outgoing.values())
+                                                                         if self.computes_loss else ())))
+            self._remember(key, InFlight(x if x.requires_grad else None, leaves, replay.output,
+                                         dict(replay.outgoing or {}), saved_bytes, replay=replay))
+        elif requires_grad:
             self._remember(key, InFlight(x if x.requires_grad else None, leaves, output, outgoing, saved_bytes))
         return output.detach(), {name: t.detach() for name, t in outgoing.items()}
+
+    def _recomputes(self, key: StepKey, microbatches: int) -> bool:
+        """Whether this micro-batch's forward runs again in its backward: every one's ("always"), or every one's
+        but the step's last, whose backward comes first ("except_last", as torchgpipe's checkpoint)."""
+        return self.recompute == "always" or (self.recompute == "except_last" and key[1] + 1 < microbatches)
+
+    def _replayed(self, key: StepKey) -> InFlight:
+        """The in-flight state of `key`, its forward run again with autograd (and the same random numbers) if it
+        kept only its inputs. Batch norms' running statistics are not counted twice."""
+        state = self._in_flight_state(key)
+        replay, state.replay = state.replay, None
+        if replay is None:
+            return state
+        x, saved = replay.input, dict(state.incoming)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                self._norms.paused(), torch.enable_grad():
+            _set_random_state(self.device, replay.random_state)
+            state.output = self._run(replay.layers, x, saved)
+        state.outgoing = {name: saved[name] for name in self.residuals.outgoing}
+        if replay.loss is not None:
+            state.output = self._loss(state, key, *replay.loss)
+        return state
 
     def _run_counted(self, layers: list[torch.nn.Module], x: torch.Tensor,
                      saved: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -257,7 +317,7 @@ class Stage:
     def backward(self, key: StepKey, grad_output: torch.Tensor | None,
                  residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
         """Backpropagates one step; returns the gradient of the input and of each fetched residual. Frees the step."""
-        state = self._in_flight_state(key)
+        state = self._replayed(key)
         roots, grads = self._roots(state, grad_output, residual_grads)
         if roots:
             torch.autograd.backward(roots, grads)
@@ -269,7 +329,7 @@ class Stage:
                        residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict]:
         """The first half of a split backward: the gradient of the input and of each fetched residual, as backward
         returns them. The step stays in flight until backward_weight computes the parameters' gradients."""
-        state = self._in_flight_state(key)
+        state = self._replayed(key)
         roots, grads = self._roots(state, grad_output, residual_grads)
         names = list(state.incoming)
         leaf_grads, state.weight_pass = split_backward.input_pass(
@@ -388,6 +448,16 @@ class Stage:
         """check_input for a tensor of this header, before any of it is stored."""
         self.check_input(wire.meta(header))
 
+    def tensor_names(self) -> dict[str, tuple[str, ...]]:
+        """Each tensor of the stage once, under its first key here: every name it has, this stage's keys first,
+        then a tied weight's first key (where a checkpoint that stores a tied tensor once keeps it)."""
+        homes = {id(tensor): home for home, tensor in self._tensors.items()}
+        names: dict[int, list[str]] = {}
+        for key, tensor in self._state.items():
+            names.setdefault(id(tensor), []).append(key)
+        return {keys[0]: tuple(dict.fromkeys([*keys, homes.get(identity, keys[0])]))
+                for identity, keys in names.items()}
+
     def state(self) -> dict[str, torch.Tensor]:
         """The stage's weights under the user's state-dict keys."""
         return {key: tensor.detach() for key, tensor in self._state.items()}
@@ -460,3 +530,14 @@ def _check_like(value: torch.Tensor, reference: torch.Tensor, what: str) -> None
     if value.shape != reference.shape or value.dtype != reference.dtype:
         raise InvalidArgument(f"{what}: expected {reference.dtype} of shape {list(reference.shape)}, "
                               f"got {value.dtype} of shape {list(value.shape)}")
+
+
+def _random_state(device: torch.device) -> tuple:
+    """The random state a forward on `device` draws from (dropout's masks), to draw the same again."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_random_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)

@@ -50,6 +50,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ShardService/CopySnapshot": frozenset({CLIENT}),
     "ShardService/SaveCheckpoint": frozenset({CLIENT}),
     "ShardService/LoadCheckpoint": frozenset({CLIENT}),
+    "ShardService/LoadWeights": frozenset({CLIENT}),
     "ShardService/Link": _TRAINING,  # and the link's own role must be the caller's (ShardServicer.Link checks)
     "ServerReflection/ServerReflectionInfo": _READING,  # the contract, as protos/ has it
 }

@@ -156,6 +156,23 @@ def tensor_entry(path, name: str, entry, data_length: int) -> tuple[torch.dtype,
     return dtype, shape, begin, end
 
 
+def header_entries(file, size: int, path: str, what: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """Every tensor of a safetensors file of `size` bytes (open at its start) by name: (dtype, shape, begin, end)
+    with begin and end counted from the file's start; DataLoss naming `what` (e.g. "data file") when it is not
+    one."""
+    header, length = read_header(file, size, f"{what} {path[:200]!r}")
+    entries = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, begin, end = tensor_entry(path, name, entry, size - 8 - length)
+        except DataLoss as error:
+            raise DataLoss(str(error).replace("checkpoint: ", f"{what} ", 1)) from None
+        entries[name] = (dtype, shape, 8 + length + begin, 8 + length + end)
+    return entries
+
+
 def _stamp(generation: str, step: int | None) -> dict[str, str]:
     """The metadata every file of a part carries: which save, and at which optimizer step."""
     return {"generation": generation, **({"step": str(step)} if step is not None else {})}

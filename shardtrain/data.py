@@ -86,19 +86,9 @@ def inspect(fs, path: str, format: str) -> dict[str, Field]:
 
 
 def _safetensors_fields(file, size: int, path: str) -> dict[str, Field]:
-    header, length = checkpoint.read_header(file, size, f"data file {path[:200]!r}")
-    fields = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, begin, _ = checkpoint.tensor_entry(path, name, entry, size - 8 - length)
-        except DataLoss as error:
-            raise DataLoss(str(error).replace("checkpoint: ", "data file ", 1)) from None
-        if not shape:
-            continue  # a scalar has no rows: not a field to train on
-        fields[name] = Field(dtype, tuple(shape[1:]), shape[0], 8 + length + begin)
-    return fields
+    return {name: Field(dtype, tuple(shape[1:]), shape[0], begin)  # a scalar has no rows: not a field
+            for name, (dtype, shape, begin, _) in checkpoint.header_entries(file, size, path, "data file").items()
+            if shape}
 
 
 def _npy_field(file, size: int, path: str) -> Field:

@@ -197,20 +197,22 @@ class ParameterGroup(_message.Message):
     def __init__(self, parameters: _Optional[_Iterable[str]] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings", "deployment_secret")
+    __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings", "deployment_secret", "recompute")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_SECRET_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     plan: StagePlan
     layers: _containers.RepeatedCompositeFieldContainer[CapturedLayer]
     optimizer: OptimizerSpec
     encodings: _tensor_pb2.WireEncodings
     deployment_secret: str
-    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., deployment_secret: _Optional[str] = ...) -> None: ...
+    recompute: str
+    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., deployment_secret: _Optional[str] = ..., recompute: _Optional[str] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("parameter_count", "rendezvous")
@@ -349,6 +351,28 @@ class LoadCheckpointResponse(_message.Message):
     bytes: int
     layout: str
     def __init__(self, bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("deployment_id", "source", "provided", "check_only")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PROVIDED_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    source: str
+    provided: _containers.RepeatedScalarFieldContainer[str]
+    check_only: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., source: _Optional[str] = ..., provided: _Optional[_Iterable[str]] = ..., check_only: _Optional[bool] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("bytes", "loaded", "files")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, bytes: _Optional[int] = ..., loaded: _Optional[_Iterable[str]] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DropSnapshotRequest(_message.Message):
     __slots__ = ("name",)

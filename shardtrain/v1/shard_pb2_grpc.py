@@ -135,6 +135,11 @@ class ShardServiceStub:
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointRequest.SerializeToString,
                 response_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointResponse.FromString,
                 _registered_method=True)
+        self.LoadWeights = channel.unary_unary(
+                '/shardtrain.v1.ShardService/LoadWeights',
+                request_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadWeightsRequest.SerializeToString,
+                response_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadWeightsResponse.FromString,
+                _registered_method=True)
         self.Link = channel.stream_stream(
                 '/shardtrain.v1.ShardService/Link',
                 request_serializer=shardtrain_dot_v1_dot_shard__pb2.LinkMessage.SerializeToString,
@@ -305,6 +310,17 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadWeights(self, request, context):
+        """Loads the stage's weights from where they lie: a safetensors file, a directory, or a Hugging Face sharded
+        checkpoint (model.safetensors.index.json), under a directory or URL prefix the shard reads data from
+        (--data-root). Only the files holding the stage's tensors are opened and only those tensors' bytes are read,
+        after every one was checked against the stage. A tensor missing, or of another dtype or shape, is
+        INVALID_ARGUMENT naming it, with nothing loaded; a source outside the data roots PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Link(self, request_iterator, context):
         """The PyTorch-shaped loop's data path: one long-lived stream between two parties of a deployment
         (the SDK and the first or last stage, a stage and the next one, a residual's producer and its
@@ -417,6 +433,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.LoadCheckpoint,
                     request_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointRequest.FromString,
                     response_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointResponse.SerializeToString,
+            ),
+            'LoadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadWeights,
+                    request_deserializer=shardtrain_dot_v1_dot_shard__pb2.LoadWeightsRequest.FromString,
+                    response_serializer=shardtrain_dot_v1_dot_shard__pb2.LoadWeightsResponse.SerializeToString,
             ),
             'Link': grpc.stream_stream_rpc_method_handler(
                     servicer.Link,
@@ -964,6 +985,33 @@ class ShardService:
             '/shardtrain.v1.ShardService/LoadCheckpoint',
             shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointRequest.SerializeToString,
             shardtrain_dot_v1_dot_shard__pb2.LoadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardtrain.v1.ShardService/LoadWeights',
+            shardtrain_dot_v1_dot_shard__pb2.LoadWeightsRequest.SerializeToString,
+            shardtrain_dot_v1_dot_shard__pb2.LoadWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
