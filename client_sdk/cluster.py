@@ -25,6 +25,7 @@ from client_sdk.processes import LocalServices
 from client_sdk.reports import DeploymentReport
 from client_sdk.transport import StageClients
 from shardtrain import auth, optim, wire
+from shardtrain import precision as precision_mode
 from shardtrain import recompute as recompute_mode
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
@@ -165,7 +166,8 @@ class Cluster:
                dynamic_shapes=None, balance: str = "", example_inputs: tuple = (),
                example_kwargs: dict | None = None, virtual_stages: int = 1,
                snapshot_every: int = 0, take_over: bool = False,
-               weights: str | os.PathLike | None = None, recompute: str = "never") -> DistributedModel:
+               weights: str | os.PathLike | None = None, recompute: str = "never",
+               precision: str = "fp32") -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
         model: any nn.Module torch.export can capture. An nn.Sequential, a LayerList or a seed layer list
@@ -207,6 +209,10 @@ class Cluster:
         recompute: activation recomputation, to hold less memory on the shards: "always" (every micro-batch keeps
         only its inputs and outputs and its forward runs again in its backward, with the same random numbers),
         "except_last" (all but each step's last micro-batch) or "never". The results are the same.
+        precision: "bf16" has every stage compute under torch.autocast in bfloat16, weights and optimizer state
+        kept in float32 (state_dict() returns them so), and the tensors between stages and this client travel
+        in bfloat16 (compression="bf16" for every kind, unless `compression` says otherwise); "fp32" (the
+        default) computes as the model is.
         A deploy replaces the cluster's previous deployment; its handle stops working once the coordinator took
         the new one. A model refused before that (it cannot be captured, a bad argument, too few shards) leaves
         the previous deployment training. Another client's deployment that its client still uses (its Links are
@@ -218,6 +224,7 @@ class Cluster:
         if replicas < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
         recompute_mode.check(recompute)
+        precision_mode.check(precision)
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
             raise InvalidArgument(f"snapshot_every must be a whole number >= 0, got {snapshot_every!r}")
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
@@ -243,7 +250,7 @@ class Cluster:
                           "mode: the deployment switches the whole model, as model.train() and model.eval() do",
                           stacklevel=2)
         spec = optimizer_tools.spec_for(optimizer, dict(module.named_parameters()))
-        encodings = wire.wire_encodings(compression)
+        encodings = wire.wire_encodings("bf16" if precision == "bf16" and compression == "none" else compression)
         request = coordinator_pb2.DeployRequest(
             encodings=encodings,
             layers=layer_tools.capture_model(module, layers, x, inputs),
@@ -254,7 +261,7 @@ class Cluster:
                                                     balance_by_time=balance == "time",
                                                     virtual_stages=virtual_stages),
             replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs, take_over=take_over,
-            recompute=recompute)
+            recompute=recompute, precision=precision)
         clock.done("capture units")
         if self.spares and not (num_stages or split_points or layers_per_stage):  # the spares stay idle
             in_use = len(self.shards()) - self.spares

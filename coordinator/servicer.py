@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain import auth, metrics, optim, partition, recompute, schedule, wire
+from shardtrain import auth, metrics, optim, partition, precision, recompute, schedule, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                ShardtrainError)
@@ -61,6 +61,7 @@ class CoordinatorServicer:
         if request.optimizer.name not in optim.ALLOWED:
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
         recompute.check(request.recompute)
+        precision.check(request.precision)
         spec, replicas = request.partition, max(request.replicas, 1)
         per_device = max(spec.virtual_stages, 1)
 
@@ -270,7 +271,8 @@ class CoordinatorServicer:
         request = shard_pb2.LoadStageRequest(deployment_id=deployment[0], deployment_secret=deployment[1], plan=plan,
                                              optimizer=deploy.optimizer,
                                              layers=layers[placement.first_layer:placement.end_layer],
-                                             encodings=deploy.encodings, recompute=deploy.recompute)
+                                             encodings=deploy.encodings, recompute=deploy.recompute,
+                                             precision=deploy.precision)
         return await self._call(placement.shard, "LoadStage", request)
 
     async def _call(self, shard: ShardRecord, method: str, request, timeout: float = 0.0):

@@ -147,7 +147,8 @@ class ShardRuntime:
         groups = [(tuple(group.parameters), group.options_json) for group in request.optimizer.groups]
         optimizer = (request.optimizer.name, request.optimizer.kwargs_json, groups)
         stage = await self.run(Stage, plan.stage, sources, residuals, optimizer, self.settings.device,
-                               self.settings.max_in_flight, request.recompute or "never")
+                               self.settings.max_in_flight, request.recompute or "never",
+                               request.precision or "fp32")
         stage.computes_loss = plan.stage == plan.num_stages - 1
         self._stage, self.deployment_id, self.secret = stage, request.deployment_id, request.deployment_secret
         self._plan = plan

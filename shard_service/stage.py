@@ -11,7 +11,7 @@ import torch
 
 from shard_service import split_backward
 from shard_service.deferred_norms import DeferredNorms
-from shardtrain import optim, wire
+from shardtrain import optim, precision, wire
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
@@ -68,9 +68,11 @@ class Stage:
     """Runs forward and backward of a contiguous slice of layers, keeping per-step state until backward."""
 
     def __init__(self, index: int, sources: Sequence[LayerSource], residuals: StageResiduals,
-                 optimizer: tuple, device: str, max_in_flight: int = 64, recompute: str = "never"):
+                 optimizer: tuple, device: str, max_in_flight: int = 64, recompute: str = "never",
+                 precision: str = "fp32"):
         self.index = index
         self.recompute = recompute  # which micro-batches keep only their inputs until backward (recompute.py)
+        self.precision = precision  # the dtype the layers compute in (precision.py)
         self.computes_loss = False  # the pipeline's last stage: a recomputed micro-batch keeps its output too
         self.applied_step = 0  # the last optimizer step applied (StepRequest numbering); 0: none
         self.device = torch.device(device)
@@ -120,6 +122,8 @@ class Stage:
                                           f"shape {list(spec.shape)}")
                 graph_state[spec.graph_key] = state[key] = tensor
             layers.append(program.load(graph_state, self.device))
+            if self.precision != "fp32":
+                precision.relax(layers[-1])
             if source.eval_program:  # a layer that reads `training` (a batch norm) has graphs of its own per mode
                 self._norms.install(layers[-1])
             shape = one_row_batch_norm(layers[-1])
@@ -128,6 +132,8 @@ class Stage:
             inputs.append(program.input_specs())
             eval_layers.append(_eval_layer(source, program, graph_state, self.device) if source.eval_program
                                else layers[-1])
+            if self.precision != "fp32" and source.eval_program:
+                precision.relax(eval_layers[-1])
         return layers, eval_layers, state, inputs
 
     @property
@@ -288,7 +294,12 @@ class Stage:
 
     def _run(self, layers: list[torch.nn.Module], x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
         try:
-            return run_chain(layers, self._wirings, x, saved)
+            with precision.computing(self.precision, self.device):
+                output = run_chain(layers, self._wirings, x, saved)
+            for name in self.residuals.outgoing:
+                if name in saved:
+                    saved[name] = precision.restored(saved[name], self.precision)
+            return precision.restored(output, self.precision)
         except InvalidArgument as error:  # a layer's guard refusing its inputs
             raise InvalidArgument(f"stage {self.index}: {error}") from None
         except IndexError as error:  # an operator's own bounds check on the data (a token id past the embedding)

@@ -58,6 +58,7 @@ class ItemReader:
         self._expect = expect
         self._tensors = wire.TensorStreamReader(expect=self._check if expect is not None else None)
         self.shared = False  # the last item's tensor came in a shared segment
+        self.wire_nbytes = 0  # the last item's tensor's bytes as they travelled (fewer than its own, compressed)
 
     def _check(self, header: tensor_pb2.TensorHeader) -> None:
         self._expect(self._starting, header)
@@ -82,6 +83,7 @@ class ItemReader:
                 return message, None
             self._pending = self._starting = message
             self.shared = message.tensor.HasField("shared")
+            self.wire_nbytes = message.tensor.header.wire_nbytes
         elif self._pending is None:
             raise errors.InvalidArgument("link: a tensor chunk arrived outside any item")
         done = self._tensors.feed(frame)
@@ -155,7 +157,9 @@ class LinkEnd:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, ConnectionError) as error:
                 self.broken = await self._why_broken(error)
                 raise self.broken from None
-        _count("sent", message, tensor, items[0].message.tensor.HasField("shared"), self.local)
+        first = items[0].message.tensor
+        _count("sent", message, first.header.wire_nbytes if tensor is not None else 0, first.HasField("shared"),
+               self.local)
 
     async def _ready(self) -> None:
         """Returns once items may be sent (at once for the answering end)."""
@@ -401,13 +405,12 @@ async def _read_carrier(offer: asyncio.Future, end: _AnsweringEnd, on_item) -> s
     return "ended"
 
 
-def _count(direction: str, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None, shared: bool,
-           socket: bool) -> None:
-    """Records one item sent or received, by its kind and the path its tensor took (when metrics are on)."""
+def _count(direction: str, message: shard_pb2.LinkMessage, nbytes: int, shared: bool, socket: bool) -> None:
+    """Records one item sent or received, by its kind, the path its tensor took and the bytes that travelled
+    (when metrics are on)."""
     if not metrics.enabled():
         return
     path = "shared_memory" if shared else "socket" if socket else "grpc"
-    nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
     metrics.moved(direction, message.WhichOneof("item") or "", path, nbytes)
 
 
@@ -417,7 +420,7 @@ async def _deliver(frames: AsyncIterator[Frame], end: LinkEnd, on_item) -> None:
     async for frame in frames:
         item = items.feed(frame)
         if item is not None:
-            _count("received", item[0], item[1], items.shared, False)
+            _count("received", item[0], items.wire_nbytes if item[1] is not None else 0, items.shared, False)
             on_item(end, *item)
 
 
@@ -428,6 +431,6 @@ async def _deliver_carried(local: carrier.Carrier, end: LinkEnd, on_item) -> Non
     def on_frame(frame: Frame) -> None:
         item = items.feed(frame)
         if item is not None:
-            _count("received", item[0], item[1], items.shared, True)
+            _count("received", item[0], items.wire_nbytes if item[1] is not None else 0, items.shared, True)
             on_item(end, *item)
     await local.deliver(on_frame, items.place)

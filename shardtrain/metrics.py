@@ -46,8 +46,8 @@ class _Records:
             histogram.add_metric([name], cumulative, total)
         yield histogram
         yield _counter("shardtrain_link_items", "Link items by direction, item kind and path", self.items)
-        yield _counter("shardtrain_tensor_bytes", "Tensor bytes of Link items by direction, item kind and path "
-                       "(grpc, socket, shared_memory)", self.bytes)
+        yield _counter("shardtrain_tensor_bytes", "Tensor bytes of Link items as they travelled (compressed, if so), "
+                       "by direction, item kind and path (grpc, socket, shared_memory)", self.bytes)
         yield _counter("shardtrain_requests_failed", "Requests answered with an error, by method and status code",
                        self.failed, ["method", "code"])
         yield CounterMetricFamily("shardtrain_deploys", "Models deployed (a refused deploy counts among the failed "

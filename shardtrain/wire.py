@@ -132,9 +132,10 @@ class _HostBytes:
 
 
 def _payload(tensor: torch.Tensor, options: SendOptions) -> tuple[_HostBytes, int]:
-    """(wire bytes, encoding actually used): lossy encodings only change floating-point tensors."""
+    """(wire bytes, encoding actually used): lossy encodings only change floating-point tensors, and never a
+    scalar (a loss), which costs nothing to send exact."""
     name = encoding_name(options.encoding)
-    if options.encoding != tensor_pb2.ENCODING_NONE and compression.applies(name, tensor.dtype):
+    if options.encoding != tensor_pb2.ENCODING_NONE and compression.applies(name, tensor.dtype) and tensor.dim():
         return _HostBytes(compression.encode(tensor.detach(), name), options.chunk_bytes), options.encoding
     return _HostBytes(tensor, options.chunk_bytes), tensor_pb2.ENCODING_NONE
 

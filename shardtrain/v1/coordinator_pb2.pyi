@@ -67,7 +67,7 @@ class PartitionSpec(_message.Message):
     def __init__(self, num_stages: _Optional[int] = ..., split_points: _Optional[_Iterable[int]] = ..., layers_per_stage: _Optional[_Iterable[int]] = ..., balance_by_time: _Optional[bool] = ..., virtual_stages: _Optional[int] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("layers", "optimizer", "partition", "encodings", "replicas", "inputs", "outputs", "prefer_addresses", "take_over", "recompute")
+    __slots__ = ("layers", "optimizer", "partition", "encodings", "replicas", "inputs", "outputs", "prefer_addresses", "take_over", "recompute", "precision")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class DeployRequest(_message.Message):
     PREFER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[_shard_pb2.CapturedLayer]
     optimizer: _shard_pb2.OptimizerSpec
     partition: PartitionSpec
@@ -88,7 +89,8 @@ class DeployRequest(_message.Message):
     prefer_addresses: _containers.RepeatedScalarFieldContainer[str]
     take_over: bool
     recompute: str
-    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., replicas: _Optional[int] = ..., inputs: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ..., prefer_addresses: _Optional[_Iterable[str]] = ..., take_over: _Optional[bool] = ..., recompute: _Optional[str] = ...) -> None: ...
+    precision: str
+    def __init__(self, layers: _Optional[_Iterable[_Union[_shard_pb2.CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[_shard_pb2.OptimizerSpec, _Mapping]] = ..., partition: _Optional[_Union[PartitionSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., replicas: _Optional[int] = ..., inputs: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ..., prefer_addresses: _Optional[_Iterable[str]] = ..., take_over: _Optional[bool] = ..., recompute: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class StageAssignment(_message.Message):
     __slots__ = ("stage", "shard_id", "shard_address", "first_layer", "end_layer", "replica", "cost", "layer_costs")

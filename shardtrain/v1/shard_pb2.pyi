@@ -197,7 +197,7 @@ class ParameterGroup(_message.Message):
     def __init__(self, parameters: _Optional[_Iterable[str]] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings", "deployment_secret", "recompute")
+    __slots__ = ("deployment_id", "plan", "layers", "optimizer", "encodings", "deployment_secret", "recompute", "precision")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class LoadStageRequest(_message.Message):
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     plan: StagePlan
     layers: _containers.RepeatedCompositeFieldContainer[CapturedLayer]
@@ -212,7 +213,8 @@ class LoadStageRequest(_message.Message):
     encodings: _tensor_pb2.WireEncodings
     deployment_secret: str
     recompute: str
-    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., deployment_secret: _Optional[str] = ..., recompute: _Optional[str] = ...) -> None: ...
+    precision: str
+    def __init__(self, deployment_id: _Optional[str] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[CapturedLayer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., encodings: _Optional[_Union[_tensor_pb2.WireEncodings, _Mapping]] = ..., deployment_secret: _Optional[str] = ..., recompute: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("parameter_count", "rendezvous")
