@@ -423,6 +423,25 @@ class DistributedModel:
         self._io.run(self._synchronize())
         return list(self._trainer.stats)
 
+    def memory(self) -> list[dict]:
+        """Per stage of every replica, the bytes its shard holds: "weights" (and buffers), "gradients" and
+        "optimizer" state as they are now, "peak_activations" (the most autograd held for the micro-batches in
+        flight, since deploy) and "peak_process" (the shard process's peak resident set, or on a GPU the most its
+        CUDA allocator held). Waits for the calls in flight to settle."""
+        self._check_open()
+        return self._io.run(self._memory())
+
+    async def _memory(self) -> list[dict]:
+        await self._synchronize()
+        stages = [(replica, stage) for replica, clients in enumerate(self._trainer.replicas)
+                  for stage in clients.stages]
+        answers = await asyncio.gather(*(stage.call("Describe", shard_pb2.DescribeRequest()) for _, stage in stages))
+        return [{"stage": answer.stage, "replica": replica, "shard": stage.address,
+                 "weights": answer.memory.weight_bytes, "gradients": answer.memory.gradient_bytes,
+                 "optimizer": answer.memory.optimizer_bytes, "peak_activations": answer.memory.peak_activation_bytes,
+                 "peak_process": answer.memory.peak_process_bytes}
+                for (replica, stage), answer in zip(stages, answers)]
+
     def timeline(self) -> Timeline:
         """What each stage did when in the last train_step (forwards, backwards, the all-reduce, the optimizer
         step) on one time axis; print it for a picture of the pipeline and its bubble. Waits for that step to

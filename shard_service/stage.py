@@ -94,6 +94,7 @@ class Stage:
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
         self._saved_bytes: dict[tuple, int] = {}  # per input signature: what autograd saves (see _run_counted)
         self._max_in_flight = max_in_flight
+        self.peak_activation_bytes = 0  # the most in_flight_bytes has been
 
     def _build(self, sources: Sequence[LayerSource]):
         """(training-mode layers, eval-mode layers, weights by state-dict key, each layer's input specs); a layer
@@ -320,6 +321,7 @@ class Stage:
         """Keeps a step's autograd state; beyond max_in_flight the oldest step's goes, never the micro-batches of the
         step at hand (a planned step's schedule bounds them: GPipe keeps all of them)."""
         self._in_flight[key] = state
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.in_flight_bytes)
         while len(self._in_flight) > self._max_in_flight and next(iter(self._in_flight))[0] != key[0]:
             dropped, _ = self._in_flight.popitem(last=False)
             log.warning("stage %d dropped step %s: more than %d steps in flight without backward",
@@ -458,6 +460,14 @@ class Stage:
     def expect_input(self, header) -> None:
         """check_input for a tensor of this header, before any of it is stored."""
         self.check_input(wire.meta(header))
+
+    def memory(self) -> tuple[int, int, int]:
+        """(weight bytes, gradient bytes, optimizer state bytes) the stage holds now."""
+        weights = sum(t.nbytes for t in self._tensors.values())
+        gradients = sum(t.grad.nbytes for t in self._tensors.values() if t.grad is not None)
+        state = self._optimizer.state.values() if self._optimizer is not None else ()
+        optimizer = sum(v.nbytes for entry in state for v in entry.values() if isinstance(v, torch.Tensor))
+        return weights, gradients, optimizer
 
     def tensor_names(self) -> dict[str, tuple[str, ...]]:
         """Each tensor of the stage once, under its first key here: every name it has, this stage's keys first,

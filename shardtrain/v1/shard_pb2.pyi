@@ -591,7 +591,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance", "checkpoint_dir", "client_attached")
+    __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance", "checkpoint_dir", "client_attached", "memory")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -603,6 +603,7 @@ class DescribeResponse(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     deployment_id: str
@@ -614,7 +615,22 @@ class DescribeResponse(_message.Message):
     instance: str
     checkpoint_dir: str
     client_attached: bool
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., instance: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., client_attached: _Optional[bool] = ...) -> None: ...
+    memory: StageMemory
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., deployment_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_indexes: _Optional[_Iterable[int]] = ..., in_flight_steps: _Optional[_Iterable[int]] = ..., parameter_count: _Optional[int] = ..., flush_denormal: _Optional[bool] = ..., instance: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., client_attached: _Optional[bool] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ...) -> None: ...
+
+class StageMemory(_message.Message):
+    __slots__ = ("weight_bytes", "gradient_bytes", "optimizer_bytes", "peak_activation_bytes", "peak_process_bytes")
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_PROCESS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    peak_activation_bytes: int
+    peak_process_bytes: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., gradient_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., peak_activation_bytes: _Optional[int] = ..., peak_process_bytes: _Optional[int] = ...) -> None: ...
 
 class LossSpec(_message.Message):
     __slots__ = ("name", "kwargs_json", "program", "sums", "model_output")

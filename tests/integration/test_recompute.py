@@ -70,3 +70,17 @@ def test_dropout_draws_the_same_mask_when_its_forward_runs_again(cluster4):
 def test_an_unknown_mode_is_refused(cluster4):
     with pytest.raises(InvalidArgument, match=r"recompute must be one of \['never', 'always', 'except_last'\]"):
         cluster4.deploy(deep(), recompute="sometimes")
+
+
+def test_memory_reports_what_each_stage_holds(cluster4):
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    model = cluster4.deploy(deep(), optimizer=ADAM, num_stages=2, recompute="always")
+    model.train_step(x, y, "MSELoss", microbatches=8, schedule="gpipe")
+    report = model.memory()
+    parameters = {0: 3 * (64 * 64 + 64) * 4, 1: 3 * (64 * 64 + 64) * 4}
+    assert [entry["stage"] for entry in report] == [0, 1]
+    for entry in report:
+        assert entry["weights"] == entry["gradients"] == parameters[entry["stage"]]
+        assert entry["optimizer"] == 2 * parameters[entry["stage"]] + 6 * 4  # Adam's moments; a step count each
+        assert entry["peak_activations"] == 8 * 8 * 64 * 4 * (1 if entry["stage"] == 0 else 2)  # inputs; + outputs
+        assert entry["peak_process"] > entry["weights"]
