@@ -290,8 +290,13 @@ class Cluster:
             distributed.load_weights(weights)  # all but these, which no checkpoint holds
             if beyond:
                 distributed.load_state_dict(beyond, strict=False)
-        elif empty:
-            materialize.initialise_in_parts(module, [{entry.model_key for entry in layer.state}
+        elif empty:  # the forward's own constants (no module's tensors) first, then module by module
+            owned = {key for key, _ in (*module.named_parameters(remove_duplicate=False),
+                                        *module.named_buffers(remove_duplicate=False))}
+            constants = {key: value for layer in layers for key, value in layer.constants if key not in owned}
+            if constants:
+                distributed.load_state_dict(materialize.initialise_buffers(module, constants), strict=False)
+            materialize.initialise_in_parts(module, [{entry.model_key for entry in layer.state} - set(constants)
                                                      for layer in request.layers],
                                             lambda part: distributed.load_state_dict(part, strict=False))
         else:  # a non-persistent buffer (a mask, a rotary cache) is not in the state dict; its stages need its value

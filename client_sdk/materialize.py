@@ -7,6 +7,12 @@ their parent), drawing from torch's random stream as building the model on the C
 stages as soon as every tensor of a layer is ready, and dropped once no layer still waits for them. So
 `torch.manual_seed(s)` before building on meta deploys the weights `torch.manual_seed(s); Net()` would have, for
 models whose modules initialise themselves in reset_parameters (a tied weight takes its first owner's values).
+
+A library that initialises its models again after their constructors ran (a Hugging Face PreTrainedModel's
+_init_weights, from post_init) is followed too: the build's draws are replayed first on throwaway tensors, keeping
+only the random state before each, then each module is made from those states (its constructor's values, then the
+library's over them), so the weights equal `torch.manual_seed(s); Model(config)` while only one module's tensors
+are made at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ def check_initialisable(module: torch.nn.Module) -> None:
     """InvalidArgument naming a module whose tensors are on meta and that has no way to initialise them."""
     for name, sub in module.named_modules():
         own = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
-        if own and not _initialiser(sub) and any(t.is_meta for _, t in own):
+        if own and not (_initialiser(sub) or _library_initialiser(module, name, sub)) and \
+                any(t.is_meta for _, t in own):
             raise InvalidArgument(f"{name or 'the model'} ({type(sub).__name__}) holds {[k for k, _ in own][:4]} on "
                                   "the meta device and has no reset_parameters() to initialise them; give it one, or "
                                   "deploy a model built with its weights")
@@ -44,19 +51,18 @@ def initialise_in_parts(module: torch.nn.Module, layer_keys: Sequence[set[str]],
     ready: dict[str, torch.Tensor] = {}
     pending = [set(keys) for keys in layer_keys]
     made: dict[int, torch.Tensor] = {}  # a tied tensor keeps the value its first owner gave it
-    for sub in _constructed_order(work):
-        own = [(key, t) for key, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]
-        if not any(t.is_meta for _, t in own):
-            continue
-        originals = {key: id(t) for key, t in own}
+    states = _random_states(work)
+    for name, sub in [(name, sub) for name, sub in _constructed_order(work) if _own_meta(sub)]:
+        originals = {key: id(t) for key, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None}
         sub.to_empty(device="cpu", recurse=False)
-        with torch.no_grad():
-            _initialiser(sub)()  # a tied tensor's later owners draw too, as their constructors did
+        _initialise(work, name, sub, states)  # a tied tensor's later owners draw too, as they did
         for key, identity in originals.items():
             made.setdefault(identity, getattr(sub, key).detach())
             for full in names.get(identity, ()):
                 ready[full] = made[identity]
         _push_complete(pending, ready, push)
+    if states is not None:
+        torch.set_rng_state(states[2])  # where building the model on the CPU would have left it
     if any(pending):
         missing = sorted(set().union(*pending))[:5]
         raise InvalidArgument(f"the stages hold {missing}, which no module of the model initialised")
@@ -72,14 +78,12 @@ def initialise_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor])
     owners = {name: sub for name, sub in module.named_modules()
               if any((f"{name}.{b}" if name else b) in wanted for b in sub._buffers)}
     for name, sub in owners.items():
-        work = copy.copy(sub)  # its own tensors only: to_empty(recurse=False) replaces them in the copy's dicts
-        work._parameters, work._buffers = dict(sub._parameters), dict(sub._buffers)
+        work = _made_alone(sub)
         initialiser = _initialiser(work) or _library_initialiser(module, name, work)
         if initialiser is None:
             raise InvalidArgument(f"{name or 'the model'} ({type(sub).__name__}) holds non-persistent buffers "
                                   f"{list(sub._buffers)[:4]} on the meta device, which no checkpoint holds, and has no "
                                   "reset_parameters() to compute them; give it one, or build that module off meta")
-        work.to_empty(device="cpu", recurse=False)
         with torch.no_grad():
             initialiser()
         for buffer_name, buffer in work.named_buffers(recurse=False):
@@ -91,6 +95,18 @@ def initialise_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor])
         raise InvalidArgument(f"the stages read {unmade[:4]}, tensors the model's forward makes from values on the "
                               "meta device; build the model off meta, or make them buffers of a module")
     return made
+
+
+def _made_alone(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of `module` with its own tensors new and uninitialised on the CPU (the children shared):
+    to_empty would change the original's Parameter objects in place."""
+    alone = copy.copy(module)
+    alone._parameters = {key: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="cpu"),
+                                                                         p.requires_grad)
+                         for key, p in module._parameters.items()}
+    alone._buffers = {key: None if b is None else torch.empty_like(b, device="cpu")
+                      for key, b in module._buffers.items()}
+    return alone
 
 
 def _library_initialiser(model: torch.nn.Module, name: str, module: torch.nn.Module) -> Callable[[], None] | None:
@@ -115,12 +131,59 @@ def _push_complete(pending: list[set[str]], ready: dict[str, torch.Tensor], push
         del ready[key]
 
 
-def _constructed_order(module: torch.nn.Module):
-    """Modules in the order their constructors finished: children (in order) before their parent, which resets
-    its own tensors at the end of its __init__, as nn.MultiheadAttention does after making its out_proj."""
-    for child in module.children():
-        yield from _constructed_order(child)
-    yield module
+def _constructed_order(module: torch.nn.Module, prefix: str = ""):
+    """(name, module) in the order their constructors finished: children (in order) before their parent, which
+    resets its own tensors at the end of its __init__, as nn.MultiheadAttention does after making its out_proj.
+    A Hugging Face model's initialize_weights goes in the same order."""
+    for name, child in module.named_children():
+        yield from _constructed_order(child, f"{prefix}{name}.")
+    yield prefix[:-1], module
+
+
+def _own_meta(module: torch.nn.Module) -> bool:
+    return any(t is not None and t.is_meta for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _random_states(model: torch.nn.Module) -> tuple[dict, dict, torch.Tensor] | None:
+    """For a model a library initialises after its constructors: torch's random state before each module's
+    constructor drew and before the library initialised it, by name, and the state after the whole build; found
+    by drawing as building on the CPU would, on throwaway tensors. A library model (a Hugging Face
+    PreTrainedModel) initialises, at the end of its own constructor, every module below it not yet initialised,
+    children first: an inner model's modules before the outer model's own later children are even made. None
+    (and nothing drawn) for a model no library initialises."""
+    modules = list(_constructed_order(model))
+    if not any(callable(getattr(sub, "_init_weights", None)) for _, sub in modules):
+        return None
+    constructors, library = {}, {}
+    for name, sub in modules:
+        if _own_meta(sub) and _initialiser(sub) is not None:
+            constructors[name] = torch.get_rng_state()
+            with torch.no_grad():
+                _initialiser(_made_alone(sub))()
+        if callable(getattr(sub, "_init_weights", None)):
+            for inner, module in _constructed_order(sub, f"{name}." if name else ""):
+                if inner not in library and _own_meta(module):
+                    library[inner] = torch.get_rng_state()
+                    with torch.no_grad():
+                        _library_initialiser(model, inner, _made_alone(module))()
+    return constructors, library, torch.get_rng_state()
+
+
+def _initialise(model: torch.nn.Module, name: str, module: torch.nn.Module, states) -> None:
+    """Initialises `module`'s own (freshly made) tensors: by its initialiser, drawing from torch's stream; or, for
+    a library's model, by its constructor's initialiser and then the library's, each from the random state it
+    drew from when the model was built."""
+    with torch.no_grad():
+        if states is None:
+            _initialiser(module)()
+            return
+        constructors, library, _ = states
+        if name in constructors:
+            torch.set_rng_state(constructors[name])
+            _initialiser(module)()
+        if name in library:
+            torch.set_rng_state(library[name])
+            _library_initialiser(model, name, module)()
 
 
 def _keys_by_tensor(module: torch.nn.Module) -> dict[int, list[str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_INDEX_BYTES = 64 << 20
 MAX_FILES = 4096
-BATCH_BYTES = 256 << 20  # read and copied into the stage this much at a time: a stage's peak is its weights + this
+BATCH_BYTES = 64 << 20  # read and copied into the stage this much at a time: a stage's peak is its weights + this
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ def batches(located: Mapping[str, Entry], limit: int = BATCH_BYTES) -> Iterator[
 
 
 def read(batch: Mapping[str, Entry], progress: Callable[[int], None] = lambda nbytes: None) -> dict[str, torch.Tensor]:
-    """The batch's tensors, each fetched as its own byte range (every range of a filesystem in one call)."""
+    """The batch's tensors, each fetched as its own byte range (every range of a filesystem in one call), as
+    read-only views of the bytes read: to be copied, not written."""
     by_fs: dict[int, tuple[object, list[tuple[str, str, Entry]]]] = {}
     for key, entry in batch.items():
         fs, path = data.filesystem(entry.url)
@@ -162,6 +164,8 @@ def read(batch: Mapping[str, Entry], progress: Callable[[int], None] = lambda nb
             if len(blob) != entry.end - entry.begin:
                 raise DataLoss(f"weights file {entry.url[:200]!r} ended inside tensor {key!r}")
             progress(len(blob))
-            tensors[key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(entry.dtype) \
-                .reshape(entry.shape) if blob else torch.empty(entry.shape, dtype=entry.dtype)
+            with warnings.catch_warnings():  # read-only: the stage copies it into its own weights
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                tensors[key] = torch.frombuffer(blob, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape) \
+                    if blob else torch.empty(entry.shape, dtype=entry.dtype)
     return tensors
