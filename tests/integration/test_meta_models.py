@@ -70,19 +70,3 @@ def test_a_meta_model_with_a_tensor_no_module_can_initialise_is_refused_naming_i
                                               r"reset_parameters"):
         cluster4.deploy(built(Raw, "meta"), example_input=torch.randn(4, 3))
 
-
-def test_a_transformers_model_on_meta_is_initialised_as_its_library_builds_it(cluster4):
-    """LlamaForCausalLM's constructors draw torch's initialisation, then its post_init draws the library's, inner
-    model first: the shards get the weights `torch.manual_seed(s); LlamaForCausalLM(config)` has."""
-    transformers = pytest.importorskip("transformers")
-    from tests.integration.test_library_models import deploy, largest_difference as differs_most, llama, \
-        text_batches
-    torch.manual_seed(7)
-    expected, _ = llama()
-    torch.manual_seed(7)
-    with torch.device("meta"):
-        empty = transformers.LlamaForCausalLM(expected.config)
-    remote = deploy(cluster4, empty, text_batches(1))
-    assert len(remote.placements) == 4
-    difference, key = differs_most(remote.state_dict(), expected.state_dict())
-    assert difference == 0, key

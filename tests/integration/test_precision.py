@@ -45,7 +45,7 @@ def test_a_llama_in_bf16_trains_as_autocast_does_in_one_process_with_float32_wei
         optimizer.step()
         optimizer.zero_grad()
         expected.append(loss.item())
-    remote = deploy(cluster, model, batches, optimizer=SGD, precision="bf16")
+    remote = deploy(cluster, model, batches, optimizer=SGD, precision="bf16", balance="parameters")
     assert len(remote.placements) == 4
     losses = train_in_the_loop(remote, batches, remote)
     assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)

@@ -49,7 +49,7 @@ def on_meta(model):
 def deploy(cluster, model, batches, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return cluster.deploy(model, optimizer=ADAMW, example_kwargs=batches[0], **options)
+        return cluster.deploy(model, optimizer=ADAMW, example_kwargs=batches[0], balance="parameters", **options)
 
 
 def read_bytes(cluster) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -30,3 +31,22 @@ def test_a_weight_two_layers_hold_waits_for_both_and_is_pushed_to_each():
     materialize.initialise_in_parts(empty, [{"0.weight"}, {"1.weight"}], pushed.append)
     assert [list(part) for part in pushed] == [["0.weight"], ["1.weight"]]
     assert torch.equal(pushed[0]["0.weight"], pushed[1]["1.weight"])  # one tensor, its first owner's values
+
+
+def test_a_transformers_model_is_initialised_as_its_library_builds_it_one_module_at_a_time():
+    """LlamaForCausalLM's constructors draw torch's initialisation; then its inner model's post_init draws the
+    library's before the outer one makes its head: the parts equal `torch.manual_seed(s); LlamaForCausalLM(c)`."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(7)
+    expected = transformers.LlamaForCausalLM(config).state_dict()
+    after_build = torch.get_rng_state()
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        empty = transformers.LlamaForCausalLM(config)
+    pushed = {}
+    materialize.initialise_in_parts(empty, [{key} for key in empty.state_dict()], pushed.update)
+    assert list(pushed) == list(expected)
+    assert all(torch.equal(pushed[key], expected[key]) for key in expected)
+    assert torch.equal(torch.get_rng_state(), after_build)  # the stream where a CPU build leaves it
