@@ -166,7 +166,7 @@ class Cluster:
                dynamic_shapes=None, balance: str = "", example_inputs: tuple = (),
                example_kwargs: dict | None = None, virtual_stages: int = 1,
                snapshot_every: int = 0, take_over: bool = False,
-               weights: str | os.PathLike | None = None, recompute: str = "never",
+               weights: str | os.PathLike | None = None, recompute: str | Sequence[str] = "never",
                precision: str = "fp32") -> DistributedModel:
         """Splits `model` into stages over the shards, ships them, loads its current weights, returns a handle.
 
@@ -208,7 +208,8 @@ class Cluster:
         model's own weights are sent, or, for a model on meta, initialised here one part at a time.
         recompute: activation recomputation, to hold less memory on the shards: "always" (every micro-batch keeps
         only its inputs and outputs and its forward runs again in its backward, with the same random numbers),
-        "except_last" (all but each step's last micro-batch) or "never". The results are the same.
+        "except_last" (all but each step's last micro-batch) or "never"; or a list of submodule names (those
+        layers alone keep only their inputs, as torch.utils.checkpoint around each). The results are the same.
         precision: "bf16" has every stage compute under torch.autocast in bfloat16, weights and optimizer state
         kept in float32 (state_dict() returns them so), and the tensors between stages and this client travel
         in bfloat16 (compression="bf16" for every kind, unless `compression` says otherwise); "fp32" (the
@@ -223,7 +224,8 @@ class Cluster:
         """
         if replicas < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
-        recompute_mode.check(recompute)
+        recomputed = [] if isinstance(recompute, str) else list(recompute)
+        recompute = recompute_mode.check(recompute) if isinstance(recompute, str) else "never"
         precision_mode.check(precision)
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
             raise InvalidArgument(f"snapshot_every must be a whole number >= 0, got {snapshot_every!r}")
@@ -267,6 +269,7 @@ class Cluster:
             in_use = len(self.shards()) - self.spares
             request.partition.num_stages = max(1, min(in_use // replicas, len(request.layers)))
         layer_tools.mark_state(request.layers, module)
+        layer_tools.mark_recomputed(layers, request.layers, recomputed)
         if balance == "time":
             layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
         layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])

@@ -157,6 +157,19 @@ def split_indexes(layers: Sequence[Layer], split_points: Sequence) -> list[int]:
     return indexes
 
 
+def mark_recomputed(layers: Sequence[Layer], captured: Sequence[shard_pb2.CapturedLayer],
+                    names: Sequence[str]) -> None:
+    """Flags each captured layer named in `names` (or lying under one) to be recomputed in backward."""
+    known = [layer.name or layer.prefix for layer in layers]
+    for name in names:
+        chosen = [i for i, known_name in enumerate(known) if known_name == name or known_name.startswith(name + ".")]
+        if not chosen:
+            raise InvalidArgument(f"recompute names {name!r}, which is no part of the model; its parts are "
+                                  f"{known[:12]}{' ...' if len(known) > 12 else ''}")
+        for index in chosen:
+            captured[index].recompute = True
+
+
 def example_input(module: torch.nn.Module, layers: Sequence[Layer]) -> torch.Tensor:
     """An input to trace with, when the user gave none: from the seed shapes or a first Linear (drawn without
     moving torch's random stream)."""

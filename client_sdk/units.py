@@ -307,7 +307,11 @@ class _UnitBuilder:
         self.written: set[str] = set()  # those of them it changes in place
 
     def take(self, node: torch.fx.Node, name: str) -> None:
-        """An input of the unit, standing for `node` of the whole graph."""
+        """An input of the unit, standing for `node` of the whole graph. Inputs are passed by position, so a
+        name taken already (a model input called x, read again beside the main input "x") gets a suffix."""
+        taken = {other.target for other in self.graph.nodes if other.op == "placeholder"}
+        while name in taken:
+            name = f"{name}_"
         self.env[node] = self.graph.placeholder(name)
         self.env[node].meta = dict(node.meta)
 

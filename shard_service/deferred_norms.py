@@ -9,7 +9,6 @@ running statistics equal one full-batch step's.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -85,14 +84,10 @@ class DeferredNorms:
                 self.observed = True
         return observe_batch_norm_input
 
-    @contextlib.contextmanager
-    def paused(self):
-        """Forwards run again (recomputation) count nothing: their micro-batches were counted the first time."""
-        self.replaying = True
-        try:
-            yield
-        finally:
-            self.replaying = False
+    def paused(self) -> _Paused:
+        """Forwards run again (recomputation) count nothing: their micro-batches were counted the first time. The
+        context may be entered again (a split backward recomputes a layer in each of its passes)."""
+        return _Paused(self)
 
     def start_step(self) -> None:
         """Forgets what an unfinished step summed."""
@@ -110,6 +105,17 @@ class DeferredNorms:
             for counter in self.counters:
                 counter.add_(1)
         self.observed = False
+
+
+class _Paused:
+    def __init__(self, norms: DeferredNorms):
+        self._norms = norms
+
+    def __enter__(self) -> None:
+        self._norms.replaying = True
+
+    def __exit__(self, *exc) -> None:
+        self._norms.replaying = False
 
 
 def _is_training_batch_norm(node: torch.fx.Node) -> bool:

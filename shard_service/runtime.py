@@ -139,7 +139,7 @@ class ShardRuntime:
                                Wiring(tuple(layer.dependencies), tuple(layer.out_variables)),
                                {entry.graph_key: entry.model_key for entry in layer.state}, layer.eval_program,
                                {entry.model_key: entry.tied_to for entry in layer.state if entry.tied_to},
-                               frozenset(entry.model_key for entry in layer.state if entry.frozen))
+                               frozenset(entry.model_key for entry in layer.state if entry.frozen), layer.recompute)
                    for layer in request.layers]
         plan = request.plan
         residuals = StageResiduals({r.name: r.producer_stage for r in plan.incoming_residuals},

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 
 from shard_service import split_backward
 from shard_service.deferred_norms import DeferredNorms
@@ -35,6 +37,7 @@ class LayerSource:
     eval_program: bytes = b""   # the layer's eval-mode graph, where it differs from `program`'s
     tied: dict[str, str] = field(default_factory=dict)  # state-dict key -> the first key of its tied tensor
     frozen: frozenset[str] = frozenset()  # parameters that take no gradient
+    recompute: bool = False  # keeps only its inputs in training; its forward runs again in backward
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Stage:
         self._two_rows: tuple | None = None  # (layer index, description, input shape) of a layer that needs 2 rows
         self._norms = DeferredNorms()  # batch norms' running statistics, updated once per step
         self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
+        self._segments = _segments([source.recompute for source in sources])  # runs of layers recomputed together
         self._unloaded = set(self._state)
         named = {key: self._tensors[key] for key in self._parameter_keys()}
         # optimizer: (name, defaults as JSON[, param groups]), as optim.build takes them
@@ -296,7 +300,7 @@ class Stage:
     def _run(self, layers: list[torch.nn.Module], x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
         try:
             with precision.computing(self.precision, self.device):
-                output = run_chain(layers, self._wirings, x, saved)
+                output = self._chain(layers, x, saved)
             for name in self.residuals.outgoing:
                 if name in saved:
                     saved[name] = precision.restored(saved[name], self.precision)
@@ -309,6 +313,28 @@ class Stage:
         except Exception as error:  # a layer failing on its data: report which stage and layers
             raise InternalError(f"stage {self.index} (layers {self.layer_indexes[0]}-{self.layer_indexes[-1]}) "
                                 f"failed: {type(error).__name__}: {error}") from None
+
+    def _chain(self, layers: list[torch.nn.Module], x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
+        """run_chain, with each run of layers named for recomputation, while training with autograd, under one
+        torch.utils.checkpoint: it keeps that run's inputs only and runs it again in backward (random state
+        replayed, batch norms not counted twice)."""
+        if layers is not self._layers or not torch.is_grad_enabled() or not any(r for _, _, r in self._segments):
+            return run_chain(layers, self._wirings, x, saved)
+        for start, end, recomputed in self._segments:
+            part, wirings = layers[start:end], self._wirings[start:end]
+            if not recomputed:
+                x = run_chain(part, wirings, x, saved)
+                continue
+            names, made = list(saved), [name for wiring in wirings for name in wiring.out_variables]
+
+            def segment(x, *values, part=part, wirings=wirings, names=names, made=made):
+                local = dict(zip(names, values))
+                return (run_chain(part, wirings, x, local), *(local[name] for name in made))
+            x, *values = torch.utils.checkpoint.checkpoint(
+                segment, x, *(saved[name] for name in names), use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), self._norms.paused()))
+            saved.update(zip(made, values))
+        return x
 
     def _check_ready(self, key: StepKey, requires_grad: bool) -> None:
         if self._unloaded:
@@ -562,3 +588,14 @@ def _set_random_state(device: torch.device, state: tuple) -> None:
     torch.set_rng_state(state[0])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state[1], device)
+
+
+def _segments(flags: Sequence[bool]) -> list[tuple[int, int, bool]]:
+    """(start, end, recomputed) of each run of consecutive layers that share a flag."""
+    runs: list[tuple[int, int, bool]] = []
+    for index, flag in enumerate(flags):
+        if runs and runs[-1][2] == flag:
+            runs[-1] = (runs[-1][0], index + 1, flag)
+        else:
+            runs.append((index, index + 1, flag))
+    return runs

@@ -53,7 +53,7 @@ class ProbeSharedMemoryResponse(_message.Message):
     def __init__(self, token: _Optional[bytes] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class CapturedLayer(_message.Message):
-    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost", "eval_program", "memory_bytes", "example_inputs")
+    __slots__ = ("index", "description", "program", "dependencies", "out_variables", "state", "cost", "eval_program", "memory_bytes", "example_inputs", "recompute")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class CapturedLayer(_message.Message):
     EVAL_PROGRAM_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXAMPLE_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     index: int
     description: str
     program: bytes
@@ -74,7 +75,8 @@ class CapturedLayer(_message.Message):
     eval_program: bytes
     memory_bytes: int
     example_inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., example_inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    recompute: bool
+    def __init__(self, index: _Optional[int] = ..., description: _Optional[str] = ..., program: _Optional[bytes] = ..., dependencies: _Optional[_Iterable[str]] = ..., out_variables: _Optional[_Iterable[str]] = ..., state: _Optional[_Iterable[_Union[StateEntry, _Mapping]]] = ..., cost: _Optional[int] = ..., eval_program: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., example_inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., recompute: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("dtype", "shape")

@@ -84,3 +84,36 @@ def test_memory_reports_what_each_stage_holds(cluster4):
         assert entry["optimizer"] == 2 * parameters[entry["stage"]] + 6 * 4  # Adam's moments; a step count each
         assert entry["peak_activations"] == 8 * 8 * 64 * 4 * (1 if entry["stage"] == 0 else 2)  # inputs; + outputs
         assert entry["peak_process"] > entry["weights"]
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.0), nn.Linear(16, 16),
+                                                  nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_named_layers_alone_are_recomputed_and_train_equal_to_one_process(cluster4, schedule):
+    reference = Blocks()
+    batches = regression_batches(steps=3, batch=32, features=16)
+    expected, expected_losses = train_full_batch(reference, batches, ADAM)
+    peaks = {}
+    for recompute in ((), ["blocks.0", "blocks.2"]):
+        model = cluster4.deploy(reference, optimizer=ADAM, num_stages=2, recompute=recompute,
+                                example_input=batches[0][0], balance="parameters")
+        losses = train_pipelined(model, batches, microbatches=4, schedule=schedule)
+        assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-7)
+        assert largest_difference(model.state_dict(), expected) <= PIPELINE_TOLERANCE
+        peaks[bool(recompute)] = {s["stage"]: s["peak_activation_bytes"] for s in model.stats()}
+    assert all(peaks[True][stage] < peaks[False][stage] for stage in (0, 1)), peaks
+    with pytest.raises(InvalidArgument, match=r"recompute names 'layers\.0', which is no part of the model; its "
+                                              r"parts are \['blocks.0.0', 'blocks.0.1'"):
+        cluster4.deploy(reference, recompute=["layers.0"], example_input=batches[0][0])
