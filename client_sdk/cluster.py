@@ -17,6 +17,7 @@ import torch
 from client_sdk import layers as layer_tools
 from client_sdk import materialize, modes
 from client_sdk import optimizer as optimizer_tools
+from client_sdk.loss_scaling import LossScaler
 from client_sdk.interface import Interface
 from client_sdk.io_loop import shared_loop
 from client_sdk.model import DistributedModel, Placement, RemoteParameter
@@ -212,8 +213,9 @@ class Cluster:
         layers alone keep only their inputs, as torch.utils.checkpoint around each). The results are the same.
         precision: "bf16" has every stage compute under torch.autocast in bfloat16, weights and optimizer state
         kept in float32 (state_dict() returns them so), and the tensors between stages and this client travel
-        in bfloat16 (compression="bf16" for every kind, unless `compression` says otherwise); "fp32" (the
-        default) computes as the model is.
+        in bfloat16 (compression="bf16" for every kind, unless `compression` says otherwise); "fp16" the same
+        in float16, with dynamic loss scaling (model.loss_scaler: a step whose gradients overflow is skipped on
+        every stage and the scale halves); "fp32" (the default) computes as the model is.
         A deploy replaces the cluster's previous deployment; its handle stops working once the coordinator took
         the new one. A model refused before that (it cannot be captured, a bad argument, too few shards) leaves
         the previous deployment training. Another client's deployment that its client still uses (its Links are
@@ -252,7 +254,7 @@ class Cluster:
                           "mode: the deployment switches the whole model, as model.train() and model.eval() do",
                           stacklevel=2)
         spec = optimizer_tools.spec_for(optimizer, dict(module.named_parameters()))
-        encodings = wire.wire_encodings("bf16" if precision == "bf16" and compression == "none" else compression)
+        encodings = wire.wire_encodings(precision if precision != "fp32" and compression == "none" else compression)
         request = coordinator_pb2.DeployRequest(
             encodings=encodings,
             layers=layer_tools.capture_model(module, layers, x, inputs),
@@ -315,6 +317,7 @@ class Cluster:
         distributed.virtual_stages = virtual_stages
         distributed.batch_norms = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
         distributed.snapshot_every = snapshot_every
+        distributed.loss_scaler = LossScaler() if precision == "fp16" else None
         distributed._redeploy = functools.partial(self._redeploy, request, (encodings, parameter_keys, spec, shapes,
                                                                             list(module.state_dict()), interface))
         self._models.append(distributed)

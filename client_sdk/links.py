@@ -135,7 +135,8 @@ class SdkLinks:
         step and a Flush asking for every stage's figures. Returns the step's loss as soon as the last stage sent
         it, with a future that ends (with the stages' StageStats) once every stage settled the step, or fails with
         the step's failure: the backwards and the optimizer step go on meanwhile, as after the loop's step().
-        With `gradient_scale` (clipping), the optimizer step goes once that future has the scale."""
+        With `gradient_scale` (clipping, loss scaling), the optimizer step goes once that future has the scale
+        and whether to skip the step."""
         step, number = forwards[0][0].key.step, request.optimizer_step
         loss = self._expect(self._losses, step)
         failed = self._expect(self._planned, step)
@@ -151,7 +152,7 @@ class SdkLinks:
 
         async def send_step() -> None:
             if gradient_scale is not None:
-                request.gradient_scale = await gradient_scale
+                request.gradient_scale, request.skip = await gradient_scale
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request)))
             flush = shard_pb2.Flush(optimizer_step=number, stats=True)
             await self._send(_ROLES.LINK_ROLE_INPUT, shard_pb2.LinkMessage(flush=flush))

@@ -20,6 +20,7 @@ from client_sdk.fit import Fit, History
 from client_sdk.inflight import InFlight
 from client_sdk.interface import Interface
 from client_sdk.io_loop import IoLoop
+from client_sdk.loss_scaling import LossScaler
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
 from client_sdk.data import RowBatch
@@ -423,6 +424,16 @@ class DistributedModel:
         self._io.run(self._synchronize())
         return list(self._trainer.stats)
 
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """Under precision="fp16", the dynamic loss scaling (its `scale`, and how many steps it `skipped` because a
+        gradient overflowed); None otherwise."""
+        return self._trainer.scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: LossScaler | None) -> None:
+        self._trainer.scaler = scaler
+
     def memory(self) -> list[dict]:
         """Per stage of every replica, the bytes its shard holds: "weights" (and buffers), "gradients" and
         "optimizer" state as they are now, "peak_activations" (the most autograd held for the micro-batches in
@@ -657,10 +668,18 @@ class DistributedModel:
         self._check_backward(step)
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         self._has_gradients = True
+        scaler = self._trainer.scaler
+        if scaler is not None:  # fp16: the shards' backward runs on the loss scaled up (loss_scaling.py)
+            grad_output = grad_output * scaler.scale if grad_output is not None else None
+            output_grads = {name: grad * scaler.scale if grad is not None else None
+                            for name, grad in (output_grads or {}).items()} or output_grads
         call = asyncio.ensure_future(self._clients.backward(step, grad_output, zero_grad, output_grads))
         self._backward_steps.append(step)
         self._inflight.add(call)
-        return await call if wait else None
+        if not wait:
+            return None
+        grad_input = await call
+        return grad_input / scaler.scale if scaler is not None and grad_input is not None else grad_input
 
     async def _step(self, wait: bool = False) -> None:
         """Sends the optimizer step down the stages at once; each applies it after its own backwards."""
@@ -672,22 +691,37 @@ class DistributedModel:
         await self._clients.flush()  # the previous step is confirmed by now, unless no forward came between
         await self._inflight.drain_previous()
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
+        unscale, skip = await self._loss_scaling()
         self._optimizer_steps += 1
         backward_steps, self._backward_steps = self._backward_steps, []
         request = self._clients.step_request(self._last_step, zero_grad, self._optimizer_steps, backward_steps)
         request.hyperparameters_json = self._hyperparameters.changes()
-        request.gradient_scale, self._gradient_scale = self._gradient_scale, 0.0
+        request.gradient_scale, self._gradient_scale = (self._gradient_scale or 1.0) * unscale if unscale else \
+            self._gradient_scale, 0.0
+        request.skip = skip
         self._settle_before_forward = request.optimizer_step
         self._inflight.add(self._clients.step(request))
         self._inflight.next_iteration()
         if wait:
             await self._synchronize()
 
+    async def _loss_scaling(self) -> tuple[float, bool]:
+        """Under fp16's loss scaling: (the factor that unscales the gradients, whether a gradient overflowed and
+        the step is skipped), from the stages' gradient norms; (0, False) without it."""
+        scaler = self._trainer.scaler
+        if scaler is None:
+            return 0.0, False
+        norms = await self._clients.gradient_norms(self._backward_steps, 2.0, self._optimizer_steps + 1)
+        unscale, skip, _ = scaler.verdict(norms)
+        return unscale, skip
+
     async def _clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
         self._inflight.raise_failures()
         if not self._has_gradients:
             return torch.tensor(0.0)
         norms = await self._clients.gradient_norms(self._backward_steps, norm_type, self._optimizer_steps + 1)
+        if self._trainer.scaler is not None:  # the gradients are the scaled loss's
+            norms = [norm / self._trainer.scaler.scale for norm in norms]
         total, self._gradient_scale = clip_coefficient(norms, max_norm, norm_type, error_if_nonfinite)
         return total
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from client_sdk.inflight import let_go
+from client_sdk.loss_scaling import LossScaler
 from client_sdk.optimizer import clip_coefficient
 from client_sdk.transport import StageClients
 from client_sdk.timeline import Timeline
@@ -91,6 +92,7 @@ class PipelineTrainer:
         self.stats: list[dict] = []
         self.timeline = Timeline(())
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's total gradient norm
+        self.scaler: LossScaler | None = None  # fp16's loss scaling
         self._clipping: asyncio.Future | None = None
 
     async def run(self, step: int, batch: Batch, loss: shard_pb2.LossSpec, microbatches: int,
@@ -108,28 +110,32 @@ class PipelineTrainer:
         plan = shard_pb2.StepPlan(microbatches=microbatches, schedule=schedule)
         shares = [[batch.piece(part) for part in share]
                   for share in split_batch(batch.tensors(), len(self.replicas), microbatches)]
-        scale = None
-        if clip is not None:
+        scale, loss_scale = None, self.scaler.scale if self.scaler is not None and not eval_mode else 0.0
+        if clip is not None or loss_scale:
             scale = asyncio.get_running_loop().create_future()
-            self._clipping = asyncio.ensure_future(self._clip(scale, step, optimizer_step, *clip))
+            self._clipping = asyncio.ensure_future(self._clip(scale, step, optimizer_step, *(clip or (None, 2.0))))
         results = await _all_or_nothing([
             clients.planned_step(step, share, batch.rows, loss, plan, after_optimizer_step, optimizer_step, eval_mode,
-                                 hyperparameters, scale)
+                                 hyperparameters, scale, loss_scale)
             for clients, share in zip(self.replicas, shares)])
         return sum(value for value, _ in results), asyncio.ensure_future(self._settled([o for _, o in results]))
 
-    async def _clip(self, scale: asyncio.Future, step: int, optimizer_step: int, max_norm: float,
+    async def _clip(self, scale: asyncio.Future, step: int, optimizer_step: int, max_norm: float | None,
                     norm_type: float) -> None:
-        """The gradient scale of global norm clipping, from every stage's norm once the step's backwards are over
-        (replicas hold the same gradients then: replica 0's stages answer). If they cannot answer, the step failed
-        somewhere: it goes unscaled, and every stage refuses it."""
+        """(the gradient scale of global norm clipping and loss scaling, whether to skip the step), from every
+        stage's norm once the step's backwards are over (replicas hold the same gradients then: replica 0's stages
+        answer). If they cannot answer, the step failed somewhere: it goes unscaled, and every stage refuses it."""
+        skip = False
         try:
             norms = await self.replicas[0].gradient_norms([step], norm_type, optimizer_step)
-            self.grad_norm, coefficient = clip_coefficient(norms, max_norm, norm_type, error_if_nonfinite=False)
+            if self.scaler is not None:
+                coefficient, skip, self.grad_norm = self.scaler.verdict(norms, norm_type, max_norm)
+            else:
+                self.grad_norm, coefficient = clip_coefficient(norms, max_norm, norm_type, error_if_nonfinite=False)
         except Exception:  # noqa: BLE001 - the step's own failure reaches the caller through its verdict
             coefficient = 0.0
         if not scale.done():
-            scale.set_result(coefficient)
+            scale.set_result((coefficient, skip))
 
     async def _settled(self, outcomes: list[asyncio.Future]) -> None:
         per_replica = await _all_or_nothing(outcomes)

@@ -57,7 +57,8 @@ class StageClients:
     async def planned_step(self, step: int, share: Sequence[Batch], batch_rows: int,
                            loss: shard_pb2.LossSpec, plan: shard_pb2.StepPlan, after_optimizer_step: int,
                            optimizer_step: int, eval_mode: bool, hyperparameters: str = "",
-                           gradient_scale: asyncio.Future | None = None) -> tuple[float, asyncio.Future]:
+                           gradient_scale: asyncio.Future | None = None,
+                           loss_scale: float = 0.0) -> tuple[float, asyncio.Future]:
         """One planned step over this pipeline's Links: each micro-batch of `share` forward and backward on every
         stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's loss once the last
         stage computed it, and a future of every stage's StageStats once the step settled."""
@@ -69,7 +70,8 @@ class StageClients:
                      {name: piece.data(name) if piece.source else tensor for name, tensor in piece.inputs.items()})
                     for k, piece in enumerate(share)]
         targets = [(shard_pb2.LossTarget(key=self.key(step, k), loss=loss, rows=piece.rows, batch_rows=batch_rows,
-                                         data=piece.data(TARGET) if piece.y is not None else None),
+                                         data=piece.data(TARGET) if piece.y is not None else None,
+                                         loss_scale=loss_scale),
                     None if piece.source else piece.y) for k, piece in enumerate(share)]
         request = shard_pb2.StepRequest(deployment_id=self.deployment_id, step=step, optimizer_step=optimizer_step,
                                         backward_steps=[step], hyperparameters_json=hyperparameters)

@@ -780,7 +780,7 @@ class LinkedLoop:
                     await shard.run(stage.zero_grad)
                 await self._sum_tied(stage, request.optimizer_step)
                 started = time.perf_counter()
-                await shard.run(stage.step, request.gradient_scale, request.optimizer_step)
+                await shard.run(stage.step, request.gradient_scale, request.optimizer_step, request.skip)
                 self._record_stats(request, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),

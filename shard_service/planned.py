@@ -11,6 +11,7 @@ the optimizer step item that follows (loop.py) is applied once it is over, on ev
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -159,7 +160,7 @@ class PlannedRun:
             loss_fn, sums = ports.loss(target.loss) if not target.loss.model_output else (None, False)
             loss, seconds = await self._timed(ports.stage.attach_loss, (self.step, k), loss_fn, y,
                                               _weight(target, sums), target.loss.model_output,
-                                              simulated=0)  # within the simulated time
+                                              target.loss_scale or 1.0, simulated=0)  # within the simulated time
             self.figures.forward_seconds += seconds
             self.figures.span(shard_pb2.WORK_KIND_FORWARD, wall, k)
             await ports.send_loss(header.key, loss)
@@ -252,6 +253,8 @@ def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:
     if not 0 < target.rows <= target.batch_rows:
         raise errors.InvalidArgument(f"a target's rows must be within 1..batch_rows, got {target.rows} of "
                                      f"{target.batch_rows}")
+    if not (math.isfinite(target.loss_scale) and target.loss_scale >= 0):
+        raise errors.InvalidArgument(f"a target's loss_scale must be a finite number >= 0, got {target.loss_scale}")
     return 1.0 if sums else target.rows / target.batch_rows
 
 

@@ -52,6 +52,7 @@ class InFlight:
     is_loss: bool = False  # output is a scalar loss (a planned step's last stage): backward starts from ones
     weight_pass: split_backward.WeightPass | None = None  # a split backward between its two passes
     replay: Replay | None = None  # recomputed in backward: output and outgoing are None until then
+    loss_scale: float = 1.0  # where a loss's backward starts (fp16's loss scaling)
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Stage:
         return sum(state.saved_bytes for state in self._in_flight.values())
 
     def attach_loss(self, key: StepKey, loss_fn, target: torch.Tensor | None, weight: float,
-                    model_output: str = "") -> float:
+                    model_output: str = "", loss_scale: float = 1.0) -> float:
         """Computes `weight * loss_fn(output, target)` of an in-flight step, or with `model_output` takes the loss
         the model computed itself: `weight *` that output ("output" for the main one). Its backward starts there.
         A micro-batch recomputed in backward takes its loss's value now and its graph then."""
@@ -175,7 +176,7 @@ class Stage:
             state.output, state.outgoing = None, {}
         else:
             loss = state.output = self._loss(state, key, *arguments)
-        state.is_loss = True
+        state.is_loss, state.loss_scale = True, loss_scale
         return loss.item()
 
     def _loss(self, state: InFlight, key: StepKey, loss_fn, target: torch.Tensor | None, weight: float,
@@ -396,7 +397,7 @@ class Stage:
             raise FailedPrecondition(f"stage {self.index} already ran this step's input gradient; "
                                      "its weight gradient comes next")
         if grad_output is None and state.is_loss:
-            grad_output = torch.ones_like(state.output)
+            grad_output = torch.full_like(state.output, state.loss_scale)
         if grad_output is not None:
             _check_like(grad_output, state.output, f"stage {self.index} output gradient")
         pairs = [(state.output, grad_output)] + [(state.outgoing[n], g) for n, g in residual_grads.items()]
@@ -424,10 +425,11 @@ class Stage:
         if self._optimizer is not None:
             optim.set_hyperparameters(self._optimizer, hyperparameters_json)
 
-    def step(self, gradient_scale: float = 0.0, number: int = 0) -> None:
+    def step(self, gradient_scale: float = 0.0, number: int = 0, skip: bool = False) -> None:
         """Applies the optimizer to the accumulated gradients, first scaled by `gradient_scale` when it is above 0
-        (global norm clipping), as optimizer step `number` (applied_step says which was the last)."""
-        if self._optimizer is not None:
+        (global norm clipping, loss scaling), as optimizer step `number` (applied_step says which was the last);
+        with `skip` (a gradient was not finite under loss scaling) it counts the step and changes nothing."""
+        if self._optimizer is not None and not skip:
             if gradient_scale > 0:
                 for parameter in self.parameters:
                     if parameter.grad is not None:

@@ -1,6 +1,7 @@
-"""Mixed precision: the dtype a stage computes in. Under "bf16" every stage runs its layers under autocast (matrix
-products in bfloat16, reductions and norms in float32, as torch.autocast chooses), keeps its weights and the
-optimizer's state in float32, and sends activations and gradients to its neighbours in bfloat16, half the bytes.
+"""Mixed precision: the dtype a stage computes in. Under "bf16" (or "fp16") every stage runs its layers under
+autocast (matrix products in the half type, reductions and norms in float32, as torch.autocast chooses), keeps its
+weights and the optimizer's state in float32, and sends activations and gradients to its neighbours in the half
+type, half the bytes. fp16's narrow range needs loss scaling, which the client runs (client_sdk/loss_scaling.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import torch
 
 from shardtrain.errors import InvalidArgument
 
-MODES = {"fp32": None, "bf16": torch.bfloat16}
+MODES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check(mode: str) -> str:
     """`mode` ("" as "fp32"); InvalidArgument naming the modes otherwise."""
     if mode not in ("", *MODES):
-        raise InvalidArgument(f"precision must be one of {list(MODES)}, got {str(mode)[:40]!r} (fp16 with loss "
-                              "scaling is not offered: bf16 needs none)")
+        raise InvalidArgument(f"precision must be one of {list(MODES)}, got {str(mode)[:40]!r}")
     return mode or "fp32"
 
 

@@ -547,7 +547,7 @@ class FetchTensorRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps", "backwards_end_with_step", "hyperparameters_json", "gradient_scale")
+    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps", "backwards_end_with_step", "hyperparameters_json", "gradient_scale", "skip")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -556,6 +556,7 @@ class StepRequest(_message.Message):
     BACKWARDS_END_WITH_STEP_FIELD_NUMBER: _ClassVar[int]
     HYPERPARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     step: int
     zero_grad: bool
@@ -564,7 +565,8 @@ class StepRequest(_message.Message):
     backwards_end_with_step: bool
     hyperparameters_json: str
     gradient_scale: float
-    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., backwards_end_with_step: _Optional[bool] = ..., hyperparameters_json: _Optional[str] = ..., gradient_scale: _Optional[float] = ...) -> None: ...
+    skip: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., backwards_end_with_step: _Optional[bool] = ..., hyperparameters_json: _Optional[str] = ..., gradient_scale: _Optional[float] = ..., skip: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ()
@@ -751,18 +753,20 @@ class Flush(_message.Message):
     def __init__(self, optimizer_step: _Optional[int] = ..., stats: _Optional[bool] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ...) -> None: ...
 
 class LossTarget(_message.Message):
-    __slots__ = ("key", "loss", "rows", "batch_rows", "data")
+    __slots__ = ("key", "loss", "rows", "batch_rows", "data", "loss_scale")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     key: StepKey
     loss: LossSpec
     rows: int
     batch_rows: int
     data: DataRows
-    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., rows: _Optional[int] = ..., batch_rows: _Optional[int] = ..., data: _Optional[_Union[DataRows, _Mapping]] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., rows: _Optional[int] = ..., batch_rows: _Optional[int] = ..., data: _Optional[_Union[DataRows, _Mapping]] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class StepLoss(_message.Message):
     __slots__ = ("key", "loss")

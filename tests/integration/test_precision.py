@@ -1,6 +1,7 @@
 """Mixed precision: deploy(precision="bf16") has every stage compute under autocast with float32 weights, and the
 tensors between stages travel in bfloat16, half the bytes; training equals the same autocast training in one
-process within bf16's rounding of the values that cross each cut."""
+process within bf16's rounding of the values that cross each cut. precision="fp16" scales the loss as
+torch.amp.GradScaler does, and a step whose gradients overflow is skipped on every stage."""
 
 from __future__ import annotations
 
@@ -86,6 +87,51 @@ def test_stages_compute_under_autocast_and_send_half_the_bytes(cluster):
     assert sent["bf16"] * 2 == sent["fp32"] > 0, sent
 
 
+def scaled_locally(steps: int, x, y):
+    """One process under fp16 autocast with torch.amp.GradScaler: the losses, the weights, the final scale."""
+    local = two_layers()
+    optimizer, scaler, losses = torch.optim.SGD(local.parameters(), lr=0.1), torch.amp.GradScaler("cpu"), []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(local(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, local.state_dict(), scaler.get_scale()
+
+
+def test_fp16_scales_the_loss_as_grad_scaler_does_and_skips_a_step_that_overflows_on_every_stage(cluster):
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    expected, weights, scale = scaled_locally(4, x, y)
+    model = cluster.deploy(two_layers(), optimizer=(torch.optim.SGD, {"lr": 0.1}), layers_per_stage=[2, 1],
+                           precision="fp16")
+    losses = []
+    for _ in range(4):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        model.step()
+        model.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-6)
+    assert largest_difference(model.state_dict(), weights)[0] < 1e-6
+    assert model.loss_scaler.scale == scale and model.loss_scaler.skipped == 0
+
+    model.loss_scaler.scale = 1e38  # the gradients overflow float16 on their way between stages
+    before = model.state_dict()
+    nn.functional.mse_loss(model(x), y).backward()
+    model.step()
+    assert model.loss_scaler.skipped == 1 and model.loss_scaler.scale == 5e37
+    assert largest_difference(model.state_dict(), before)[0] == 0
+
+    pipelined = cluster.deploy(two_layers(), optimizer=(torch.optim.SGD, {"lr": 0.1}), layers_per_stage=[2, 1],
+                               precision="fp16")
+    losses = [pipelined.train_step(x, y, "MSELoss", microbatches=2) for _ in range(4)]
+    assert losses == pytest.approx(expected, rel=1e-4)  # micro-batches sum their float16 gradients in another order
+    assert largest_difference(pipelined.state_dict(), weights)[0] < 1e-4
+
+
 def test_an_unknown_precision_is_refused(cluster):
-    with pytest.raises(InvalidArgument, match=r"precision must be one of \['fp32', 'bf16'\]"):
+    with pytest.raises(InvalidArgument, match=r"precision must be one of \['fp32', 'bf16', 'fp16'\]"):
         cluster.deploy(two_layers(), precision="fp8")
