@@ -334,9 +334,9 @@ class DistributedModel:
         torch.nn loss by name ("MSELoss"), class or instance from the allow-list, or a loss module or function of
         your own (F.cross_entropy, a lambda; captured like a layer); or, for a model that computes its loss
         itself (logits, loss = model(idx, targets)), the output that `loss_output` names: its index in the
-        model's tuple or its key in the dict (0 for a model that returns only its loss), with no y. Mean-reducing losses (the model's own is taken as a
-        mean over the rows) weigh each micro-batch by its share of the batch, so the result equals one full-batch
-        step. clip_grad_norm: clip the gradients by their global norm before the step, as clip_grad_norm_ does
+        model's tuple or its key in the dict (0 for a model that returns only its loss), with no y.
+        Mean-reducing losses (the model's own is taken as a mean over the rows) weigh each micro-batch by its
+        share of the batch, so the result equals one full-batch step. clip_grad_norm: clip the gradients by their global norm before the step, as clip_grad_norm_ does
         (the optimizer step then waits for the stages' norms; model.grad_norm() gives the total norm).
         """
         self._check_open()

@@ -83,6 +83,8 @@ class CoordinatorServicer:
             PARAMETERS
         candidates = self._stage_shards(count, replicas, per_device)
         if spec.balance_by_time and not (spec.split_points or spec.layers_per_stage) and candidates:
+            # another client's deployment is refused before its shards measure anything for this one
+            await self._check_owners(context, request, list({id(s): s for group in candidates for s in group}.values()))
             costs, memory, unit = *await self._measure(layers, candidates), MEASURED
         capacities = [min(shard.memory_bytes for shard in shards) for shards in candidates]
         ranges = partition.plan(costs, num_stages, spec.split_points, spec.layers_per_stage, memory, capacities)

@@ -382,6 +382,8 @@ def test_only_the_owner_replaces_a_deployment_its_client_still_uses_or_an_operat
         with pytest.raises(errors.PermissionDenied, match=r"shard-\d at 127.0.0.1:\d+ holds deployment "
                                                           rf"{owner.deployment_id}, whose client is still attached"):
             other.deploy(nn.Sequential(nn.Linear(2, 1)))
+        with pytest.raises(errors.PermissionDenied, match="whose client is still attached"):  # before measuring
+            other.deploy(nn.Sequential(nn.Linear(2, 1), nn.Linear(1, 1)), balance="time")
         assert len(train_remotely(owner, batches)) == 2  # untouched
         owner = own_cluster.deploy(net, num_stages=2)  # its own client replaces it, with its secret
         assert len(train_remotely(owner, batches)) == 2

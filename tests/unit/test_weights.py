@@ -17,7 +17,8 @@ from shardtrain.errors import DataLoss, InvalidArgument, NotFound, PermissionDen
 def sharded(tmp_path):
     """A checkpoint in two files and an index, as save_pretrained(max_shard_size=...) writes it."""
     write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a.weight": torch.arange(6.).reshape(2, 3)})
-    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"b.weight": torch.ones(4), "b.bias": torch.zeros(4)})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors",
+                      {"b.weight": torch.ones(4), "b.bias": torch.zeros(4)})
     index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
                                             "b.weight": "model-00002-of-00002.safetensors",
                                             "b.bias": "model-00002-of-00002.safetensors"}}
