@@ -336,8 +336,9 @@ class DistributedModel:
         itself (logits, loss = model(idx, targets)), the output that `loss_output` names: its index in the
         model's tuple or its key in the dict (0 for a model that returns only its loss), with no y.
         Mean-reducing losses (the model's own is taken as a mean over the rows) weigh each micro-batch by its
-        share of the batch, so the result equals one full-batch step. clip_grad_norm: clip the gradients by their global norm before the step, as clip_grad_norm_ does
-        (the optimizer step then waits for the stages' norms; model.grad_norm() gives the total norm).
+        share of the batch, so the result equals one full-batch step. clip_grad_norm: clip the gradients by their
+        global norm before the step, as clip_grad_norm_ does (the optimizer step then waits for the stages'
+        norms; model.grad_norm() gives the total norm).
         """
         self._check_open()
         if isinstance(x, RowBatch):

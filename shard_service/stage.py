@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils.checkpoint
 
-from shard_service import split_backward
+from shard_service import recomputation, split_backward
 from shard_service.deferred_norms import DeferredNorms
+from shard_service.recomputation import Replay
 from shardtrain import optim, precision, wire
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
@@ -55,19 +54,6 @@ class InFlight:
     loss_scale: float = 1.0  # where a loss's backward starts (fp16's loss scaling)
 
 
-@dataclass
-class Replay:
-    """What recomputing a micro-batch's forward in its backward needs beyond its inputs: the layers it ran, the
-    random state its dropout drew from, and the loss attached to its output, if any."""
-
-    layers: list
-    input: torch.Tensor
-    random_state: object
-    output: torch.Tensor | None = None  # as forward returned them (no graph), for the loss's value
-    outgoing: dict[str, torch.Tensor] | None = None
-    loss: tuple | None = None  # attach_loss's arguments, applied again to the recomputed output
-
-
 class Stage:
     """Runs forward and backward of a contiguous slice of layers, keeping per-step state until backward."""
 
@@ -88,7 +74,7 @@ class Stage:
         self._two_rows: tuple | None = None  # (layer index, description, input shape) of a layer that needs 2 rows
         self._norms = DeferredNorms()  # batch norms' running statistics, updated once per step
         self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
-        self._segments = _segments([source.recompute for source in sources])  # runs of layers recomputed together
+        self._segments = recomputation.segments([source.recompute for source in sources])  # run together
         self._unloaded = set(self._state)
         named = {key: self._tensors[key] for key in self._parameter_keys()}
         # optimizer: (name, defaults as JSON[, param groups]), as optim.build takes them
@@ -240,7 +226,7 @@ class Stage:
         layers = self._layers if training else self._eval_layers
         if training and key[1] == 0:
             self._norms.start_step()
-        replay = Replay(layers, x, _random_state(self.device)) if requires_grad and \
+        replay = Replay(layers, x, recomputation.random_state(self.device)) if requires_grad and \
             self._recomputes(key, microbatches) else None
         with torch.set_grad_enabled(requires_grad and replay is None):
             output, saved_bytes = self._run_counted(layers, x, saved) if requires_grad and replay is None else \
@@ -272,9 +258,7 @@ class Stage:
         if replay is None:
             return state
         x, saved = replay.input, dict(state.incoming)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                self._norms.paused(), torch.enable_grad():
-            _set_random_state(self.device, replay.random_state)
+        with recomputation.replaying(self.device, replay.random_state), self._norms.paused(), torch.enable_grad():
             state.output = self._run(replay.layers, x, saved)
         state.outgoing = {name: saved[name] for name in self.residuals.outgoing}
         if replay.loss is not None:
@@ -316,26 +300,11 @@ class Stage:
                                 f"failed: {type(error).__name__}: {error}") from None
 
     def _chain(self, layers: list[torch.nn.Module], x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
-        """run_chain, with each run of layers named for recomputation, while training with autograd, under one
-        torch.utils.checkpoint: it keeps that run's inputs only and runs it again in backward (random state
-        replayed, batch norms not counted twice)."""
+        """run_chain; while training with autograd, each run of layers named for recomputation under one
+        checkpoint (recomputation.run_segments)."""
         if layers is not self._layers or not torch.is_grad_enabled() or not any(r for _, _, r in self._segments):
             return run_chain(layers, self._wirings, x, saved)
-        for start, end, recomputed in self._segments:
-            part, wirings = layers[start:end], self._wirings[start:end]
-            if not recomputed:
-                x = run_chain(part, wirings, x, saved)
-                continue
-            names, made = list(saved), [name for wiring in wirings for name in wiring.out_variables]
-
-            def segment(x, *values, part=part, wirings=wirings, names=names, made=made):
-                local = dict(zip(names, values))
-                return (run_chain(part, wirings, x, local), *(local[name] for name in made))
-            x, *values = torch.utils.checkpoint.checkpoint(
-                segment, x, *(saved[name] for name in names), use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), self._norms.paused()))
-            saved.update(zip(made, values))
-        return x
+        return recomputation.run_segments(layers, self._wirings, self._segments, x, saved, self._norms.paused)
 
     def _check_ready(self, key: StepKey, requires_grad: bool) -> None:
         if self._unloaded:
@@ -580,24 +549,3 @@ def _check_like(value: torch.Tensor, reference: torch.Tensor, what: str) -> None
         raise InvalidArgument(f"{what}: expected {reference.dtype} of shape {list(reference.shape)}, "
                               f"got {value.dtype} of shape {list(value.shape)}")
 
-
-def _random_state(device: torch.device) -> tuple:
-    """The random state a forward on `device` draws from (dropout's masks), to draw the same again."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_random_state(device: torch.device, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[1], device)
-
-
-def _segments(flags: Sequence[bool]) -> list[tuple[int, int, bool]]:
-    """(start, end, recomputed) of each run of consecutive layers that share a flag."""
-    runs: list[tuple[int, int, bool]] = []
-    for index, flag in enumerate(flags):
-        if runs and runs[-1][2] == flag:
-            runs[-1] = (runs[-1][0], index + 1, flag)
-        else:
-            runs.append((index, index + 1, flag))
-    return runs
