@@ -175,36 +175,45 @@ def read(rows: shard_pb2.DataRows, cache: HeaderCache) -> torch.Tensor:
     """The tensor a DataRows stands for: each span's rows from its file, fetched as byte ranges (adjacent rows as
     one, every range of a filesystem in one concurrent call), in the order the spans give them."""
     describe(rows, cache)  # every file's header and every row checked before a byte of data is fetched
-    plans, wanted = [], {}
+    plans, ranges = [], []
     for span in rows.spans:
         field = field_of(cache.fields(span.url, rows.format), rows.format, rows.field, span.url)
-        fs, path = filesystem(span.url)
         order = torch.tensor(list(span.rows), dtype=torch.int64)
         unique, position = torch.unique(order, return_inverse=True)  # sorted; position: each row's place in it
         runs = _runs(unique.tolist())
-        ranges = [(path, field.offset + first * field.row_bytes, field.offset + (last + 1) * field.row_bytes)
-                  for first, last in runs]
-        wanted.setdefault(id(fs), (fs, []))[1].extend(ranges)
-        plans.append((field, fs, len(ranges), len(unique), position))
-    fetched: dict[int, list[bytes]] = {}
-    for key, (fs, ranges) in wanted.items():
-        try:
-            fetched[key] = list(fs.cat_ranges([r[0] for r in ranges], [r[1] for r in ranges],
-                                              [r[2] for r in ranges], on_error="raise"))
-        except OSError as error:
-            raise storage_error(error, f"data rows of {rows.field!r}") from None
-    pieces, taken = [], {key: 0 for key in fetched}
-    for field, fs, count, distinct, position in plans:
-        start = taken[id(fs)]
-        blobs = fetched[id(fs)][start:start + count]
-        taken[id(fs)] = start + count
-        data = b"".join(blobs)
+        ranges.extend((span.url, field.offset + first * field.row_bytes, field.offset + (last + 1) * field.row_bytes)
+                      for first, last in runs)
+        plans.append((field, len(runs), len(unique), position))
+    blobs = fetch(ranges, f"data rows of {rows.field!r}")
+    pieces, start = [], 0
+    for field, count, distinct, position in plans:
+        data = b"".join(blobs[start:start + count])
+        start += count
         if len(data) != distinct * field.row_bytes:
             raise DataLoss(f"data rows of {rows.field!r}: a file ended before the rows its header declares")
         rows_read = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(field.dtype) \
             .reshape(-1, *field.row_shape) if data else torch.empty(0, *field.row_shape, dtype=field.dtype)
         pieces.append(rows_read[position])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def fetch(ranges: Sequence[tuple[str, int, int]], what: str) -> list[bytes]:
+    """The bytes [start, end) of each (url, start, end), in the order given; every range of one filesystem is
+    fetched in one concurrent call. A storage failure is the status storage_error gives, naming `what`."""
+    by_filesystem: dict[int, tuple[object, list[tuple[int, str, int, int]]]] = {}
+    for index, (url, start, end) in enumerate(ranges):
+        fs, path = filesystem(url)
+        by_filesystem.setdefault(id(fs), (fs, []))[1].append((index, path, start, end))
+    blobs: list[bytes] = [b""] * len(ranges)
+    for fs, wanted in by_filesystem.values():
+        try:
+            fetched = fs.cat_ranges([w[1] for w in wanted], [w[2] for w in wanted], [w[3] for w in wanted],
+                                    on_error="raise")
+        except OSError as error:
+            raise storage_error(error, what) from None
+        for (index, *_), blob in zip(wanted, fetched):
+            blobs[index] = blob
+    return blobs
 
 
 def storage_error(error: BaseException, what: str) -> ShardtrainError:

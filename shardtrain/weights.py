@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import posixpath
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import fsspec
 import torch
 
 from shardtrain import checkpoint, data
@@ -38,15 +39,14 @@ class Entry:
     end: int
 
 
-def _url(protocol: str, path: str) -> str:
+def _url(protocol: str | None, path: str) -> str:
     return path if protocol in data.LOCAL else f"{protocol}://{path}"
 
 
 def _files(source: str, roots) -> tuple[list[str], dict[str, str] | None]:
     """(the safetensors files of `source`, the index's map of tensor name to file, or None without an index)."""
     fs, path = data.filesystem(source)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    protocol = None if protocol in ("file", "local") else protocol
+    protocol = fsspec.core.split_protocol(source)[0]
     path = path.rstrip("/")
     if path.endswith(".safetensors"):
         return [_url(protocol, path)], None
@@ -146,26 +146,16 @@ def batches(located: Mapping[str, Entry], limit: int = BATCH_BYTES) -> Iterator[
         yield batch
 
 
-def read(batch: Mapping[str, Entry], progress: Callable[[int], None] = lambda nbytes: None) -> dict[str, torch.Tensor]:
-    """The batch's tensors, each fetched as its own byte range (every range of a filesystem in one call), as
-    read-only views of the bytes read: to be copied, not written."""
-    by_fs: dict[int, tuple[object, list[tuple[str, str, Entry]]]] = {}
-    for key, entry in batch.items():
-        fs, path = data.filesystem(entry.url)
-        by_fs.setdefault(id(fs), (fs, []))[1].append((key, path, entry))
+def read(batch: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
+    """The batch's tensors, each fetched as its own byte range (data.fetch), as read-only views of the bytes read:
+    to be copied, not written."""
+    blobs = data.fetch([(entry.url, entry.begin, entry.end) for entry in batch.values()], "weights")
     tensors = {}
-    for fs, wanted in by_fs.values():
-        try:
-            blobs = fs.cat_ranges([p for _, p, _ in wanted], [e.begin for _, _, e in wanted],
-                                  [e.end for _, _, e in wanted], on_error="raise")
-        except OSError as error:
-            raise data.storage_error(error, "weights") from None
-        for (key, _, entry), blob in zip(wanted, blobs):
-            if len(blob) != entry.end - entry.begin:
-                raise DataLoss(f"weights file {entry.url[:200]!r} ended inside tensor {key!r}")
-            progress(len(blob))
-            with warnings.catch_warnings():  # read-only: the stage copies it into its own weights
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                tensors[key] = torch.frombuffer(blob, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape) \
-                    if blob else torch.empty(entry.shape, dtype=entry.dtype)
+    for (key, entry), blob in zip(batch.items(), blobs):
+        if len(blob) != entry.end - entry.begin:
+            raise DataLoss(f"weights file {entry.url[:200]!r} ended inside tensor {key!r}")
+        with warnings.catch_warnings():  # read-only: the stage copies it into its own weights
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            tensors[key] = torch.frombuffer(blob, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape) \
+                if blob else torch.empty(entry.shape, dtype=entry.dtype)
     return tensors
