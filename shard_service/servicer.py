@@ -246,15 +246,8 @@ class ShardServicer:
         roots = [data.normalized_root(root) for root in self.settings.data_roots]
         provided = set(request.provided)
         names = {key: aliases for key, aliases in stage.tensor_names().items() if not provided & set(aliases)}
-        located = await asyncio.to_thread(weights.locate, request.source, names, roots)
-        missing = sorted(set(names) - set(located))
-        if missing:
-            tied = names[missing[0]][1:]
-            raise InvalidArgument(f"weights {request.source[:200]!r} hold no tensor {missing[0]!r}"
-                                  f"{f' (nor its tied {list(tied)})' if tied else ''} of stage {stage.index}: "
-                                  f"{len(missing)} of its {len(names)} missing, e.g. {missing[:5]}")
         held = stage.state()
-        weights.check(located, held, request.source)
+        located = await asyncio.to_thread(weights.plan, request.source, names, held, roots, f"stage {stage.index}")
         response = shard_pb2.LoadWeightsResponse(
             loaded=sorted(alias for key in located for alias in names[key] if alias in held),
             files=sorted({entry.url for entry in located.values()}))

@@ -123,6 +123,21 @@ def _header(url: str) -> dict[str, Entry]:
     return {name: Entry(url, dtype, tuple(shape), begin, end) for name, (dtype, shape, begin, end) in entries.items()}
 
 
+def plan(source: str, keys: Mapping[str, tuple[str, ...]], expected: Mapping[str, torch.Tensor], roots,
+         holder: str) -> dict[str, Entry]:
+    """Where each tensor `holder` (a stage) needs lies (locate), every one found and checked against `expected`
+    before any data is read: InvalidArgument naming the first tensor missing or of another dtype or shape."""
+    located = locate(source, keys, roots)
+    missing = sorted(set(keys) - set(located))
+    if missing:
+        tied = keys[missing[0]][1:]
+        raise InvalidArgument(f"weights {source[:200]!r} hold no tensor {missing[0]!r}"
+                              f"{f' (nor its tied {list(tied)})' if tied else ''} of {holder}: "
+                              f"{len(missing)} of its {len(keys)} missing, e.g. {missing[:5]}")
+    check(located, expected, source)
+    return located
+
+
 def check(located: Mapping[str, Entry], expected: Mapping[str, torch.Tensor], source: str) -> None:
     """InvalidArgument, before any data is read, naming the first tensor whose dtype or shape is not the stage's."""
     for key, entry in located.items():

@@ -78,3 +78,13 @@ def test_batches_keep_to_the_limit_but_for_one_larger_tensor(sharded):
     located = weights.locate(str(sharded), {k: (k,) for k in ("a.weight", "b.weight", "b.bias")}, [str(sharded)])
     assert [sorted(batch) for batch in weights.batches(located, limit=32)] == [["a.weight"], ["b.bias", "b.weight"]]
     assert len(list(weights.batches(located, limit=1))) == 3
+
+
+def test_a_plan_names_the_first_missing_tensor_and_its_tied_names(sharded):
+    expected = {"a.weight": torch.zeros(2, 3), "head.weight": torch.zeros(4)}
+    with pytest.raises(InvalidArgument, match=r"hold no tensor 'head.weight' \(nor its tied \['lm.weight'\]\) of "
+                                              r"stage 3: 1 of its 2 missing"):
+        weights.plan(str(sharded), {"a.weight": ("a.weight",), "head.weight": ("head.weight", "lm.weight")},
+                     expected, [str(sharded)], "stage 3")
+    located = weights.plan(str(sharded), {"a.weight": ("a.weight",)}, expected, [str(sharded)], "stage 3")
+    assert list(located) == ["a.weight"]
