@@ -144,29 +144,31 @@ def _with_batch(bound: inspect.BoundArguments, dynamic_shapes):
 
 def split_indexes(layers: Sequence[Layer], split_points: Sequence) -> list[int]:
     """Split points as layer indexes: each given as an index or as the name of the layer a stage starts with."""
-    names = [layer.name or layer.prefix for layer in layers]
     indexes = []
     for point in split_points:
         if isinstance(point, str):  # a part's name, or a container's: its first part
-            starts = [i for i, name in enumerate(names) if name == point or name.startswith(point + ".")]
-            if not starts:
-                raise InvalidArgument(f"split point {point!r} is not a part the model can be cut before; "
-                                      f"those are {names[:12]}{' ...' if len(names) > 12 else ''}")
-            point = starts[0]
+            point = _parts_named(layers, point, f"split point {point!r} is not a part the model can be cut before; "
+                                                "those are")[0]
         indexes.append(int(point))
     return indexes
+
+
+def _parts_named(layers: Sequence[Layer], name: str, refusal: str) -> list[int]:
+    """The indexes of the layers named `name` or lying under it (a container's name); InvalidArgument, `refusal`
+    followed by the parts' names, for none."""
+    names = [layer.name or layer.prefix for layer in layers]
+    chosen = [i for i, known in enumerate(names) if known == name or known.startswith(name + ".")]
+    if not chosen:
+        raise InvalidArgument(f"{refusal} {names[:12]}{' ...' if len(names) > 12 else ''}")
+    return chosen
 
 
 def mark_recomputed(layers: Sequence[Layer], captured: Sequence[shard_pb2.CapturedLayer],
                     names: Sequence[str]) -> None:
     """Flags each captured layer named in `names` (or lying under one) to be recomputed in backward."""
-    known = [layer.name or layer.prefix for layer in layers]
     for name in names:
-        chosen = [i for i, known_name in enumerate(known) if known_name == name or known_name.startswith(name + ".")]
-        if not chosen:
-            raise InvalidArgument(f"recompute names {name!r}, which is no part of the model; its parts are "
-                                  f"{known[:12]}{' ...' if len(known) > 12 else ''}")
-        for index in chosen:
+        for index in _parts_named(layers, name, f"recompute names {name!r}, which is no part of the model; its "
+                                                "parts are"):
             captured[index].recompute = True
 
 
