@@ -672,8 +672,9 @@ class DistributedModel:
         scaler = self._trainer.scaler
         if scaler is not None:  # fp16: the shards' backward runs on the loss scaled up (loss_scaling.py)
             grad_output = grad_output * scaler.scale if grad_output is not None else None
-            output_grads = {name: grad * scaler.scale if grad is not None else None
-                            for name, grad in (output_grads or {}).items()} or output_grads
+            if output_grads:
+                output_grads = {name: grad * scaler.scale if grad is not None else None
+                                for name, grad in output_grads.items()}
         call = asyncio.ensure_future(self._clients.backward(step, grad_output, zero_grad, output_grads))
         self._backward_steps.append(step)
         self._inflight.add(call)
