@@ -284,6 +284,8 @@ class Stage:
 
     def _run(self, layers: list[torch.nn.Module], x: torch.Tensor, saved: dict[str, torch.Tensor]) -> torch.Tensor:
         try:
+            if self.precision == "fp32":
+                return self._chain(layers, x, saved)
             with precision.computing(self.precision, self.device):
                 output = self._chain(layers, x, saved)
             for name in self.residuals.outgoing:
