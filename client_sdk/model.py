@@ -447,7 +447,8 @@ class DistributedModel:
         await self._synchronize()
         stages = [(replica, stage) for replica, clients in enumerate(self._trainer.replicas)
                   for stage in clients.stages]
-        answers = await asyncio.gather(*(stage.call("Describe", shard_pb2.DescribeRequest()) for _, stage in stages))
+        answers = await asyncio.gather(*(stage.call("Describe", shard_pb2.DescribeRequest(memory=True))
+                                         for _, stage in stages))
         return [{"stage": answer.stage, "replica": replica, "shard": stage.address,
                  "weights": answer.memory.weight_bytes, "gradients": answer.memory.gradient_bytes,
                  "optimizer": answer.memory.optimizer_bytes, "peak_activations": answer.memory.peak_activation_bytes,

@@ -358,14 +358,15 @@ class ShardServicer:
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
             parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
             instance=self.instance, checkpoint_dir=self.settings.checkpoint_dir,
-            client_attached=self.loop.client_attached, memory=self._memory(stage))
+            client_attached=self.loop.client_attached, memory=self._memory(stage) if request.memory else None)
 
     def _memory(self, stage: Stage | None) -> shard_pb2.StageMemory:
-        weights, gradients, optimizer = stage.memory() if stage else (0, 0, 0)
+        """What the stage holds; only when asked: a health probe's Describe need not sum every tensor."""
+        held, gradients, optimizer = stage.memory() if stage else (0, 0, 0)
         device = torch.device(self.settings.device)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts it in KiB
-        return shard_pb2.StageMemory(weight_bytes=weights, gradient_bytes=gradients, optimizer_bytes=optimizer,
+        return shard_pb2.StageMemory(weight_bytes=held, gradient_bytes=gradients, optimizer_bytes=optimizer,
                                      peak_activation_bytes=stage.peak_activation_bytes if stage else 0,
                                      peak_process_bytes=peak)
 

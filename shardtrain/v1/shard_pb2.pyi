@@ -591,8 +591,10 @@ class GradientNormResponse(_message.Message):
     def __init__(self, norm: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("memory",)
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    memory: bool
+    def __init__(self, memory: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("address", "device", "deployment_id", "stage", "layer_indexes", "in_flight_steps", "parameter_count", "flush_denormal", "instance", "checkpoint_dir", "client_attached", "memory")
