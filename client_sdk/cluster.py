@@ -23,7 +23,7 @@ from client_sdk.io_loop import shared_loop
 from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.pipeline import PipelineTrainer
 from client_sdk.processes import LocalServices
-from client_sdk.reports import DeploymentReport
+from client_sdk.reports import DeploymentReport, ShardInfo, Table
 from client_sdk.transport import StageClients
 from shardtrain import auth, optim, wire
 from shardtrain import precision as precision_mode
@@ -139,9 +139,10 @@ class Cluster:
         of each service (`cluster.address`, a placement's `shard_address`); empty otherwise."""
         return self._services.metrics_urls if self._services is not None else {}
 
-    def shards(self) -> list[coordinator_pb2.ShardInfo]:
-        """The registered shards, in registration order."""
-        return list(self._io.run(self._coordinator.call("ListShards", coordinator_pb2.ListShardsRequest())).shards)
+    def shards(self) -> Table:
+        """The registered shards (ShardInfo), in registration order; prints as a table."""
+        answer = self._io.run(self._coordinator.call("ListShards", coordinator_pb2.ListShardsRequest()))
+        return Table(map(ShardInfo.from_message, answer.shards))
 
     def deployment(self) -> DeploymentReport:
         """The deployment the coordinator shipped last, whoever deployed it: its stages' shards per replica and the

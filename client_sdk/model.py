@@ -10,13 +10,14 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from client_sdk import recovery
 from client_sdk.autograd import RemoteStages
 from client_sdk.fit import Fit, History
+from client_sdk.gradients import RemoteGradient, RemoteGradients
 from client_sdk.inflight import InFlight
 from client_sdk.interface import Interface
 from client_sdk.io_loop import IoLoop
@@ -25,7 +26,7 @@ from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
 from client_sdk.data import RowBatch
 from client_sdk.pipeline import MAIN, TARGET, Batch, PipelineTrainer
-from client_sdk.reports import ShardReport
+from client_sdk.reports import ShardReport, Table
 from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
 from shardtrain import checkpoint, checkpoint_store, optim
@@ -48,6 +49,17 @@ class RemoteParameter:
     dtype: torch.dtype
     requires_grad: bool  # False: frozen when deployed (it was in the model), so it takes no gradient
     stages: tuple[int, ...]  # more than one for a weight tied across stages
+
+    gradients: RemoteGradients | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def grad(self) -> RemoteGradient | None:
+        """The parameter's gradient, held by its shards, once a backward ran (None before, after zero_grad, or
+        when frozen): torch.nn.utils.clip_grad_norm_(model.parameters(), ...) and clip_grad_value_ run on these
+        there (client_sdk/gradients.py); the next step() applies what they did."""
+        if self.gradients is None or not self.requires_grad or not self.gradients.present():
+            return None
+        return RemoteGradient(self.name, self.shape, self.dtype, self.gradients)
 
     def dim(self) -> int:
         return len(self.shape)
@@ -96,7 +108,11 @@ class DistributedModel:
         self.virtual_stages = 1  # stages per device (deploy(virtual_stages=)), for the interleaved schedule
         self._owners = owners
         self._holders = holders or dict(owners)  # a tied weight: several stages
-        self._parameters = list(parameters)
+        self._gradients = RemoteGradients(
+            {p.name: list(p.stages) for p in parameters if p.requires_grad and p.stages}, self._parameter_norms,
+            lambda: self._trainer.scaler.scale if self._trainer.scaler is not None else 1.0,
+            lambda: self._has_gradients)
+        self._parameters = [replace(parameter, gradients=self._gradients) for parameter in parameters]
         self._interface = interface or Interface()  # the model's arguments and outputs
         self._key_order = list(key_order)
         self._parameter_keys = [key for key in parameter_keys if key in owners]  # the order torch.optim numbers
@@ -180,6 +196,8 @@ class DistributedModel:
         self._zero_grad_pending = True
         self._has_gradients = False
         self._gradient_scale = 0.0
+        self._gradients.take_edits()  # edits of gradients that are gone
+        self._gradients.changed()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -301,10 +319,10 @@ class DistributedModel:
         the model's weights, as for a local module."""
         return iter(self._parameters)
 
-    def describe(self) -> list[ShardReport]:
-        """Each stage's shard's own report, in stage order: address, device, stage, layers, parameters, steps in
-        flight, whether it flushes denormals."""
-        return [ShardReport.from_message(answer) for answer in self._io.run(self._clients.describe())]
+    def describe(self) -> Table:
+        """Each stage's shard's own report (ShardReport), in stage order: address, device, stage, layers,
+        parameters, steps in flight, whether it flushes denormals; prints as a table."""
+        return Table(ShardReport.from_message(answer) for answer in self._io.run(self._clients.describe()))
 
     @property
     def replicas(self) -> int:
@@ -595,8 +613,10 @@ class DistributedModel:
         # One step ahead of the shards at most, as the loop. No output confirms a loop step before this one: ask.
         await self._clients.flush(wait=False)
         await self._inflight.drain_previous()
-        # A planned step starts from zero gradients: a pending zero_grad is moot.
+        # A planned step starts from zero gradients: a pending zero_grad, and edits of the old ones, are moot.
         self._zero_grad_pending = False
+        self._gradients.take_edits()
+        self._gradients.changed()
         self._outdate_awaiting_backward()
         self._has_gradients = True  # as after a step in one process: the step's gradients stay
         step, after = self._begin_step(), self._settle_before_forward
@@ -670,6 +690,7 @@ class DistributedModel:
         self._check_backward(step)
         zero_grad, self._zero_grad_pending = self._zero_grad_pending, False
         self._has_gradients = True
+        self._gradients.changed()
         scaler = self._trainer.scaler
         if scaler is not None:  # fp16: the shards' backward runs on the loss scaled up (loss_scaling.py)
             grad_output = grad_output * scaler.scale if grad_output is not None else None
@@ -687,6 +708,7 @@ class DistributedModel:
     async def _step(self, wait: bool = False) -> None:
         """Sends the optimizer step down the stages at once; each applies it after its own backwards."""
         if not self._has_gradients:  # torch.optim skips parameters without gradients: this step changes nothing
+            self._gradients.take_edits()
             if wait:
                 await self._synchronize()
             return
@@ -702,6 +724,8 @@ class DistributedModel:
         request.gradient_scale, self._gradient_scale = (self._gradient_scale or 1.0) * unscale if unscale else \
             self._gradient_scale, 0.0
         request.skip = skip
+        request.gradient_edits.extend(self._gradients.take_edits())
+        self._gradients.changed()
         self._settle_before_forward = request.optimizer_step
         self._inflight.add(self._clients.step(request))
         self._inflight.next_iteration()
@@ -714,7 +738,8 @@ class DistributedModel:
         scaler = self._trainer.scaler
         if scaler is None:
             return 0.0, False
-        norms = await self._clients.gradient_norms(self._backward_steps, 2.0, self._optimizer_steps + 1)
+        norms = await self._clients.gradient_norms(self._backward_steps, 2.0, self._optimizer_steps + 1,
+                                                   self._gradients.take_edits_by_stage())
         unscale, skip, _ = scaler.verdict(norms)
         return unscale, skip
 
@@ -722,11 +747,24 @@ class DistributedModel:
         self._inflight.raise_failures()
         if not self._has_gradients:
             return torch.tensor(0.0)
-        norms = await self._clients.gradient_norms(self._backward_steps, norm_type, self._optimizer_steps + 1)
+        norms = await self._clients.gradient_norms(self._backward_steps, norm_type, self._optimizer_steps + 1,
+                                                   self._gradients.take_edits_by_stage())
         if self._trainer.scaler is not None:  # the gradients are the scaled loss's
             norms = [norm / self._trainer.scaler.scale for norm in norms]
         total, self._gradient_scale = clip_coefficient(norms, max_norm, norm_type, error_if_nonfinite)
         return total
+
+    def _parameter_norms(self, norm_type: float, edits: dict[int, list], names: dict[int, list[str]]
+                         ) -> dict[str, float]:
+        """The gradient norm of each named parameter (per stage), once the backwards sent are over, after `edits`."""
+        async def fetch() -> dict[str, float]:
+            self._inflight.raise_failures()
+            answers = await self._clients.gradient_norm_answers(self._backward_steps, norm_type,
+                                                                self._optimizer_steps + 1, edits, names)
+            return {name: norm for stage, answer in enumerate(answers)
+                    for name, norm in zip(names.get(stage, []), answer.parameter_norms)}
+        self._check_open()
+        return self._io.run(fetch())
 
     def _await_backward(self, step: int) -> None:
         """Records a forward under autograd; beyond MAX_AWAITING, the oldest one's graph is given up, as the

@@ -2,10 +2,51 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shardtrain import wire
 from shardtrain.v1 import coordinator_pb2, shard_pb2
+
+
+class Table(list):
+    """A list of reports that prints as a table, one row each (in a notebook too); it is a plain list otherwise."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "(none)"
+        names = [field.name for field in dataclasses.fields(self[0])]
+        rows = [names, *([_cell(getattr(row, name)) for name in names] for row in self)]
+        widths = [max(len(row[column]) for row in rows) for column in range(len(names))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+        return "\n".join([lines[0], "  ".join("-" * width for width in widths), *lines[1:]])
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython and Jupyter show the table
+        printer.text(str(self))
+
+
+def _cell(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) if len(value) <= 8 else f"{value[0]}..{value[-1]} ({len(value)})"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2**20:
+        return f"{value / 2**30:.1f}G" if value >= 2**30 else f"{value / 2**20:.1f}M"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A shard registered with the coordinator (Cluster.shards()): its id, address, device, the memory it offers
+    a stage (bytes) and the group of shards that share its device."""
+
+    shard_id: str
+    address: str
+    device: str
+    memory_bytes: int
+    device_group: str
+
+    @classmethod
+    def from_message(cls, message: coordinator_pb2.ShardInfo) -> ShardInfo:
+        return cls(message.shard_id, message.address, message.device, message.memory_bytes, message.device_group)
 
 
 @dataclass(frozen=True)

@@ -146,12 +146,23 @@ class StageClients:
             await stage.call("LoadOptimizerState", wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors))
         await asyncio.gather(*(load(stage, state) for stage, state in zip(self.stages, per_stage)))
 
-    async def gradient_norms(self, backward_steps: Sequence[int], norm_type: float, optimizer_step: int) -> list[float]:
-        """Each stage's gradient norm once the listed backwards are over there, for the optimizer step named."""
-        request = shard_pb2.GradientNormRequest(deployment_id=self.deployment_id, backward_steps=backward_steps,
-                                                norm_type=norm_type, optimizer_step=optimizer_step)
-        answers = await asyncio.gather(*(stage.call("GradientNorm", request) for stage in self.stages))
+    async def gradient_norms(self, backward_steps: Sequence[int], norm_type: float, optimizer_step: int,
+                             edits: dict[int, list] | None = None) -> list[float]:
+        """Each stage's gradient norm once the listed backwards are over there, for the optimizer step named,
+        after its share of the gradient `edits` (per stage)."""
+        answers = await self.gradient_norm_answers(backward_steps, norm_type, optimizer_step, edits or {}, {})
         return [answer.norm for answer in answers]
+
+    async def gradient_norm_answers(self, backward_steps: Sequence[int], norm_type: float, optimizer_step: int,
+                                    edits: dict[int, list], parameters: dict[int, list[str]]
+                                    ) -> list[shard_pb2.GradientNormResponse]:
+        """Each stage's GradientNorm answer, its `edits` applied first, with the norms of its `parameters`."""
+        def request(index: int) -> shard_pb2.GradientNormRequest:
+            return shard_pb2.GradientNormRequest(
+                deployment_id=self.deployment_id, backward_steps=backward_steps, norm_type=norm_type,
+                optimizer_step=optimizer_step, edits=edits.get(index, []), parameters=parameters.get(index, []))
+        return list(await asyncio.gather(*(stage.call("GradientNorm", request(index))
+                                           for index, stage in enumerate(self.stages))))
 
     async def describe(self) -> list[shard_pb2.DescribeResponse]:
         """What each stage's shard reports about itself."""

@@ -441,16 +441,23 @@ class LinkedLoop:
         if failure:
             raise errors.FailedPrecondition(f"optimizer step {request.optimizer_step} not applied: {failure}")
 
-    async def gradient_norm_call(self, request: shard_pb2.GradientNormRequest) -> float:
+    async def gradient_norm_call(self, request: shard_pb2.GradientNormRequest) -> tuple[float, list[float]]:
         """A GradientNorm call: the norm of this stage's gradients once the listed backwards are over here, after
-        tied weights' gradients were summed for the optimizer step named (each then counted on its first stage)."""
+        tied weights' gradients were summed for the optimizer step named (each then counted on its first stage)
+        and the request's edits applied; and the norms of the parameters it names."""
         shard = self._runtime
         stage = shard.stage_for(request.deployment_id)
         await shard.backwards_over(request.backward_steps, "no gradient norm")
         if request.optimizer_step:
             await self._sum_tied(stage, request.optimizer_step)
         counted_elsewhere = [tie.key for tie in shard.plan.tied if tie.stages[0] != shard.plan.stage]
-        return await shard.run(stage.gradient_norm, request.norm_type or 2.0, counted_elsewhere)
+        norm_type = request.norm_type or 2.0
+
+        def norms() -> tuple[float, list[float]]:
+            stage.edit_gradients(request.edits)
+            return stage.gradient_norm(norm_type, counted_elsewhere), stage.parameter_norms(norm_type,
+                                                                                             request.parameters)
+        return await shard.run(norms)
 
     def _check_end(self, call: str, first: bool) -> None:
         plan = self._runtime.plan
@@ -780,7 +787,8 @@ class LinkedLoop:
                     await shard.run(stage.zero_grad)
                 await self._sum_tied(stage, request.optimizer_step)
                 started = time.perf_counter()
-                await shard.run(stage.step, request.gradient_scale, request.optimizer_step, request.skip)
+                await shard.run(stage.step, request.gradient_scale, request.optimizer_step, request.skip,
+                                request.gradient_edits)
                 self._record_stats(request, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),

@@ -313,7 +313,8 @@ class ShardServicer:
     @boundary
     async def GradientNorm(self, request, context):
         self._owned(context, request.deployment_id)
-        return shard_pb2.GradientNormResponse(norm=await self.loop.gradient_norm_call(request))
+        norm, parameter_norms = await self.loop.gradient_norm_call(request)
+        return shard_pb2.GradientNormResponse(norm=norm, parameter_norms=parameter_norms)
 
     @boundary
     async def FetchTensor(self, request, context):

@@ -17,6 +17,7 @@ from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
 from shardtrain.saved import SavedBytes
+from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard.stage")
 
@@ -396,10 +397,14 @@ class Stage:
         if self._optimizer is not None:
             optim.set_hyperparameters(self._optimizer, hyperparameters_json)
 
-    def step(self, gradient_scale: float = 0.0, number: int = 0, skip: bool = False) -> None:
-        """Applies the optimizer to the accumulated gradients, first scaled by `gradient_scale` when it is above 0
-        (global norm clipping, loss scaling), as optimizer step `number` (applied_step says which was the last);
-        with `skip` (a gradient was not finite under loss scaling) it counts the step and changes nothing."""
+    def step(self, gradient_scale: float = 0.0, number: int = 0, skip: bool = False,
+             edits: Sequence[shard_pb2.GradientEdit] = ()) -> None:
+        """Applies the optimizer to the accumulated gradients, first changed by the client's `edits` and scaled by
+        `gradient_scale` when it is above 0 (global norm clipping, loss scaling), as optimizer step `number`
+        (applied_step says which was the last); with `skip` (a gradient was not finite under loss scaling) it
+        counts the step and changes nothing."""
+        self.edit_gradients([edit for edit in edits if isinstance(self._tensors.get(edit.parameter),
+                                                                  torch.nn.Parameter)])  # those it holds
         if self._optimizer is not None and not skip:
             if gradient_scale > 0:
                 for parameter in self.parameters:
@@ -414,6 +419,40 @@ class Stage:
         norms = [torch.linalg.vector_norm(self._tensors[key].grad.detach(), norm_type)
                  for key in self._parameter_keys() if key not in leave_out and self._tensors[key].grad is not None]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type).item() if norms else 0.0
+
+    def parameter_norms(self, norm_type: float, keys: Sequence[str]) -> list[float]:
+        """Each named parameter's own gradient p-norm (0 for one without a gradient), as torch computes it for
+        clip_grad_norm_ over a RemoteParameter list; InvalidArgument for a name the stage does not hold."""
+        norms = []
+        for key in keys:
+            grad = self._gradient_holder(key).grad
+            norms.append(0.0 if grad is None else torch.linalg.vector_norm(grad.detach(), norm_type).item())
+        return norms
+
+    def edit_gradients(self, edits: Sequence[shard_pb2.GradientEdit]) -> None:
+        """Applies in-place changes the client's code made to named gradients (clip_grad_value_, a scale), in
+        order, after checking all of them: a gradient that is None stays None, as torch's edits skip it."""
+        changes = []
+        for edit in edits:
+            kind = edit.WhichOneof("edit")
+            if kind is None:
+                raise InvalidArgument(f"gradient edit of {edit.parameter!r} names no change; expected scale or clamp")
+            changes.append((self._gradient_holder(edit.parameter), kind, edit))
+        with torch.no_grad():
+            for parameter, kind, edit in changes:
+                if parameter.grad is None:
+                    continue
+                if kind == "scale":
+                    parameter.grad.mul_(edit.scale)
+                else:
+                    parameter.grad.clamp_(min=edit.clamp.low, max=edit.clamp.high)
+
+    def _gradient_holder(self, key: str) -> torch.nn.Parameter:
+        tensor = self._tensors.get(key)
+        if not isinstance(tensor, torch.nn.Parameter):
+            raise InvalidArgument(f"stage {self.index} holds no parameter {key!r}; its parameters are "
+                                  f"{self._parameter_keys()[:8]}{' ...' if len(self._parameter_keys()) > 8 else ''}")
+        return tensor
 
     def forget(self, up_to_step: int) -> None:
         """Drops the state of steps up to `up_to_step` whose backward never came."""

@@ -547,7 +547,7 @@ class FetchTensorRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[StepKey, _Mapping]] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps", "backwards_end_with_step", "hyperparameters_json", "gradient_scale", "skip")
+    __slots__ = ("deployment_id", "step", "zero_grad", "optimizer_step", "backward_steps", "backwards_end_with_step", "hyperparameters_json", "gradient_scale", "skip", "gradient_edits")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -557,6 +557,7 @@ class StepRequest(_message.Message):
     HYPERPARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_SCALE_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_EDITS_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     step: int
     zero_grad: bool
@@ -566,29 +567,54 @@ class StepRequest(_message.Message):
     hyperparameters_json: str
     gradient_scale: float
     skip: bool
-    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., backwards_end_with_step: _Optional[bool] = ..., hyperparameters_json: _Optional[str] = ..., gradient_scale: _Optional[float] = ..., skip: _Optional[bool] = ...) -> None: ...
+    gradient_edits: _containers.RepeatedCompositeFieldContainer[GradientEdit]
+    def __init__(self, deployment_id: _Optional[str] = ..., step: _Optional[int] = ..., zero_grad: _Optional[bool] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., backwards_end_with_step: _Optional[bool] = ..., hyperparameters_json: _Optional[str] = ..., gradient_scale: _Optional[float] = ..., skip: _Optional[bool] = ..., gradient_edits: _Optional[_Iterable[_Union[GradientEdit, _Mapping]]] = ...) -> None: ...
+
+class GradientEdit(_message.Message):
+    __slots__ = ("parameter", "scale", "clamp")
+    PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    CLAMP_FIELD_NUMBER: _ClassVar[int]
+    parameter: str
+    scale: float
+    clamp: Interval
+    def __init__(self, parameter: _Optional[str] = ..., scale: _Optional[float] = ..., clamp: _Optional[_Union[Interval, _Mapping]] = ...) -> None: ...
+
+class Interval(_message.Message):
+    __slots__ = ("low", "high")
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    low: float
+    high: float
+    def __init__(self, low: _Optional[float] = ..., high: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GradientNormRequest(_message.Message):
-    __slots__ = ("deployment_id", "optimizer_step", "backward_steps", "norm_type")
+    __slots__ = ("deployment_id", "optimizer_step", "backward_steps", "norm_type", "edits", "parameters")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_STEPS_FIELD_NUMBER: _ClassVar[int]
     NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    EDITS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     optimizer_step: int
     backward_steps: _containers.RepeatedScalarFieldContainer[int]
     norm_type: float
-    def __init__(self, deployment_id: _Optional[str] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., norm_type: _Optional[float] = ...) -> None: ...
+    edits: _containers.RepeatedCompositeFieldContainer[GradientEdit]
+    parameters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, deployment_id: _Optional[str] = ..., optimizer_step: _Optional[int] = ..., backward_steps: _Optional[_Iterable[int]] = ..., norm_type: _Optional[float] = ..., edits: _Optional[_Iterable[_Union[GradientEdit, _Mapping]]] = ..., parameters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GradientNormResponse(_message.Message):
-    __slots__ = ("norm",)
+    __slots__ = ("norm", "parameter_norms")
     NORM_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_NORMS_FIELD_NUMBER: _ClassVar[int]
     norm: float
-    def __init__(self, norm: _Optional[float] = ...) -> None: ...
+    parameter_norms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, norm: _Optional[float] = ..., parameter_norms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("memory",)

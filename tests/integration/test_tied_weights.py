@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from shardtrain.errors import InvalidArgument
+from shardtrain.v1 import shard_pb2
 from tests.integration.training import largest_difference
 
 VOCABULARY, WIDTH = 11, 8
@@ -86,3 +88,52 @@ def test_a_tied_weight_trains_in_pipelined_steps_and_its_optimizer_state_comes_a
         started.zero_grad()
     assert largest_difference(model.state_dict(), local.state_dict()) <= 1e-5
 
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+def test_torch_clip_grad_functions_run_on_the_remote_parameters(cluster4, foreach):
+    """torch.nn.utils.clip_grad_norm_ and clip_grad_value_ called as on a local module (over every parameter or
+    some, either of torch's code paths) clip the shards' gradients, a tied one once, as they clip local ones."""
+    local, batches = tied_net(), token_batches(steps=4)
+    remote = copy.deepcopy(local)
+    model = cluster4.deploy(remote, optimizer=torch.optim.SGD(remote.parameters(), lr=0.5),
+                            example_input=batches[0][0], num_stages=3)
+    optimizer = torch.optim.SGD(local.parameters(), lr=0.5)
+    assert all(p.grad is None for p in model.parameters())
+    for index, (x, y) in enumerate(batches):
+        loss_of(model(x), y).backward()
+        loss_of(local(x), y).backward()
+        norms = []
+        for net in (model, local):
+            chosen = [p for p in net.parameters() if p.dim() >= 2] if index == 2 else list(net.parameters())
+            if index % 2:
+                torch.nn.utils.clip_grad_value_(chosen, 0.02, foreach=foreach)
+            norms.append(torch.nn.utils.clip_grad_norm_(chosen, 0.3, foreach=foreach).item())
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in net.parameters()], foreach=foreach).item())
+        assert norms[:2] == pytest.approx(norms[2:], rel=1e-5)
+        model.optimizer.step()
+        model.optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert largest_difference(model.state_dict(), local.state_dict()) <= 1e-5
+
+
+def test_a_remote_gradient_refuses_what_would_need_its_values(cluster4):
+    local, batches = tied_net(), token_batches(steps=1)
+    model = cluster4.deploy(local, example_input=batches[0][0], num_stages=2)
+    loss_of(model(batches[0][0]), batches[0][1]).backward()
+    grad = next(model.parameters()).grad
+    assert grad.shape == (VOCABULARY, WIDTH) and "RemoteGradient('0.weight'" in repr(grad)
+    with pytest.raises(TypeError, match=r"abs on a RemoteParameter's \.grad: the gradient stays on the shards.*"
+                                        r"clip_grad_norm_"):
+        grad.abs()
+    with pytest.raises(TypeError, match="mixes a RemoteParameter's .grad with local tensors"):
+        torch._foreach_mul_([grad, torch.ones(2)], 0.5)
+    # What another language's client might send: a name the stage does not hold is refused, and changes nothing.
+    edit = shard_pb2.GradientEdit(parameter="no.such.weight", scale=0.0)
+    with pytest.raises(InvalidArgument, match="stage 0 holds no parameter 'no.such.weight'"):
+        model._io.run(model._clients.gradient_norm_answers([], 2.0, 1, {0: [edit]}, {}))
+    before = grad.norm().item()
+    assert before > 0 and grad.norm(2) == pytest.approx(before)
+    model.step()

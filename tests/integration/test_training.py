@@ -135,6 +135,13 @@ def test_no_grad_forward_keeps_no_state_and_matches_local(cluster4):
     assert [r.parameter_count for r in reports] == [3 * 8 + 8, 8 * 2 + 2]
     assert all(r.deployment_id == model.deployment_id and r.device == "cpu" and r.instance for r in reports)
     assert "ShardReport(address=" in repr(reports[0]) and dataclasses.asdict(reports[0])["stage"] == 0
+    # Printed, a table: a header, a rule, a row per stage.
+    header, rule, *rows = str(reports).splitlines()
+    assert header.split()[:3] == ["address", "device", "deployment_id"] and set(rule) <= {"-", " "}
+    assert [row.split()[0] for row in rows] == [p.shard_address for p in model.placements]
+    shards = cluster4.shards()
+    assert str(shards).splitlines()[0].split() == ["shard_id", "address", "device", "memory_bytes", "device_group"]
+    assert len(str(shards).splitlines()) == 2 + len(shards) and "shard_id=" not in str(shards)
 
 
 def test_gradient_accumulation_over_two_forwards(cluster4):
