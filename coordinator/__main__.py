@@ -1,7 +1,7 @@
-"""`python -m coordinator`: run the coordinator."""
+"""`python -m coordinator`: as `shardtrain coordinator`, run the coordinator."""
 
 import sys
 
-from coordinator.server import main
+from shardtrain.cli import main
 
-sys.exit(main())
+sys.exit(main(["coordinator", *sys.argv[1:]]))

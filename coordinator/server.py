@@ -9,10 +9,10 @@ import sys
 import grpc
 
 from coordinator.servicer import CoordinatorServicer
-from shardtrain import health, logs, metrics, rpc, shm
+from shardtrain import health, metrics, rpc, shm
 from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, stop_on_sigterm
 from shardtrain.errors import ShardtrainError
-from shardtrain.settings import CoordinatorSettings, coordinator_settings
+from shardtrain.settings import CoordinatorSettings
 
 
 async def build_server(settings: CoordinatorSettings,
@@ -41,11 +41,8 @@ async def serve(settings: CoordinatorSettings) -> None:
         await server.stop(grace=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `shardtrain coordinator`."""
-    logs.configure()  # until the flags say otherwise: parsing them may warn
-    settings = coordinator_settings(sys.argv[1:] if argv is None else argv)
-    logs.configure(settings.log_level, settings.log_format)
+def run(settings: CoordinatorSettings) -> int:
+    """Serves the coordinator with parsed settings until stopped; the exit status."""
     die_with_parent(settings.parent_pid)
     freeze_imported_objects()
     shm.sweep()  # segments left by shardtrain processes that were killed

@@ -1,7 +1,7 @@
-"""`python -m shard_service`: run one shard."""
+"""`python -m shard_service`: as `shardtrain shard`, run one shard."""
 
 import sys
 
-from shard_service.server import main
+from shardtrain.cli import main
 
-sys.exit(main())
+sys.exit(main(["shard", *sys.argv[1:]]))

@@ -18,10 +18,10 @@ import torch
 
 from shard_service.device import Device, stage_memory
 from shard_service.servicer import ShardServicer
-from shardtrain import carrier, health, logs, metrics, rpc, shm
+from shardtrain import carrier, health, metrics, rpc, shm
 from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
-from shardtrain.settings import ShardSettings, shard_settings
+from shardtrain.settings import ShardSettings
 from shardtrain.v1 import coordinator_pb2
 
 log = logging.getLogger("shardtrain.shard")
@@ -143,11 +143,8 @@ def flush_denormals() -> None:
     log.info("CPU arithmetic flushes denormal floats to zero")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `shardtrain shard`."""
-    logs.configure()  # until the flags say otherwise: parsing them may warn
-    settings = shard_settings(sys.argv[1:] if argv is None else argv)
-    logs.configure(settings.log_level, settings.log_format)
+def run(settings: ShardSettings) -> int:
+    """Serves one shard (or --shards of them) with parsed settings until stopped; the exit status."""
     die_with_parent(settings.parent_pid)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack into the log
     keep_freed_memory()

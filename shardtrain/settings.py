@@ -111,6 +111,17 @@ def _env(env: Mapping[str, str], name: str, default: str = "") -> str:
     return env.get(ENV_PREFIX + name, default)
 
 
+def name_variables(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Ends each flag's help line with the variable that sets its default (--tls-ca: SHARDTRAIN_TLS_CA), unless
+    the line names one already; returns the parser."""
+    for action in parser._actions:
+        flags = [option for option in action.option_strings if option.startswith("--")]
+        if not flags or action.help in (None, argparse.SUPPRESS) or flags[0] == "--help" or ENV_PREFIX in action.help:
+            continue
+        action.help += f" [{ENV_PREFIX}{flags[0][2:].upper().replace('-', '_')}]"
+    return parser
+
+
 def _read_token(args: argparse.Namespace) -> str:
     if args.auth_token:
         log.warning("--auth-token puts the token where every user of this host can read it (ps, /proc); "
@@ -134,7 +145,8 @@ def add_security_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
     parser.set_defaults(env_token=_env(env, "AUTH_TOKEN"), env_token_file=_env(env, "AUTH_TOKEN_FILE"))
     for role in ("shard", "reader"):  # from files or variables only: a command line is visible to the whole host
         parser.add_argument(f"--{role}-token-file", default=_env(env, f"{role.upper()}_TOKEN_FILE"),
-                            help=f"a file holding the {role} role's own token (or SHARDTRAIN_{role.upper()}_TOKEN)")
+                            help=f"a file holding the {role} role's own token (or SHARDTRAIN_{role.upper()}_TOKEN_FILE; the "
+                                 f"token itself: SHARDTRAIN_{role.upper()}_TOKEN)")
     parser.set_defaults(env_shard_token=_env(env, "SHARD_TOKEN"), env_reader_token=_env(env, "READER_TOKEN"))
     parser.add_argument("--tls-cert", default=_env(env, "TLS_CERT"),
                         help="PEM certificate chain: a server serves TLS with it (and presents it as a caller)")
@@ -331,7 +343,7 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
-    return parser
+    return name_variables(parser)
 
 
 def add_slurm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -422,7 +434,7 @@ def coordinator_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_log_flags(parser, env)
     add_security_flags(parser, env)
     add_timeout_flags(parser, env)
-    return parser
+    return name_variables(parser)
 
 
 def coordinator_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> CoordinatorSettings:

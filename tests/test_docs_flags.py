@@ -53,3 +53,27 @@ def test_every_variable_the_docs_name_is_read_by_the_settings_or_the_deployment_
     read = {f"SHARDTRAIN_{name}" for name in re.findall(r'_env\(env, "([A-Z_]+)"', sources)} | \
         set(re.findall(r"SHARDTRAIN_[A-Z_]*[A-Z]", sources))
     assert named <= read, f"docs name variables nothing reads: {sorted(named - read)}"
+
+
+class Reads(dict):
+    """An environment that records which variables a parser looked up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("heading", list(PARSERS))
+def test_every_help_line_names_a_variable_the_parser_reads(heading):
+    env = Reads()
+    parser = PARSERS[heading](env)
+    for action in parser._actions:
+        if "--help" in action.option_strings:
+            continue
+        named = set(re.findall(r"SHARDTRAIN_[A-Z0-9_]+", action.help or ""))
+        assert named, f"{action.option_strings[0]}: its help names no variable"
+        assert named <= env.read, (action.option_strings[0], named - env.read)

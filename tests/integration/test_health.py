@@ -103,7 +103,8 @@ print(json.dumps({"returncode": done.returncode, "stdout": done.stdout, "stderr"
 
 def test_shardtrain_health_and_the_other_tensor_free_commands_import_neither_torch_nor_the_sdk():
     with coordinator_process() as (_, address):
-        for args in (["health", address], ["health", "--help"], ["--version"], ["--help"]):
+        for args in (["health", address], ["health", "--help"], ["--version"], ["--help"], ["coordinator", "--help"],
+                     ["shard", "--help"]):
             done = subprocess.run([sys.executable, "-c", IMPORTS_OF, *args], capture_output=True, text=True,
                                   timeout=60)
             assert done.returncode == 0, (args, done.stderr[-2000:])
