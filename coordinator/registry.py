@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardtrain.addresses import is_host_port
-from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 
 MAX_SHARDS = 4096
 _DEVICE = re.compile(r"|cpu|cuda|cuda:\d{1,4}")
@@ -26,6 +27,7 @@ class ShardRecord:
     memory_bytes: int = 0  # what a stage there may use; 0: unknown
     instance: str = ""     # the shard's own random name: a restart at the address has another
     device_group: str = ""  # shards that compute on one device name the same group; empty: a device of its own
+    control_key: str = field(default="", repr=False)  # what the coordinator presents on LoadStage, ProfileLayers
 
 
 class ShardRegistry:
@@ -48,7 +50,7 @@ class ShardRegistry:
         return self._by_address.get(address)
 
     def register(self, address: str, device: str, memory_bytes: int = 0, instance: str = "",
-                 device_group: str = "") -> ShardRecord:
+                 device_group: str = "", control_key: str = "") -> ShardRecord:
         """Adds or refreshes a shard; InvalidArgument for an address that is not host:port, ResourceExhausted
         once MAX_SHARDS have registered."""
         if not is_host_port(address):  # what a stage plan will name it by (shard_service/stage_plan.py)
@@ -59,9 +61,13 @@ class ShardRegistry:
         previous = self._by_address.get(address)
         if previous is None and len(self._by_address) >= MAX_SHARDS:
             raise ResourceExhausted(f"{MAX_SHARDS} shards have registered, the most this coordinator keeps")
+        if previous is not None and previous.instance == instance and not hmac.compare_digest(
+                previous.control_key.encode(), control_key.encode()):
+            raise PermissionDenied(f"{address} registered as instance {instance!r} with another control key: only "
+                                   "that process renews its registration")
         shard_id = previous.shard_id if previous else f"shard-{next(self._ids)}"
         self._by_address[address] = ShardRecord(shard_id, address, device or "cpu", max(memory_bytes, 0), instance,
-                                                device_group[:64])
+                                                device_group[:64], control_key[:128])
         self._heard[address] = self._clock()
         return self._by_address[address]
 

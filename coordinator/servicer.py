@@ -40,7 +40,7 @@ class CoordinatorServicer:
         if holder is not None and holder.instance != request.instance:
             await self._check_takeover(holder, request.instance)
         record = self.registry.register(request.address, request.device, request.memory_bytes, request.instance,
-                                        request.device_group)
+                                        request.device_group, request.control_key)
         metrics.registered_shards(len(self.registry.shards()))  # heartbeats keep it current as others expire
         # A heartbeat registers again every few seconds: only a shard new at this address is worth a line.
         log.log(logging.INFO if holder is None or holder.instance != request.instance else logging.DEBUG,
@@ -281,7 +281,7 @@ class CoordinatorServicer:
         peer = Peer(f"shard {shard.shard_id} at {shard.address}", shard.address, SHARD_SERVICE,
                     self.settings.security, timeout or self.settings.timeouts.control)
         try:
-            return await peer.call(method, request)
+            return await peer.call(method, request, metadata=auth.with_control(peer.metadata, shard.control_key))
         finally:
             await peer.close()
 

@@ -55,18 +55,20 @@ def _reachable_host(bind: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
 
 
-async def keep_registered(settings: ShardSettings, address: str, instance: str = "", group: str = "") -> None:
+async def keep_registered(settings: ShardSettings, address: str, instance: str = "", group: str = "",
+                          control_key: str = "") -> None:
     """Registers again every settings.timeouts.heartbeat seconds: the coordinator forgets a shard it has not heard
     from for settings.timeouts.expiry."""
     while True:
         await asyncio.sleep(settings.timeouts.heartbeat)
         try:
-            await register(settings, address, instance, group)
+            await register(settings, address, instance, group, control_key)
         except ShardtrainError as error:  # the coordinator is away: try again at the next beat
             log.warning("could not renew the registration with %s: %s", settings.coordinator, error)
 
 
-async def register(settings: ShardSettings, address: str, instance: str = "", group: str = "") -> str:
+async def register(settings: ShardSettings, address: str, instance: str = "", group: str = "",
+                   control_key: str = "") -> str:
     """Registers with the coordinator as `instance` (this shard's random name) of device group `group` (the
     shards of this process, when it serves several), retrying until it answers or settings.timeouts.connect runs
     out. The device's memory is split evenly between them."""
@@ -79,7 +81,7 @@ async def register(settings: ShardSettings, address: str, instance: str = "", gr
             try:
                 request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
                                                                memory_bytes=stage_memory(settings), instance=instance,
-                                                               device_group=group)
+                                                               device_group=group, control_key=control_key)
                 return (await coordinator.call("RegisterShard", request)).shard_id
             except Unavailable:
                 if time.monotonic() > deadline:
@@ -101,14 +103,16 @@ async def serve(settings: ShardSettings) -> None:
         for index in range(settings.virtual_stages):
             own = dataclasses.replace(settings, advertise=_moved(settings.advertise, index))
             shards.append(await build_server(own, _moved(settings.bind, index), device))
-        ids = [await register(settings, servicer.address, servicer.instance, group) for _, _, servicer in shards]
+        ids = [await register(settings, servicer.address, servicer.instance, group, servicer.control_key)
+               for _, _, servicer in shards]
         first = shards[0][2]
         ready = {"event": "ready", "service": "shard", "address": first.address, "port": shards[0][1],
                  "shard_id": ids[0]}
         if len(shards) > 1:
             ready.update(addresses=[servicer.address for _, _, servicer in shards], shard_ids=ids)
         print(json.dumps({**ready, **metrics.serve_for(settings)}), flush=True)
-        heartbeats = [asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance, group))
+        heartbeats = [asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance, group,
+                                                            servicer.control_key))
                       for _, _, servicer in shards]
         try:
             await asyncio.gather(*(server.wait_for_termination() for server, _, _ in shards))

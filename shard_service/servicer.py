@@ -56,6 +56,7 @@ class ShardServicer:
         self.settings = settings
         self.address = address
         self.instance = secrets.token_hex(8)  # what it registers with: no other shard can take its address
+        self.control_key = secrets.token_urlsafe(32)  # what only the coordinator it registered with presents
         self.runtime = ShardRuntime(settings, address, device)  # on a device of its own, or its process's
         self.peers = Peers(settings)  # channels to the other shards, and how tensors reach each
         self.loop = LinkedLoop(self.runtime, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
@@ -83,6 +84,7 @@ class ShardServicer:
 
     @boundary
     async def LoadStage(self, request, context):
+        auth.check_control(context, self.control_key, "LoadStage")
         previous = self.runtime.deployment_id
         response = await self.runtime.load(request)
         self.snapshots.retain({previous, request.deployment_id})  # the one before: a recovery restores from it
@@ -94,6 +96,7 @@ class ShardServicer:
 
     @boundary
     async def ProfileLayers(self, request, context):
+        auth.check_control(context, self.control_key, "ProfileLayers")
         if len(request.layers) > MAX_LAYERS:
             raise InvalidArgument(f"{len(request.layers)} layers to measure; at most {MAX_LAYERS} at once")
         device = torch.device(self.settings.device)

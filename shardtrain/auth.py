@@ -83,6 +83,24 @@ def with_deployment(metadata: tuple[tuple[str, str], ...], secret: str) -> tuple
     return kept + ((DEPLOYMENT_METADATA, secret),) if secret else kept
 
 
+CONTROL_METADATA = "shardtrain-control"  # the metadata key of the secret a shard registered with its coordinator
+
+
+def check_control(context: grpc.aio.ServicerContext, key: str, method: str) -> None:
+    """PermissionDenied unless the call carries `key`, the secret this shard registered with its coordinator:
+    whoever holds a token that grants the shard role (every role, with one token) is not thereby the coordinator."""
+    presented = dict(context.invocation_metadata() or ()).get(CONTROL_METADATA, "")
+    if not hmac.compare_digest(presented.encode(), key.encode()):
+        raise PermissionDenied(f"{method} comes only from the coordinator this shard registered with (it presents "
+                               f"the shard's key as the {CONTROL_METADATA!r} metadata); deploy through the "
+                               "coordinator instead")
+
+
+def with_control(metadata: tuple[tuple[str, str], ...], key: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata that also carries a shard's control key."""
+    return tuple(entry for entry in metadata if entry[0] != CONTROL_METADATA) + ((CONTROL_METADATA, key),)
+
+
 def roles_of(presented: str, security: Security) -> frozenset[str]:
     """The roles the `authorization` metadata `presented` grants (empty: none), compared in constant time."""
     granted: set[str] = set()

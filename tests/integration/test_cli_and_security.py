@@ -21,7 +21,7 @@ from torch import nn
 
 from client_sdk import Cluster
 from client_sdk.processes import LocalServices
-from shardtrain import errors, link, rpc, wire
+from shardtrain import auth, errors, link, rpc, wire
 from shardtrain.settings import Security, security_env
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 from tests.certificates import tls_security
@@ -424,9 +424,18 @@ def test_a_deployment_is_its_owners_even_for_holders_of_the_same_token(cluster4)
         read = shard_pb2.ReadStateRequest(deployment_id=model.deployment_id)
         header = shard_pb2.LoadStateHeader(deployment_id=model.deployment_id)
         zeros = {key: torch.zeros_like(value) for key, value in before.items() if key.startswith("0.")}
+        # A stage of its own under the owner's deployment id (then its zeros would load), or a measurement:
+        # only the coordinator the shard registered with may ask either, whatever token the caller holds.
+        replace = shard_pb2.LoadStageRequest(deployment_id=model.deployment_id, deployment_secret="mine",
+                                             plan=shard_pb2.StagePlan(stage=0, num_stages=1),
+                                             optimizer=shard_pb2.OptimizerSpec(name="SGD"))
         outcomes = []
         for attempt in (lambda: wire.collect(peer.stream("ReadState", read)),
-                        lambda: peer.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, header, zeros))):
+                        lambda: peer.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, header, zeros)),
+                        lambda: peer.call("LoadStage", replace),
+                        lambda: peer.call("ProfileLayers", shard_pb2.ProfileLayersRequest()),
+                        lambda: peer.call("LoadState", wire.framed(shard_pb2.LoadStateRequest, header, zeros),
+                                          metadata=auth.with_deployment(peer.metadata, "mine"))):
             try:
                 await attempt()
                 outcomes.append(None)
@@ -436,8 +445,9 @@ def test_a_deployment_is_its_owners_even_for_holders_of_the_same_token(cluster4)
         return outcomes
 
     outcomes = model._io.run(intrude(model.placements[0].shard_address))
-    assert all(isinstance(error, errors.PermissionDenied) and "shardtrain-deployment" in str(error)
-               for error in outcomes), outcomes
+    assert all(isinstance(error, errors.PermissionDenied) for error in outcomes), outcomes
+    assert ["shardtrain-deployment" in str(error) for error in outcomes] == [True, True, False, False, True]
+    assert all("comes only from the coordinator this shard registered with" in str(error) for error in outcomes[2:4])
     opened = model._io.run(open_stage_link(model.placements[0].shard_address, model.deployment_id, cluster4.security,
                                            shard_pb2.LINK_ROLE_INPUT))
     assert isinstance(opened, errors.PermissionDenied), opened

@@ -26,7 +26,9 @@ ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode
            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE,
            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-ALSO_ALLOWED = {("ShardService", name): {grpc.StatusCode.PERMISSION_DENIED} for name in ("RestoreStage", "CopySnapshot")}
+# A shard's own checks: the deployment's secret (the first two), the key of the coordinator it registered with.
+ALSO_ALLOWED = {("ShardService", name): {grpc.StatusCode.PERMISSION_DENIED}
+                for name in ("RestoreStage", "CopySnapshot", "LoadStage", "ProfileLayers")}
 _TYPES = protobuf_descriptor.FieldDescriptor
 
 

@@ -150,8 +150,8 @@ def test_training_goes_on_without_the_coordinator_and_a_restarted_one_learns_the
 
 
 def test_a_live_shard_s_address_cannot_be_registered_by_another_process(own_cluster):
-    """A registration for an address a live shard holds is refused unless the process answering there is the one
-    registering (a restart); an address where nothing answers any more is free."""
+    """A registration for an address a live shard holds is refused unless it comes from the process answering
+    there (its instance and its control key); an address where nothing answers any more is free."""
     cluster = own_cluster
 
     def register(address: str, instance: str, memory: int = 1 << 50) -> None:
@@ -172,7 +172,10 @@ def test_a_live_shard_s_address_cannot_be_registered_by_another_process(own_clus
         finally:
             await peer.close()
     instance = cluster._io.run(instance_at(victim.address))
-    register(victim.address, instance, victim.memory_bytes)  # the process that answers there: as a restart would
+    # Its instance is no secret (Describe tells it); renewing the registration takes the key only it holds.
+    with pytest.raises(errors.PermissionDenied, match="with another control key: only that process renews"):
+        register(victim.address, instance, 1 << 50)
+    assert cluster.shards()[0] == victim
     register("127.0.0.1:1", "first")  # nothing listens there
     register("127.0.0.1:1", "second")  # so another process may take it
     assert trains_like_one_process(cluster, num_stages=2) <= 1e-5
