@@ -42,7 +42,7 @@ def test_buf_breaking_catches_a_renumbered_field(tmp_path):
     changed = tmp_path / "protos"
     shutil.copytree(ROOT / "protos", changed)
     shard = changed / "shardtrain" / "v1" / "tensor.proto"
-    shard.write_text(shard.read_text().replace("int64 offset = 3;", "int64 offset = 6;"))
+    shard.write_text(shard.read_text().replace("int64 offset = 3;", "int64 offset = 16;"))
     breaking = buf("breaking", "--against", str(ROOT / "protos" / "v1.binpb"), cwd=changed)
     assert breaking.returncode != 0 and 'field "3" with name "offset" on message "TensorChunk" was deleted' in \
         breaking.stdout, breaking.stdout + breaking.stderr
