@@ -1,7 +1,7 @@
 """Benchmark: moving one tensor between two processes, shardtrain's ways against torch.distributed's.
 
     python -m bench.transport [--sizes 4K 1M 64M 256M] [--compression] [--chunk-sweep 256K 4M]
-                              [--repeats N] [--tuned-baselines] [--device cuda] [--tls]
+                              [--repeats N] [--tuned-baselines] [--device cuda] [--tls] [--checksums]
 
 One transfer moves a float32 tensor from a sender process to a receiver process, which builds a
 fresh tensor from it and acknowledges; latency is the sender's wall time from the start of the
@@ -15,7 +15,8 @@ transfer to the acknowledgement (median of the repeats). Ways measured in the sa
 - shardtrain same-host: the shared-memory segment path (shm.py);
 - shardtrain TCP link: a Link's own TCP socket (carrier.py), the path between hosts, as a forward
   item's frames, acknowledged by a small item back; with --tls, the same over TLS as between hosts of
-  a deployment that uses TLS (a self-signed certificate made with the openssl command);
+  a deployment that uses TLS (a self-signed certificate made with the openssl command); with --checksums,
+  the same with each chunk's CRC-32C and CRC-32 computed by the sender and checked by the receiver;
 - torch.rpc echo (TensorPipe) and gloo send/recv + ack: bench/transport_baselines.py.
 
 Receiver peak RSS: the receiver resets its peak (/proc/self/clear_refs) before a size's timed
@@ -141,6 +142,7 @@ class Way:
     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
     channels: int = 1  # >1: the tensor is cut into that many parts, each on its own channel at once
     tls: bool = False  # the TCP link over TLS
+    checksum: str = "off"  # what each chunk carries of its data (shardtrain.checksums)
 
 
 async def _requests(tensor: torch.Tensor, options: wire.SendOptions, start: asyncio.Future):
@@ -162,7 +164,7 @@ class Sender:
 
     async def transfer(self, way: Way, tensor: torch.Tensor) -> tuple[float, float]:
         """Seconds from starting to send `tensor` until it was complete at the receiver, and until acknowledged."""
-        options = wire.SendOptions(way.chunk_bytes, way.encoding, self.segments if way.shared else None)
+        options = wire.SendOptions(way.chunk_bytes, way.encoding, self.segments if way.shared else None, way.checksum)
         if way.method == "link":
             return await self._over_link(tensor, options, way.tls)
         later = asyncio.get_running_loop().create_future()
@@ -237,7 +239,8 @@ def self_signed(directory: str) -> tuple[str, str]:
     return cert, key
 
 
-def shardtrain_ways(compression: bool, chunk_sweep: list[int], tls: bool = False) -> list[Way]:
+def shardtrain_ways(compression: bool, chunk_sweep: list[int], tls: bool = False,
+                    checksums: bool = False) -> list[Way]:
     """The ways to measure: the shards' path, its variants, and the chunk sizes to sweep."""
     ways = [Way("shardtrain gRPC", "Put", CHUNK_CODEC.serialize),
             Way("shardtrain gRPC, new call", "Put", CHUNK_CODEC.serialize, preopened=False),
@@ -246,6 +249,8 @@ def shardtrain_ways(compression: bool, chunk_sweep: list[int], tls: bool = False
             Way("shardtrain TCP link", "link", None)]
     if tls:
         ways += [Way("shardtrain TCP link, TLS", "link", None, tls=True)]
+    if checksums:
+        ways += [Way(f"shardtrain TCP link, {kind}", "link", None, checksum=kind) for kind in ("crc32c", "crc32")]
     ways += [Way("shardtrain gRPC, 2 channels", "Put", CHUNK_CODEC.serialize, channels=2)]
     if compression:
         ways += [Way(f"shardtrain gRPC, {name}", "Put", CHUNK_CODEC.serialize, encoding=wire.encoding_code(name))
@@ -305,6 +310,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cuda: the sender's tensors live on the GPU and the "
                         "receiver moves them there (the CUDA variant; baselines stay on the CPU)")
     parser.add_argument("--tls", action="store_true", help="also the TCP link over TLS (needs the openssl command)")
+    parser.add_argument("--checksums", action="store_true", help="also the TCP link with CRC-32C and CRC-32 chunks")
     parser.add_argument("--tls-files", nargs=2, default=["", ""], help=argparse.SUPPRESS)
     parser.add_argument("--tuned-baselines", action="store_true",
                         help="give the torch.distributed processes the same malloc settings as shardtrain's")
@@ -317,7 +323,7 @@ def main() -> None:
     if args.tuned_baselines:  # read by glibc when the baseline processes start
         os.environ.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
     sizes = [parse_size(size) for size in args.sizes]
-    ways = shardtrain_ways(args.compression, [parse_size(size) for size in args.chunk_sweep], args.tls)
+    ways = shardtrain_ways(args.compression, [parse_size(size) for size in args.chunk_sweep], args.tls, args.checksums)
     with tempfile.TemporaryDirectory() as directory:
         tls = self_signed(directory) if args.tls else ("", "")
         receiver, address = _start_receiver(args.device, tls)

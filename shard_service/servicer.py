@@ -17,7 +17,7 @@ from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import auth, carrier, checkpoint, checkpoint_store, data, link, metrics, optim, rpc, shm, weights, wire
+from shardtrain import auth, carrier, checkpoint, checkpoint_store, checksums, data, link, metrics, optim, rpc, shm, weights, wire
 from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
@@ -129,7 +129,7 @@ class ShardServicer:
     @boundary
     async def ReadState(self, request, context):
         if request.snapshot:  # another shard restoring from it: checked chunk by chunk
-            weights, checksum = self._snapshot(context, request.snapshot).weights, True
+            weights, checksum = self._snapshot(context, request.snapshot).weights, checksums.STRONGEST
         else:
             stage = self._owned(context, request.deployment_id)
             weights, checksum = await self.runtime.run(stage.state), self.settings.checksums
@@ -143,7 +143,7 @@ class ShardServicer:
         header = shard_pb2.OptimizerStateHeader(deployment_id=request.deployment_id)
         if request.snapshot:
             snapshot = self._snapshot(context, request.snapshot)
-            state, checksum = snapshot.optimizer, True
+            state, checksum = snapshot.optimizer, checksums.STRONGEST
             header.deployment_id = snapshot.deployment_id
             header.snapshot_optimizer_step = snapshot.optimizer_step
             header.snapshot_layer_indexes.extend(snapshot.layer_indexes)

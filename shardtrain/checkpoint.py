@@ -11,9 +11,9 @@ alone (checkpoint_store.py); every file's metadata names the generation and the 
 publishes `checkpoint.json`, which names the generation, the step, the parts, the weights in the model's order
 and the parameters in torch.optim's order. A reader refuses parts of another generation or step, naming the
 stage, and a directory where a later save did not finish. Every reader picks the tensors it needs by name from
-every part, so a checkpoint of one split loads into any other. The files follow the safetensors format (an
-8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and byte range, then the
-bytes), so other tools read them; nothing is executed when they are loaded, unlike a pickle from torch.save.
+every part, so a checkpoint of one split loads into any other. The files are safetensors files, written and
+read by that library (tensor_files.py), so other tools read them; nothing is executed when they are loaded,
+unlike a pickle from torch.save.
 Checkpoints of the earlier layouts (parts beside checkpoint.json; model.safetensors and optimizer.safetensors
 with torch's indexes, through the SDK only) still load.
 """
@@ -24,24 +24,18 @@ import contextlib
 import json
 import os
 import pathlib
-import struct
 from collections.abc import Callable, Iterable
 
 import torch
 
 from shardtrain import checkpoint_store as store
-from shardtrain import optim
+from shardtrain import optim, tensor_files
 from shardtrain.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 FORMAT = "shardtrain-checkpoint-3"
 FORMAT_2 = "shardtrain-checkpoint-2"  # the parts beside checkpoint.json, no generation: read only
 FORMAT_1 = "shardtrain-checkpoint-1"  # model.safetensors and optimizer.safetensors, torch's indexes: read only
 MODEL, OPTIMIZER, DESCRIPTION = "model.safetensors", "optimizer.safetensors", "checkpoint.json"
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
-_TORCH = {name: dtype for dtype, name in _DTYPES.items()}
-MAX_HEADER_BYTES = 100 << 20
 MAX_PARTS = 4096
 
 
@@ -55,33 +49,12 @@ def part_files(part: int, parts: int) -> tuple[str, str]:
 
 def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None, access: store.Access = store.PRIVATE) -> int:
-    """Writes `tensors` (and `metadata`, strings) to `path` in the safetensors format, through a temporary file
-    renamed into place, readable as `access` says; returns the bytes written. A failure leaves no temporary
-    file."""
-    header, offset, payloads = ({"__metadata__": metadata} if metadata else {}), 0, []
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _DTYPES:
-            raise InvalidArgument(f"checkpoint: tensor {name!r} has dtype {tensor.dtype}, which safetensors files "
-                                  f"here do not hold ({sorted(str(d) for d in _DTYPES)})")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        payloads.append(data)
-        offset += len(data)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    temporary = path.with_name(path.name + ".partial")
+    """Writes `tensors` (and `metadata`, strings) to `path` as a safetensors file, renamed into place once whole,
+    readable as `access` says; returns the bytes written."""
     try:
-        with store.new_file(temporary, access) as out:  # synced: on disk before checkpoint.json can name it
-            out.write(struct.pack("<Q", len(encoded)))
-            out.write(encoded)
-            for data in payloads:
-                out.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        store.remove(temporary)
-        raise
-    return 8 + len(encoded) + offset
+        return tensor_files.write(path, tensors, metadata, access)
+    except InvalidArgument as error:
+        raise InvalidArgument(f"checkpoint: {error}") from None
 
 
 def read_safetensors(path: pathlib.Path, wanted: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
@@ -94,83 +67,7 @@ def read_part(path: pathlib.Path, wanted: Callable[[str], bool] | None = None, m
               ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(the tensors `wanted` accepts, the file's metadata) of a safetensors file; with `meta`, tensors on the meta
     device: their dtypes and shapes, for a check, without reading their bytes."""
-    try:
-        out = open(path, "rb")
-    except FileNotFoundError:
-        raise NotFound(f"checkpoint: {path} is missing") from None
-    with out:
-        length = os.fstat(out.fileno()).st_size
-        header, size = read_header(out, length, f"checkpoint: {path}")
-        metadata = header.pop("__metadata__", None) or {}
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise DataLoss(f"checkpoint: {path}'s __metadata__ is not a map of strings")
-        tensors, data_length = {}, length - 8 - size
-        for name, entry in header.items():
-            dtype, shape, begin, end = tensor_entry(path, name, entry, data_length)
-            if wanted is not None and not wanted(name):
-                continue
-            if meta:
-                tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
-                continue
-            out.seek(8 + size + begin)
-            data = bytearray(end - begin)
-            if out.readinto(data) != len(data):
-                raise DataLoss(f"checkpoint: {path} ended inside tensor {name!r}")
-            tensors[name] = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape) \
-                if data else torch.zeros(shape, dtype=dtype)
-    return tensors, metadata
-
-
-def read_header(file, length: int, what: str) -> tuple[dict, int]:
-    """(the JSON header, its size) of a safetensors file of `length` bytes, `file` open at its start; DataLoss
-    naming `what` when it is not one."""
-    raw = file.read(8)
-    if len(raw) < 8:
-        raise DataLoss(f"{what} is too short to be a safetensors file")
-    size = struct.unpack_from("<Q", raw)[0]
-    if size > min(MAX_HEADER_BYTES, length - 8):
-        raise DataLoss(f"{what} says its header has {size} bytes; the file has {length}")
-    try:
-        header = json.loads(file.read(size))
-    except ValueError as error:
-        raise DataLoss(f"{what}: its header is not JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise DataLoss(f"{what}: its header is not a JSON object")
-    return header, size
-
-
-def tensor_entry(path, name: str, entry, data_length: int) -> tuple[torch.dtype, list[int], int, int]:
-    """A header entry's (dtype, shape, begin, end), checked against the bytes the file has."""
-    try:
-        dtype, shape = _TORCH[entry["dtype"]], [int(d) for d in entry["shape"]]
-        begin, end = (int(offset) for offset in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise DataLoss(f"checkpoint: {path}: tensor {name!r} has a malformed entry {str(entry)[:200]}") from None
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_length or \
-            end - begin != numel * torch.empty(0, dtype=dtype).element_size():
-        raise DataLoss(f"checkpoint: {path}: tensor {name!r} ({entry['dtype']}, {shape}) does not match its "
-                       f"bytes [{begin}, {end}) of the {data_length} after the header")
-    return dtype, shape, begin, end
-
-
-def header_entries(file, size: int, path: str, what: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-    """Every tensor of a safetensors file of `size` bytes (open at its start) by name: (dtype, shape, begin, end)
-    with begin and end counted from the file's start; DataLoss naming `what` (e.g. "data file") when it is not
-    one."""
-    header, length = read_header(file, size, f"{what} {path[:200]!r}")
-    entries = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, begin, end = tensor_entry(path, name, entry, size - 8 - length)
-        except DataLoss as error:
-            raise DataLoss(str(error).replace("checkpoint: ", f"{what} ", 1)) from None
-        entries[name] = (dtype, shape, 8 + length + begin, 8 + length + end)
-    return entries
+    return tensor_files.read(path, wanted, meta)
 
 
 def _stamp(generation: str, step: int | None) -> dict[str, str]:

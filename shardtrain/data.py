@@ -3,8 +3,9 @@ of each batch (a DataRows message) straight from storage, so no batch passes thr
 
 Files are safetensors (each holds every field, rows on dim 0) or NumPy .npy (one field a file), anywhere fsspec
 reaches: a local path, "file://" or "local://" URLs, "s3://bucket/prefix/" with s3fs (credentials and endpoint
-from the usual AWS_* environment variables). A read fetches only the byte ranges of the rows it needs, adjacent
-rows as one range. A shard reads only under the directories and URL prefixes it was started with (--data-root).
+from the usual AWS_* environment variables). A read takes only the rows it needs, adjacent rows as one range: a
+local safetensors file through the safetensors library, which maps it, any other file as byte ranges. A shard
+reads only under the directories and URL prefixes it was started with (--data-root).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 
 import fsspec
 import numpy
+from fsspec.implementations.local import LocalFileSystem
 import torch
 
-from shardtrain import checkpoint
+from shardtrain import tensor_files
 from shardtrain.errors import (DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                ShardtrainError, Unavailable)
 from shardtrain.v1 import shard_pb2
@@ -33,7 +35,8 @@ MAX_ROWS = 1 << 24
 
 @dataclass(frozen=True)
 class Field:
-    """One tensor of a data file: its dtype, the shape of one row, its row count, and where row 0 starts."""
+    """One tensor of a data file: its dtype, the shape of one row, its row count, and where row 0 starts (for
+    byte-range reads; 0 in a local safetensors file, which the library reads)."""
 
     dtype: torch.dtype
     row_shape: tuple[int, ...]
@@ -75,7 +78,7 @@ def inspect(fs, path: str, format: str) -> dict[str, Field]:
         size = fs.size(path)
         with fs.open(path, "rb", block_size=1 << 16) as file:
             if format == "safetensors":
-                return _safetensors_fields(file, size, path)
+                return _safetensors_fields(fs, file, size, path)
             if format == "npy":
                 return {"": _npy_field(file, size, path)}
     except OSError as error:
@@ -85,10 +88,19 @@ def inspect(fs, path: str, format: str) -> dict[str, Field]:
     raise InvalidArgument(f"data format {format[:40]!r} is not one of {sorted(FORMATS.values())}")
 
 
-def _safetensors_fields(file, size: int, path: str) -> dict[str, Field]:
-    return {name: Field(dtype, tuple(shape[1:]), shape[0], begin)  # a scalar has no rows: not a field
-            for name, (dtype, shape, begin, _) in checkpoint.header_entries(file, size, path, "data file").items()
+def _safetensors_fields(fs, file, size: int, path: str) -> dict[str, Field]:
+    if isinstance(fs, LocalFileSystem):
+        return {name: Field(dtype, tuple(shape[1:]), shape[0], 0)  # a scalar has no rows: not a field
+                for name, (dtype, shape) in tensor_files.local_entries(path, "data file").items() if shape}
+    return {name: Field(dtype, tuple(shape[1:]), shape[0], begin)
+            for name, (dtype, shape, begin, _) in tensor_files.header_entries(file, size, path, "data file").items()
             if shape}
+
+
+def local_path(url: str) -> str | None:
+    """The path of `url` on this host's own filesystem, or None for object storage, read as byte ranges."""
+    fs, path = filesystem(url)
+    return path if isinstance(fs, LocalFileSystem) else None
 
 
 def _npy_field(file, size: int, path: str) -> Field:
@@ -172,8 +184,9 @@ def describe(rows: shard_pb2.DataRows, cache: HeaderCache) -> tuple[torch.dtype,
 
 
 def read(rows: shard_pb2.DataRows, cache: HeaderCache) -> torch.Tensor:
-    """The tensor a DataRows stands for: each span's rows from its file, fetched as byte ranges (adjacent rows as
-    one, every range of a filesystem in one concurrent call), in the order the spans give them."""
+    """The tensor a DataRows stands for: each span's rows from its file, adjacent rows as one range (a local
+    safetensors file's through the library, other files' as byte ranges, every range of a filesystem fetched in
+    one concurrent call), in the order the spans give them."""
     describe(rows, cache)  # every file's header and every row checked before a byte of data is fetched
     plans, ranges = [], []
     for span in rows.spans:
@@ -181,14 +194,18 @@ def read(rows: shard_pb2.DataRows, cache: HeaderCache) -> torch.Tensor:
         order = torch.tensor(list(span.rows), dtype=torch.int64)
         unique, position = torch.unique(order, return_inverse=True)  # sorted; position: each row's place in it
         runs = _runs(unique.tolist())
-        ranges.extend((span.url, field.offset + first * field.row_bytes, field.offset + (last + 1) * field.row_bytes)
-                      for first, last in runs)
-        plans.append((field, len(runs), len(unique), position))
-    blobs = fetch(ranges, f"data rows of {rows.field!r}")
-    pieces, start = [], 0
-    for field, count, distinct, position in plans:
-        data = b"".join(blobs[start:start + count])
-        start += count
+        path = local_path(span.url) if rows.format == "safetensors" else None
+        if path is None:
+            ranges.extend((span.url, field.offset + first * field.row_bytes,
+                           field.offset + (last + 1) * field.row_bytes) for first, last in runs)
+        plans.append((field, path, runs, len(unique), position))
+    blobs = iter(fetch(ranges, f"data rows of {rows.field!r}"))
+    pieces = []
+    for field, path, runs, distinct, position in plans:
+        if path is not None:
+            pieces.append(tensor_files.read_rows(path, rows.field, runs, "data file")[position])
+            continue
+        data = b"".join(next(blobs) for _ in runs)
         if len(data) != distinct * field.row_bytes:
             raise DataLoss(f"data rows of {rows.field!r}: a file ended before the rows its header declares")
         rows_read = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(field.dtype) \

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from shardtrain import checksums as checksum_kinds
 from shardtrain import logs, slurm
 from shardtrain.errors import InvalidArgument
 
@@ -79,7 +80,7 @@ class ShardSettings:
     shared_memory: bool = True  # same-host peers exchange tensors through /dev/shm segments
     local_links: bool = True    # same-host peers carry Link items on a Unix socket (shardtrain.carrier)
     tcp_links: bool = True      # peers on other hosts carry them on a TCP socket (TLS when the services are)
-    checksums: bool = False     # tensor chunks this shard sends carry a CRC-32 of their data
+    checksums: str = checksum_kinds.DEFAULT  # what tensor chunks this shard sends carry: off, crc32, crc32c
     flush_denormal: bool = False  # CPU arithmetic flushes denormal floats to zero (torch.set_flush_denormal)
     simulate_compute: float = 0.0  # seconds added to each planned forward and backward, standing for device work
     memory_bytes: int = 0     # what a stage here may use; 0: the device's memory (a GPU's, or the host's)
@@ -232,9 +233,13 @@ def timeouts_from(args: argparse.Namespace) -> Timeouts:
     return Timeouts(**{item.name: getattr(args, f"timeout_{item.name}") for item in dataclasses.fields(Timeouts)})
 
 
-def checksums_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the SDK's tensor chunks carry a CRC-32 (SHARDTRAIN_CHECKSUMS=on, as shards' --checksums)."""
-    return _env(os.environ if env is None else env, "CHECKSUMS", "off") == "on"
+def checksums_from_env(env: Mapping[str, str] | None = None) -> str:
+    """The checksum the SDK's tensor chunks carry (SHARDTRAIN_CHECKSUMS, as shards' --checksums): off, crc32 or
+    crc32c; InvalidArgument for another value."""
+    try:
+        return checksum_kinds.kind(_env(os.environ if env is None else env, "CHECKSUMS", checksum_kinds.DEFAULT))
+    except ValueError as error:
+        raise InvalidArgument(f"{ENV_PREFIX}CHECKSUMS: {error}") from None
 
 
 def timeouts_env(timeouts: Timeouts) -> dict[str, str]:
@@ -308,10 +313,11 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--tcp-links", choices=("on", "off"), default=_env(env, "TCP_LINKS", "on"),
                         help="Links with peers on other hosts carry their items on a TCP socket instead of the "
                              "gRPC stream (default on; over TLS when the shard serves TLS)")
-    parser.add_argument("--checksums", choices=("on", "off"), default=_env(env, "CHECKSUMS", "off"),
-                        help="tensor chunks this shard sends carry a CRC-32 of their data, which the receiver "
-                             "checks (default off: TCP checksums every segment and TLS authenticates every record; "
-                             "a CRC pass costs about as much as moving the bytes)")
+    parser.add_argument("--checksums", choices=("on", *checksum_kinds.KINDS),
+                        default=_env(env, "CHECKSUMS", checksum_kinds.DEFAULT),
+                        help="what each tensor chunk this shard sends carries of its data, which the receiver checks: "
+                             "crc32c (CRC-32C, in hardware where the CPU has it), crc32 (zlib's), or off; on: the "
+                             f"strongest here (default {checksum_kinds.DEFAULT})")
     parser.add_argument("--flush-denormal", choices=("on", "off"), default=_env(env, "FLUSH_DENORMAL", "off"),
                         help="CPU arithmetic treats denormal floats as zero, as torch.set_flush_denormal(True) "
                              "does in one process: long CPU runs whose optimizer state decays toward zero "
@@ -381,6 +387,14 @@ def _virtual_stages(text: str) -> int:
     return int(text)
 
 
+def _checksums(parser: argparse.ArgumentParser, value: str) -> str:
+    """--checksums' kind; the parser's error for a value it does not name, or crc32c without its package."""
+    try:
+        return checksum_kinds.kind(value)
+    except ValueError as error:
+        parser.error(f"--checksums: {error}")
+
+
 def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ShardSettings:
     """Parses `shardtrain shard` flags, with environment variables as defaults."""
     parser = shard_parser(os.environ if env is None else env)
@@ -399,7 +413,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                          device=args.device, chunk_bytes=args.chunk_bytes, threads=args.threads,
                          parent_pid=args.parent_pid, shared_memory=args.shared_memory == "on",
                          local_links=args.local_links == "on", tcp_links=args.tcp_links == "on",
-                         checksums=args.checksums == "on",
+                         checksums=_checksums(parser, args.checksums),
                          flush_denormal=args.flush_denormal == "on",
                          simulate_compute=args.simulate_compute_ms / 1e3, memory_bytes=args.memory,
                          virtual_stages=args.virtual_stages,

@@ -4,12 +4,14 @@ A source is a safetensors file, a Hugging Face sharded checkpoint (`model.safete
 `model-0000k-of-0000n.safetensors` files, or the index itself), or a directory holding either or any safetensors
 files, on a local disk or anywhere fsspec reaches ("s3://bucket/model/"). Only the headers of the files that hold
 the stage's tensors are read, every tensor is checked against the stage (name, dtype, shape) before a byte of data
-is, and the data comes as byte ranges, a bounded batch at a time. Every URL is confined to the shard's data roots.
+is, and the data comes a bounded batch at a time: from a local file through the safetensors library, which maps
+it, from object storage as byte ranges. Every URL is confined to the shard's data roots.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import warnings
 from collections.abc import Iterator, Mapping
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from shardtrain import checkpoint, data
+from shardtrain import data, tensor_files
 from shardtrain.errors import DataLoss, InvalidArgument, NotFound
 
 INDEX = "model.safetensors.index.json"
@@ -30,9 +32,11 @@ BATCH_BYTES = 64 << 20  # read and copied into the stage this much at a time: a 
 
 @dataclass(frozen=True)
 class Entry:
-    """Where one tensor lies: its file's URL, its dtype and shape, and its bytes [begin, end) in the file."""
+    """Where one tensor lies: its file's URL, its name there, its dtype and shape, and its bytes [begin, end) in
+    the file for a ranged read of object storage (0 and its size in a local file, which the library reads)."""
 
     url: str
+    name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     begin: int
@@ -113,14 +117,19 @@ def locate(source: str, keys: Mapping[str, tuple[str, ...]], roots) -> dict[str,
 
 
 def _header(url: str) -> dict[str, Entry]:
-    fs, path = data.filesystem(url)
+    path = data.local_path(url)
     try:
+        if path is not None:
+            return {name: Entry(url, name, dtype, tuple(shape), 0, math.prod(shape) * dtype.itemsize)
+                    for name, (dtype, shape) in tensor_files.local_entries(path, "weights file").items()}
+        fs, path = data.filesystem(url)
         size = fs.size(path)
         with fs.open(path, "rb", block_size=1 << 16) as file:
-            entries = checkpoint.header_entries(file, size, url, "weights file")
+            entries = tensor_files.header_entries(file, size, url, "weights file")
     except OSError as error:
         raise data.storage_error(error, f"weights file {url[:200]!r}") from None
-    return {name: Entry(url, dtype, tuple(shape), begin, end) for name, (dtype, shape, begin, end) in entries.items()}
+    return {name: Entry(url, name, dtype, tuple(shape), begin, end)
+            for name, (dtype, shape, begin, end) in entries.items()}
 
 
 def plan(source: str, keys: Mapping[str, tuple[str, ...]], expected: Mapping[str, torch.Tensor], roots,
@@ -162,15 +171,28 @@ def batches(located: Mapping[str, Entry], limit: int = BATCH_BYTES) -> Iterator[
 
 
 def read(batch: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
-    """The batch's tensors, each fetched as its own byte range (data.fetch), as read-only views of the bytes read:
-    to be copied, not written."""
-    blobs = data.fetch([(entry.url, entry.begin, entry.end) for entry in batch.values()], "weights")
-    tensors = {}
-    for (key, entry), blob in zip(batch.items(), blobs):
+    """The batch's tensors, from local files through the library (mapped: to be copied, not kept) and from object
+    storage each as its own byte range (data.fetch), as read-only views of the bytes read: to be copied, not
+    written."""
+    tensors: dict[str, torch.Tensor] = {}
+    local: dict[str, list[str]] = {}
+    for key, entry in batch.items():
+        if data.local_path(entry.url) is not None:
+            local.setdefault(entry.url, []).append(key)
+    for url, keys in local.items():
+        try:
+            read_here = tensor_files.read_tensors(data.local_path(url), [batch[key].name for key in keys],
+                                                  "weights file")
+        except OSError as error:
+            raise data.storage_error(error, f"weights file {url[:200]!r}") from None
+        tensors.update(zip(keys, read_here))
+    remote = {key: entry for key, entry in batch.items() if key not in tensors}
+    blobs = data.fetch([(entry.url, entry.begin, entry.end) for entry in remote.values()], "weights")
+    for (key, entry), blob in zip(remote.items(), blobs):
         if len(blob) != entry.end - entry.begin:
             raise DataLoss(f"weights file {entry.url[:200]!r} ended inside tensor {key!r}")
         with warnings.catch_warnings():  # read-only: the stage copies it into its own weights
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             tensors[key] = torch.frombuffer(blob, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape) \
                 if blob else torch.empty(entry.shape, dtype=entry.dtype)
-    return tensors
+    return {key: tensors[key] for key in batch}

@@ -1,6 +1,6 @@
 """Tensor <-> header + data chunks: the only code that touches tensor bytes.
 
-Copies per chunk, sender: one (the join in codec.Frame serialization; CRC-32 reads the tensor in
+Copies per chunk, sender: one (the join in codec.Frame serialization; a checksum reads the tensor in
 place), then grpc's own. Receiver: grpc's own, then one into the destination tensor, which is
 allocated once per tensor; the data arrives as a view of grpc's buffer (codec.Frame), never as a
 protobuf field. Same-host peers skip the stream: one copy into a reusable shared segment, which
@@ -10,14 +10,13 @@ the receiver maps as the tensor's storage (shm.py).
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy
 import torch
 
-from shardtrain import compression, shm
+from shardtrain import checksums, compression, shm
 from shardtrain.codec import Frame
 from shardtrain.errors import DataLoss, InvalidArgument, ResourceExhausted
 from shardtrain.settings import DEFAULT_CHUNK_BYTES
@@ -97,7 +96,7 @@ class SendOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     encoding: int = tensor_pb2.ENCODING_NONE
     segments: shm.SegmentPool | None = None
-    checksum: bool = False  # each chunk carries the CRC-32 of its data (--checksums on): one more pass over it
+    checksum: str = checksums.DEFAULT  # the kind each chunk carries of its data (checksums.py): one more pass
 
 
 EXACT = SendOptions()
@@ -167,8 +166,7 @@ def tensor_frames(tensor: torch.Tensor, name: str = "", options: SendOptions = E
         payload.wait(offset + options.chunk_bytes)
         data = view[offset:offset + options.chunk_bytes]
         chunk = tensor_pb2.TensorChunk(offset=offset)
-        if options.checksum:
-            chunk.crc32 = zlib.crc32(data)
+        checksums.stamp(chunk, data, options.checksum)
         if offset == start:
             chunk.header.CopyFrom(header)
         yield Frame(wrap(chunk), data)
@@ -226,9 +224,7 @@ class TensorAssembler:
             return self._map(chunk.shared)
         if chunk.offset != self.filled:
             raise DataLoss(f"tensor {self.name!r}: chunk at offset {chunk.offset}, expected {self.filled}")
-        if chunk.HasField("crc32") and zlib.crc32(data) != chunk.crc32:
-            raise DataLoss(f"tensor {self.name!r}: chunk at offset {chunk.offset} ({len(data)} bytes) fails its "
-                           f"CRC-32 check (sent {chunk.crc32:#010x}, received {zlib.crc32(data):#010x})")
+        checksums.verify(chunk, data, self.name)
         end = self.filled + len(data)
         if end > self.wire_nbytes:
             raise DataLoss(f"tensor {self.name!r}: received {end} bytes, header announced {self.wire_nbytes}")

@@ -7,7 +7,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import zipfile
 
 from tests.node_tools import node_tools
 
@@ -23,22 +22,6 @@ def test_committed_stubs_match_the_protos(tmp_path):
     _, mismatch, errors = filecmp.cmpfiles(tmp_path / "shardtrain" / "v1", GENERATED, fresh, shallow=False)
     assert not mismatch and not errors, \
         f"stubs drifted from the .proto files; run python protos/generate.py: {mismatch}"
-
-
-def test_the_wheel_carries_the_protos_and_the_type_markers(tmp_path):
-    """shardtrain/v1/*.proto are links to protos/: the installed package carries the contract beside its stubs."""
-    source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and egg-info behind
-    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info",
-                                                                                "__pycache__", ".whl", ".devrun",
-                                                                                "node_modules"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(source)], check=True, capture_output=True)
-    (wheel,) = tmp_path.glob("shardtrain-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        names = set(archive.namelist())
-        for source in (ROOT / "protos" / "shardtrain" / "v1").glob("*.proto"):
-            assert archive.read(f"shardtrain/v1/{source.name}") == source.read_bytes()
-    assert {f"{package}/py.typed" for package in ("shardtrain", "client_sdk", "coordinator", "shard_service")} <= names
 
 
 def buf(*args: str, cwd: pathlib.Path = ROOT / "protos") -> subprocess.CompletedProcess:
@@ -59,7 +42,7 @@ def test_buf_breaking_catches_a_renumbered_field(tmp_path):
     changed = tmp_path / "protos"
     shutil.copytree(ROOT / "protos", changed)
     shard = changed / "shardtrain" / "v1" / "tensor.proto"
-    shard.write_text(shard.read_text().replace("int64 offset = 3;", "int64 offset = 6;"))
+    shard.write_text(shard.read_text().replace("int64 offset = 3;", "int64 offset = 16;"))
     breaking = buf("breaking", "--against", str(ROOT / "protos" / "v1.binpb"), cwd=changed)
     assert breaking.returncode != 0 and 'field "3" with name "offset" on message "TensorChunk" was deleted' in \
         breaking.stdout, breaking.stdout + breaking.stderr

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashardtrain/v1/tensor.proto\x12\rshardtrain.v1\"\xa0\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.shardtrain.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12)\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x17.shardtrain.v1.Encoding\x12\x13\n\x0bwire_nbytes\x18\x06 \x01(\x03\"A\n\rSharedSegment\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"\xa4\x01\n\x0bTensorChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.shardtrain.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x12\n\x05\x63rc32\x18\x04 \x01(\x07H\x00\x88\x01\x01\x12,\n\x06shared\x18\x05 \x01(\x0b\x32\x1c.shardtrain.v1.SharedSegmentB\x08\n\x06_crc32\"\x95\x01\n\rWireEncodings\x12,\n\x0b\x61\x63tivations\x18\x01 \x01(\x0e\x32\x17.shardtrain.v1.Encoding\x12*\n\tgradients\x18\x02 \x01(\x0e\x32\x17.shardtrain.v1.Encoding\x12*\n\tresiduals\x18\x03 \x01(\x0e\x32\x17.shardtrain.v1.Encoding*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*g\n\x08\x45ncoding\x12\x11\n\rENCODING_NONE\x10\x00\x12\x14\n\x10\x45NCODING_FLOAT16\x10\x01\x12\x15\n\x11\x45NCODING_BFLOAT16\x10\x02\x12\x1b\n\x17\x45NCODING_INT8_BLOCKWISE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashardtrain/v1/tensor.proto\x12\rshardtrain.v1\"\xa0\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.shardtrain.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12)\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x17.shardtrain.v1.Encoding\x12\x13\n\x0bwire_nbytes\x18\x06 \x01(\x03\"A\n\rSharedSegment\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"\xc4\x01\n\x0bTensorChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.shardtrain.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x12\n\x05\x63rc32\x18\x04 \x01(\x07H\x00\x88\x01\x01\x12,\n\x06shared\x18\x05 \x01(\x0b\x32\x1c.shardtrain.v1.SharedSegment\x12\x13\n\x06\x63rc32c\x18\x06 \x01(\x07H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_crc32c\"\x95\x01\n\rWireEncodings\x12,\n\x0b\x61\x63tivations\x18\x01 \x01(\x0e\x32\x17.shardtrain.v1.Encoding\x12*\n\tgradients\x18\x02 \x01(\x0e\x32\x17.shardtrain.v1.Encoding\x12*\n\tresiduals\x18\x03 \x01(\x0e\x32\x17.shardtrain.v1.Encoding*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*g\n\x08\x45ncoding\x12\x11\n\rENCODING_NONE\x10\x00\x12\x14\n\x10\x45NCODING_FLOAT16\x10\x01\x12\x15\n\x11\x45NCODING_BFLOAT16\x10\x02\x12\x1b\n\x17\x45NCODING_INT8_BLOCKWISE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardtrain.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=595
-  _globals['_DTYPE']._serialized_end=802
-  _globals['_ENCODING']._serialized_start=804
-  _globals['_ENCODING']._serialized_end=907
+  _globals['_DTYPE']._serialized_start=627
+  _globals['_DTYPE']._serialized_end=834
+  _globals['_ENCODING']._serialized_start=836
+  _globals['_ENCODING']._serialized_end=939
   _globals['_TENSORHEADER']._serialized_start=46
   _globals['_TENSORHEADER']._serialized_end=206
   _globals['_SHAREDSEGMENT']._serialized_start=208
   _globals['_SHAREDSEGMENT']._serialized_end=273
   _globals['_TENSORCHUNK']._serialized_start=276
-  _globals['_TENSORCHUNK']._serialized_end=440
-  _globals['_WIREENCODINGS']._serialized_start=443
-  _globals['_WIREENCODINGS']._serialized_end=592
+  _globals['_TENSORCHUNK']._serialized_end=472
+  _globals['_WIREENCODINGS']._serialized_start=475
+  _globals['_WIREENCODINGS']._serialized_end=624
 # @@protoc_insertion_point(module_scope)

@@ -70,18 +70,20 @@ class SharedSegment(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("header", "data", "offset", "crc32", "shared")
+    __slots__ = ("header", "data", "offset", "crc32", "shared", "crc32c")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     header: TensorHeader
     data: bytes
     offset: int
     crc32: int
     shared: SharedSegment
-    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., crc32: _Optional[int] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., crc32: _Optional[int] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class WireEncodings(_message.Message):
     __slots__ = ("activations", "gradients", "residuals")

@@ -10,6 +10,7 @@ import sys
 import time
 import zlib
 
+import crc32c
 import pytest
 import torch
 from torch import nn
@@ -34,16 +35,17 @@ def segments_of(pids) -> list[str]:
     return [str(p) for pid in pids for p in pathlib.Path(shm.DIRECTORY).glob(f"shardtrain-{pid}-*")]
 
 
-def test_a_corrupted_chunk_is_data_loss_and_the_shard_serves_on(cluster4):
+@pytest.mark.parametrize("kind", ["crc32", "crc32c"])
+def test_a_corrupted_chunk_is_data_loss_and_the_shard_serves_on(cluster4, kind):
     model = cluster4.deploy(small_net(), optimizer=ADAM, num_stages=2)
     shard = model._clients.stages[0]
     data = torch.randn(4, 8).numpy().tobytes()
     header = shard_pb2.ForwardHeader(key=shard_pb2.StepKey(deployment_id=model.deployment_id, step=10_000))
     chunk = tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(
-        name="activation", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4, 8], nbytes=128, wire_nbytes=128),
-        crc32=zlib.crc32(data) ^ 1)
+        name="activation", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4, 8], nbytes=128, wire_nbytes=128))
+    setattr(chunk, kind, (crc32c.crc32c(data) if kind == "crc32c" else zlib.crc32(data)) ^ 1)
     request = Frame(shard_pb2.ForwardRequest(header=header, tensor=chunk), data)
-    with pytest.raises(errors.DataLoss, match=r"'activation'.*CRC-32"):
+    with pytest.raises(errors.DataLoss, match=rf"'activation'.*{'CRC-32C' if kind == 'crc32c' else 'CRC-32'} check"):
         model._io.run(shard.call("Forward", iter([request])))
     train_remotely(model, regression_batches(steps=2, batch=4, features=8))  # the next steps work
 
@@ -94,14 +96,14 @@ def test_a_tensor_the_stage_would_not_take_is_refused_by_its_header_before_any_d
 
 @pytest.mark.parametrize("shared_memory", ["on", "off"])
 def test_with_checksums_on_every_path_checks_its_chunks_and_training_matches(monkeypatch, shared_memory):
-    """SHARDTRAIN_CHECKSUMS=on: the SDK's chunks and the shards' (--checksums on) carry a CRC-32 that each receiver
-    checks, on the same-host and the between-hosts paths."""
+    """SHARDTRAIN_CHECKSUMS=on: the SDK's chunks and the shards' (--checksums on) carry a CRC-32C that each
+    receiver checks, on the same-host and the between-hosts paths."""
     monkeypatch.setenv("SHARDTRAIN_CHECKSUMS", "on")
     monkeypatch.setenv("SHARDTRAIN_SHARED_MEMORY", shared_memory)
     batches = regression_batches(steps=4, batch=16, features=8)
     with Cluster.local(num_shards=2) as cluster:
         model = cluster.deploy(small_net(), optimizer=ADAM, num_stages=2)
-        assert model._clients._checksums
+        assert model._clients._checksums == "crc32c"
         train_remotely(model, batches)
         assert largest_difference(model.state_dict(), train_locally(small_net(), batches, ADAM)) < 1e-5
 

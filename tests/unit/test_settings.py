@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from shardtrain import checksums
+from shardtrain.errors import InvalidArgument
 from shardtrain.settings import (
     CoordinatorSettings, Security, ShardSettings, Timeouts, checksums_from_env, coordinator_parser,
     coordinator_settings, security_env, security_from_env, shard_parser, shard_settings, timeouts_env,
@@ -178,11 +180,18 @@ def test_local_links_can_be_turned_off_by_flag_or_variable():
     assert not shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_LOCAL_LINKS": "off"}).local_links
 
 
-def test_checksums_are_off_unless_a_flag_or_variable_turns_them_on():
-    assert not shard_settings(["--coordinator", "c:1"], env={}).checksums
-    assert shard_settings(["--coordinator", "c:1", "--checksums", "on"], env={}).checksums
-    assert shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_CHECKSUMS": "on"}).checksums
-    assert checksums_from_env({"SHARDTRAIN_CHECKSUMS": "on"}) and not checksums_from_env({})
+def test_checksums_are_a_kind_from_a_flag_or_variable():
+    assert shard_settings(["--coordinator", "c:1"], env={}).checksums == checksums.DEFAULT
+    assert shard_settings(["--coordinator", "c:1", "--checksums", "crc32"], env={}).checksums == "crc32"
+    assert shard_settings(["--coordinator", "c:1", "--checksums", "off"], env={}).checksums == "off"
+    assert shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_CHECKSUMS": "on"}).checksums == \
+        checksums.STRONGEST == "crc32c"  # the crc32c package is a dependency
+    assert checksums_from_env({"SHARDTRAIN_CHECKSUMS": "crc32c"}) == "crc32c"
+    assert checksums_from_env({}) == checksums.DEFAULT
+    with pytest.raises(InvalidArgument, match="SHARDTRAIN_CHECKSUMS: checksums 'md5'"):
+        checksums_from_env({"SHARDTRAIN_CHECKSUMS": "md5"})
+    with pytest.raises(SystemExit):
+        shard_settings(["--coordinator", "c:1"], env={"SHARDTRAIN_CHECKSUMS": "md5"})
 
 
 def test_tcp_links_can_be_turned_off_by_flag_or_variable():

@@ -9,9 +9,9 @@ import zlib
 import pytest
 import torch
 
-from shardtrain import shm, wire
+from shardtrain import checksums, shm, wire
 from shardtrain.codec import Codec, Frame
-from shardtrain.errors import DataLoss, InvalidArgument, ResourceExhausted
+from shardtrain.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 WIRE_CODES = [
@@ -48,7 +48,7 @@ CHUNK_CODEC = Codec(tensor_pb2.TensorChunk)
 
 
 def tensor_frames(tensor: torch.Tensor, name: str = "", chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
-                  checksum: bool = False) -> list[Frame]:
+                  checksum: str = "off") -> list[Frame]:
     """The frames of a tensor as a receiver sees them: serialized and parsed by the codec, as on the wire."""
     sent = wire.tensor_frames(tensor, name, wire.SendOptions(chunk_bytes, checksum=checksum))
     return [CHUNK_CODEC.deserialize(CHUNK_CODEC.serialize(frame)) for frame in sent]
@@ -305,25 +305,40 @@ def test_collect_reports_a_truncated_stream():
         asyncio.run(wire.collect(as_stream(chunks[:1])))
 
 
-# Integrity: every chunk carries its offset, and its CRC-32 when the sender adds checksums.
+# Integrity: every chunk carries its offset, and its checksum (CRC-32C or CRC-32) when the sender adds one.
 
-def test_a_corrupted_chunk_is_data_loss_not_a_wrong_tensor():
-    frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64, checksum=True)
-    assert all(frame.chunk.HasField("crc32") for frame in frames)
+@pytest.mark.parametrize("kind", ["crc32", "crc32c"])
+def test_a_corrupted_chunk_is_data_loss_not_a_wrong_tensor(kind):
+    frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64, checksum=kind)
+    other = "crc32" if kind == "crc32c" else "crc32c"
+    assert all(frame.chunk.HasField(kind) and not frame.chunk.HasField(other) for frame in frames)
+    assert torch.equal(next(wire.read_tensors(frames))[1], torch.arange(64, dtype=torch.float32))
     corrupted = bytearray(frames[1].data)
     corrupted[5] ^= 0x01
     frames[1] = Frame(frames[1].message, bytes(corrupted))
-    with pytest.raises(DataLoss, match=r"'t'.*offset 64.*CRC-32"):
+    with pytest.raises(DataLoss, match=rf"'t'.*offset 64.*{checksums.NAMES[kind]} check"):
         list(wire.read_tensors(frames))
 
 
-def test_chunks_carry_no_checksum_unless_asked_and_a_zero_checksum_is_still_checked():
+@pytest.mark.parametrize("kind", ["crc32", "crc32c"])
+def test_chunks_carry_no_checksum_unless_asked_and_a_zero_checksum_is_still_checked(kind):
     frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64)
-    assert not any(frame.chunk.HasField("crc32") for frame in frames)
+    assert not any(frame.chunk.HasField("crc32") or frame.chunk.HasField("crc32c") for frame in frames)
     assert torch.equal(next(wire.read_tensors(frames))[1], torch.arange(64, dtype=torch.float32))
-    frames[1].chunk.crc32 = 0  # present, and wrong: a sender that asks for checking gets it
-    with pytest.raises(DataLoss, match=r"'t'.*offset 64.*CRC-32"):
+    setattr(frames[1].chunk, kind, 0)  # present, and wrong: a sender that asks for checking gets it
+    with pytest.raises(DataLoss, match=rf"'t'.*offset 64.*{checksums.NAMES[kind]} check"):
         list(wire.read_tensors(frames))
+
+
+def test_without_the_crc32c_package_crc32_still_works_and_a_crc32c_chunk_is_refused_by_name(monkeypatch):
+    crc32c_frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64, checksum="crc32c")
+    monkeypatch.setattr(checksums, "_crc32c", None)
+    with pytest.raises(ValueError, match="crc32c package"):
+        checksums.kind("crc32c")
+    crc32_frames = tensor_frames(torch.arange(64, dtype=torch.float32), "t", chunk_bytes=64, checksum="crc32")
+    assert torch.equal(next(wire.read_tensors(crc32_frames))[1], torch.arange(64, dtype=torch.float32))
+    with pytest.raises(FailedPrecondition, match=r"'t'.*carries a CRC-32C.*pip install crc32c"):
+        list(wire.read_tensors(crc32c_frames))
 
 
 def test_a_chunk_out_of_order_is_data_loss():
