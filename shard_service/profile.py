@@ -24,10 +24,20 @@ MAX_EXAMPLE_BYTES = 1 << 30  # the example inputs of one layer: a request cannot
 
 def profile_layers(layers: Sequence[shard_pb2.CapturedLayer], repeats: int,
                    device: torch.device) -> list[shard_pb2.LayerProfile]:
-    """Each layer's median forward-and-backward microseconds and saved activation bytes on `device`."""
+    """Each layer's median forward-and-backward microseconds and saved activation bytes on `device`.
+
+    Layers with the same program and example inputs (a model's identical blocks) are measured once: the
+    measurement runs zero weights of the program's own shapes, so nothing else tells them apart."""
     if not 1 <= repeats <= MAX_REPEATS:
         raise InvalidArgument(f"repeats must be within 1..{MAX_REPEATS}, got {repeats}")
-    return [_profile(layer, repeats, device) for layer in layers]
+    measured: dict[tuple, shard_pb2.LayerProfile] = {}
+    profiles = []
+    for layer in layers:
+        same = (layer.program, tuple(example.SerializeToString() for example in layer.example_inputs))
+        if same not in measured:
+            measured[same] = _profile(layer, repeats, device)
+        profiles.append(measured[same])
+    return profiles
 
 
 def _profile(layer: shard_pb2.CapturedLayer, repeats: int, device: torch.device) -> shard_pb2.LayerProfile:

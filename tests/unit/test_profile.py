@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from client_sdk import layers as layer_tools
+from shard_service import profile
 from shard_service.profile import MAX_REPEATS, profile_layers
 from shardtrain.errors import InvalidArgument
 
@@ -28,6 +29,20 @@ def test_each_layer_is_timed_and_its_saved_activations_counted(captured):
     assert profiles[0].activation_bytes == 8 * 5 * 8  # the embedding saves its int64 indexes
     assert profiles[1].activation_bytes == 8 * 5 * 16 * 4  # a Linear saves its input, not its weight
     assert profiles[3].activation_bytes == 8 * 5 * 64 * 4
+
+
+def test_identical_layers_are_measured_once(monkeypatch):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    layers = layer_tools.layers_of(model)
+    example = torch.zeros(3, 8)
+    programs = layer_tools.capture_model(model, layers, example)
+    layer_tools.describe_inputs(model, layers, programs, example)
+    measured = []
+    real = profile._profile
+    monkeypatch.setattr(profile, "_profile", lambda layer, *rest: measured.append(layer.index) or real(layer, *rest))
+    profiles = profile_layers(programs, 1, torch.device("cpu"))
+    assert measured == [0, 3]  # the three 8x8 blocks share one program and one example shape; the head differs
+    assert profiles[0] == profiles[1] == profiles[2] and profiles[3].activation_bytes == 3 * 8 * 4
 
 
 def test_requests_no_coordinator_would_send_are_refused(captured):
