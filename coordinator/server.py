@@ -31,9 +31,9 @@ async def build_server(settings: CoordinatorSettings,
 async def serve(settings: CoordinatorSettings) -> None:
     """Runs the coordinator until cancelled (or SIGTERM), announcing readiness on stdout."""
     stop_on_sigterm()
+    scraped = metrics.serve_for(settings, "coordinator")  # before the server: it counts requests from the first
     server, port, servicer = await build_server(settings)
-    print(json.dumps({"event": "ready", "service": "coordinator", "port": port, **metrics.serve_for(settings)}),
-          flush=True)
+    print(json.dumps({"event": "ready", "service": "coordinator", "port": port, **scraped}), flush=True)
     try:
         await server.wait_for_termination()
     finally:

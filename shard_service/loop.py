@@ -589,7 +589,7 @@ class LinkedLoop:
             no_client_gradients=lambda key: self._no_client_gradients(stage, key),
             residual_gradients=lambda key: shard.residual_gradients(stage, key),
             send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients,
-            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1))
+            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1), forwarded=shard.steps.forward)
 
     async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
         what = f"the target of step {key.step} micro-batch {key.microbatch}"
@@ -628,6 +628,8 @@ class LinkedLoop:
                 await shard.run(stage.zero_grad)
             result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
                                                header.requires_grad, header.input_requires_grad, not header.eval_mode)
+            if header.requires_grad and not header.eval_mode:
+                shard.steps.forward(x)
             self._forwarded = max(self._forwarded, header.key.step)
             if self._runtime.plan.next_address:
                 # The activation first: the next stage needs it now, a residual's consumer only later.
@@ -782,6 +784,9 @@ class LinkedLoop:
                 started = time.perf_counter()
                 await shard.run(stage.step, request.gradient_scale, request.optimizer_step, request.skip)
                 self._record_stats(request, time.perf_counter() - started)
+                shard.steps.stepped()
+            else:
+                shard.steps.clear()
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
                              up=False)

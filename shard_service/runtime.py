@@ -18,6 +18,7 @@ from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
+from shard_service.step_meter import StepMeter
 from shardtrain import losses, metrics
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -65,6 +66,7 @@ class ShardRuntime:
         self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
         self._losses: dict[bytes, tuple] = {}
         self.order = StepOrder()        # what this shard has settled: optimizer steps and backwards
+        self.steps = StepMeter()        # the training forwards since the last optimizer step, for metrics
         self.forgetters: list[Callable[[int], None]] = []  # what else drops a step's leftovers (loop, servicer)
         self._durations: dict[str, float] = {}
         self._threads = settings.threads or torch.get_num_threads()
@@ -161,6 +163,7 @@ class ShardRuntime:
         self._averager = await asyncio.to_thread(GradientAverager.for_plan, plan, stage, self.address,
                                                  self.settings.timeouts.peer_wait, request.deployment_secret)
         self.order = StepOrder()
+        self.steps.clear()
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id)
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,

@@ -94,6 +94,7 @@ async def serve(settings: ShardSettings) -> None:
     """Runs this process's shards (settings.virtual_stages of them, on one device) until cancelled: serve,
     register, announce readiness on stdout. SIGTERM cancels it."""
     stop_on_sigterm()
+    scraped = metrics.serve_for(settings, "shard")  # before the servers: they count requests from the first
     device = Device()
     group = secrets.token_hex(8) if settings.virtual_stages > 1 else ""
     shards = []
@@ -107,7 +108,7 @@ async def serve(settings: ShardSettings) -> None:
                  "shard_id": ids[0]}
         if len(shards) > 1:
             ready.update(addresses=[servicer.address for _, _, servicer in shards], shard_ids=ids)
-        print(json.dumps({**ready, **metrics.serve_for(settings)}), flush=True)
+        print(json.dumps({**ready, **scraped}), flush=True)
         heartbeats = [asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance, group))
                       for _, _, servicer in shards]
         try:
