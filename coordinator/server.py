@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 
 import grpc
 
 from coordinator.servicer import CoordinatorServicer
 from shardtrain import health, logs, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, stop_on_sigterm
+from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, stop_on_sigterm, stop_reason
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings, coordinator_settings
+
+log = logging.getLogger("shardtrain.coordinator")
 
 
 async def build_server(settings: CoordinatorSettings,
@@ -53,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(settings))
     except ShardtrainError as error:
         print(f"coordinator: {error}", file=sys.stderr)
+        log.info("stopped: %s", stop_reason(error))
         return 1
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (stop_on_sigterm)
-        pass
+    except (KeyboardInterrupt, asyncio.CancelledError) as stopped:  # Ctrl-C, or SIGTERM (stop_on_sigterm)
+        log.info("stopped: %s", stop_reason(stopped))
+    else:
+        log.info("stopped: %s", stop_reason(None))
     return 0

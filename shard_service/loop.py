@@ -218,7 +218,8 @@ class LinkedLoop:
             for step in [step for step in self._runs if step <= self._forwarded]:
                 self._after_run(step, f"the link to {client.name} broke: {error}")
         if not quiet:
-            log.warning("%s: the link to %s broke: %s", self._runtime.location, client.name, error)
+            log.warning("%s: the link to %s broke: %s", self._runtime.location, client.name, error,
+                        extra=self._runtime.fields())
             self._tell_soon(self._break_item(error), up=True)
         if address != self._runtime.plan.next_address or not self._verdicts.passed or not (client.accepted or quiet):
             return
@@ -275,7 +276,8 @@ class LinkedLoop:
                 return
             except errors.ShardtrainError:
                 continue
-        log.warning("%s: nobody left to tell: %s", self._runtime.location, item.error.message)
+        log.warning("%s: nobody left to tell: %s", self._runtime.location, item.error.message,
+                    extra=self._runtime.fields())
 
     def _tell_soon(self, item: shard_pb2.LinkMessage, up: bool) -> None:
         """_tell from a callback. Dropped if a new deployment came first: the old one's news would open its
@@ -320,7 +322,7 @@ class LinkedLoop:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the work reports its own failures; this is a last resort
-            log.error("%s: link work failed: %r", self._runtime.location, error)
+            log.error("%s: link work failed: %r", self._runtime.location, error, extra=self._runtime.fields())
 
     # --- items -----------------------------------------------------------------------------------------
     def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
@@ -854,7 +856,8 @@ class LinkedLoop:
         try:
             await self._send(self._down(), item)
         except errors.ShardtrainError as error:
-            log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error)
+            log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error,
+                        extra=self._runtime.fields())
 
     async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
         """Passes a failure on the way it travels. A failed backward coming up counts as failed here, and so does

@@ -19,7 +19,7 @@ from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
 from shard_service.step_meter import StepMeter
-from shardtrain import losses, metrics
+from shardtrain import logs, losses, metrics
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shardtrain.residuals import StageResiduals, Wiring
@@ -83,6 +83,11 @@ class ShardRuntime:
         if self.memory_budget and header.nbytes > self.memory_budget:
             raise ResourceExhausted(f"tensor {header.name[:80]!r} of {header.nbytes} bytes is more than a stage "
                                     f"on this shard may hold ({self.memory_budget} bytes, --memory)")
+
+    def fields(self, **more) -> dict:
+        """A log record's structured fields (logs.fields): the deployment and stage held here, if any, and `more`."""
+        held = {"deployment": self.deployment_id, "stage": self._stage.index} if self._stage is not None else {}
+        return logs.fields(**held, **more)
 
     @property
     def location(self) -> str:
@@ -165,7 +170,7 @@ class ShardRuntime:
         self.order = StepOrder()
         self.steps.clear()
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
-                 request.deployment_id)
+                 request.deployment_id, extra=self.fields())
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,
                                            rendezvous=self._averager.hosted if self._averager else "")
 

@@ -19,7 +19,8 @@ import torch
 from shard_service.device import Device, stage_memory
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, logs, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm
+from shardtrain.lifecycle import (die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm,
+                                  stop_reason)
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings, shard_settings
 from shardtrain.v1 import coordinator_pb2
@@ -163,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(settings))
     except ShardtrainError as error:
         print(f"shard: {error}", file=sys.stderr)
+        log.info("stopped: %s", stop_reason(error))
         return 1
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (stop_on_sigterm)
-        pass
+    except (KeyboardInterrupt, asyncio.CancelledError) as stopped:  # Ctrl-C, or SIGTERM (stop_on_sigterm)
+        log.info("stopped: %s", stop_reason(stopped))
+    else:
+        log.info("stopped: %s", stop_reason(None))
     return 0
