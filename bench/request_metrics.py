@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import statistics
 
@@ -77,7 +78,8 @@ async def _run(ports: dict, pids: dict, args) -> None:
           f"{'no token' if args.no_token else 'token checked'} (with metrics / without):")
     for way in ("unary call", "client-streaming call"):
         latency = [r[way, "with"][0] / r[way, "without"][0] for r in rounds]
-        cpu = [r[way, "with"][1] / r[way, "without"][1] for r in rounds]
+        # CPU is read in clock ticks: a short round may show none (nan, not a ratio)
+        cpu = [r[way, "with"][1] / r[way, "without"][1] if r[way, "without"][1] else math.nan for r in rounds]
         without = statistics.median(r[way, "without"][0] for r in rounds)
         with_metrics = statistics.median(r[way, "with"][0] for r in rounds)
         print(f"  {way:22s} median round trip {without * 1e6:6.1f} us without, {with_metrics * 1e6:6.1f} us with: "
