@@ -628,10 +628,11 @@ class LinkedLoop:
                                                    shard.settings.timeouts.peer_wait)
             if header.zero_grad:
                 await shard.run(stage.zero_grad)
+            started = time.perf_counter()
             result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
                                                header.requires_grad, header.input_requires_grad, not header.eval_mode)
             if header.requires_grad and not header.eval_mode:
-                shard.steps.forward(x)
+                shard.steps.forward(x, time.perf_counter() - started)
             self._forwarded = max(self._forwarded, header.key.step)
             if self._runtime.plan.next_address:
                 # The activation first: the next stage needs it now, a residual's consumer only later.

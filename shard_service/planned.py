@@ -153,7 +153,7 @@ class PlannedRun:
                                                         False, not header.eval_mode, self.plan.microbatches,
                                                         action=(schedule.FORWARD, k))
         wall = self.began
-        ports.forwarded(x)
+        ports.forwarded(x, seconds)
         self.figures.forward_seconds += seconds
         self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, ports.stage.in_flight_bytes)
         if ports.is_last:
@@ -220,7 +220,7 @@ class StagePorts:
                  incoming_residuals, after_optimizer_step, target, loss, send_loss, send_activation,
                  send_residuals, no_client_gradients, residual_gradients, send_input_gradient,
                  send_residual_gradients, device=None, virtual_stages: int = 1,
-                 forwarded: Callable[[torch.Tensor | None], None] = lambda x: None):
+                 forwarded: Callable[[torch.Tensor | None, float], None] = lambda x, seconds: None):
         self.stage, self.index, self.num_stages = stage, index, num_stages
         self.is_last = index == num_stages - 1
         self.deployment_id, self.timeout, self.simulate_compute = deployment_id, timeout, simulate_compute

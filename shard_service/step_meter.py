@@ -17,12 +17,13 @@ class StepMeter:
         self._started: float | None = None
         self._samples = 0
 
-    def forward(self, x: torch.Tensor | None) -> None:
-        """A training forward of one micro-batch ran on `x` (None for a stage without a main input: no rows)."""
+    def forward(self, x: torch.Tensor | None, seconds: float) -> None:
+        """A training forward of one micro-batch ran on `x` (None for a stage without a main input: no rows) and
+        ended just now, after `seconds`."""
         if not metrics.enabled():
             return
         if self._started is None:
-            self._started = time.perf_counter()
+            self._started = time.perf_counter() - seconds
         if isinstance(x, torch.Tensor) and x.dim():
             self._samples += x.shape[0]
 
