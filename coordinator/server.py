@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 
 import grpc
 
 from coordinator.servicer import CoordinatorServicer
 from shardtrain import health, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, stop_on_sigterm
+from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, stop_on_sigterm, stop_reason
 from shardtrain.errors import ShardtrainError
 from shardtrain.settings import CoordinatorSettings
+
+log = logging.getLogger("shardtrain.coordinator")
 
 
 async def build_server(settings: CoordinatorSettings,
@@ -31,9 +34,9 @@ async def build_server(settings: CoordinatorSettings,
 async def serve(settings: CoordinatorSettings) -> None:
     """Runs the coordinator until cancelled (or SIGTERM), announcing readiness on stdout."""
     stop_on_sigterm()
+    scraped = metrics.serve_for(settings, "coordinator")  # before the server: it counts requests from the first
     server, port, servicer = await build_server(settings)
-    print(json.dumps({"event": "ready", "service": "coordinator", "port": port, **metrics.serve_for(settings)}),
-          flush=True)
+    print(json.dumps({"event": "ready", "service": "coordinator", "port": port, **scraped}), flush=True)
     try:
         await server.wait_for_termination()
     finally:
@@ -50,7 +53,10 @@ def run(settings: CoordinatorSettings) -> int:
         asyncio.run(serve(settings))
     except ShardtrainError as error:
         print(f"coordinator: {error}", file=sys.stderr)
+        log.info("stopped: %s", stop_reason(error))
         return 1
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (stop_on_sigterm)
-        pass
+    except (KeyboardInterrupt, asyncio.CancelledError) as stopped:  # Ctrl-C, or SIGTERM (stop_on_sigterm)
+        log.info("stopped: %s", stop_reason(stopped))
+    else:
+        log.info("stopped: %s", stop_reason(None))
     return 0

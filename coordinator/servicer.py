@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain import auth, metrics, optim, partition, precision, recompute, schedule, wire
+from shardtrain import auth, logs, metrics, optim, partition, precision, recompute, schedule, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                ShardtrainError)
@@ -98,10 +98,11 @@ class CoordinatorServicer:
                      for r in range(replicas)]
         deployment_id, secret = uuid.uuid4().hex[:12], auth.new_deployment_secret()
         await self._ship_all((deployment_id, secret), pipelines, layers, request)
-        self._record_owners(deployment_id, secret, shards)
+        replaced = self._record_owners(deployment_id, secret, shards)
         metrics.deployed()
-        log.info("deployed %s: %s", deployment_id,
-                 [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines])
+        log.info("deployed %s%s: %s", deployment_id, f" in place of {', '.join(sorted(replaced))}" if replaced else "",
+                 [[(p.shard.address, p.first_layer, p.end_layer) for p in pipeline] for pipeline in pipelines],
+                 extra=logs.fields(deployment=deployment_id))
         stage_costs = [row[first:end] for row, (first, end) in zip(partition.rows(costs, len(ranges)), ranges)]
         stages = [
             coordinator_pb2.StageAssignment(stage=p.stage, shard_id=p.shard.shard_id, shard_address=p.shard.address,
@@ -144,15 +145,16 @@ class CoordinatorServicer:
                     f"{auth.DEPLOYMENT_METADATA!r} metadata (the SDK sends its last deployment's). Close the model "
                     "that holds it (model.close(), or its Cluster), or deploy with take_over=True under a token "
                     "that holds the shard role (the operator's)")
-            log.info("deploy replaces deployment %s: its client is gone", deployment_id)
+            log.debug("deploy replaces deployment %s: its client is gone", deployment_id)  # its info line says so
 
-    def _record_owners(self, deployment_id: str, secret: str, shards: list[ShardRecord]) -> None:
-        """The deployment now owns `shards`; one that lost any shard to it is gone everywhere."""
+    def _record_owners(self, deployment_id: str, secret: str, shards: list[ShardRecord]) -> set[str]:
+        """The deployment now owns `shards`; one that lost any shard to it is gone everywhere. Returns those."""
         taken = {shard.address for shard in shards}
         replaced = {owner[1] for address, owner in self._owners.items() if address in taken}
         self._owners = {address: owner for address, owner in self._owners.items() if owner[1] not in replaced}
         for shard in shards:
             self._owners[shard.address] = (shard.instance, deployment_id, secret)
+        return replaced
 
     async def _measure(self, layers, candidates: list[list[ShardRecord]]) -> tuple[list[list[int]], list[list[int]]]:
         """Per stage, each layer's measured microseconds and memory (its weights, and the activations it saved)
@@ -177,8 +179,8 @@ class CoordinatorServicer:
             costs.append([max(p[i].microseconds for p in profiles) for i in range(len(layers))])
             memory.append([max(layer.memory_bytes, 0) + max(p[i].activation_bytes for p in profiles)
                            for i, layer in enumerate(layers)])
-        log.info("measured %d layers on %d shards: %s us per stage's shard", len(layers), len(shards),
-                 [sum(row) for row in costs])
+        log.debug("measured %d layers on %d shards: %s us per stage's shard", len(layers), len(shards),
+                  [sum(row) for row in costs])
         return costs, memory
 
     def _stage_shards(self, count: int, replicas: int, per_device: int = 1) -> list[list[ShardRecord]]:

@@ -218,7 +218,8 @@ class LinkedLoop:
             for step in [step for step in self._runs if step <= self._forwarded]:
                 self._after_run(step, f"the link to {client.name} broke: {error}")
         if not quiet:
-            log.warning("%s: the link to %s broke: %s", self._runtime.location, client.name, error)
+            log.warning("%s: the link to %s broke: %s", self._runtime.location, client.name, error,
+                        extra=self._runtime.fields())
             self._tell_soon(self._break_item(error), up=True)
         if address != self._runtime.plan.next_address or not self._verdicts.passed or not (client.accepted or quiet):
             return
@@ -275,7 +276,8 @@ class LinkedLoop:
                 return
             except errors.ShardtrainError:
                 continue
-        log.warning("%s: nobody left to tell: %s", self._runtime.location, item.error.message)
+        log.warning("%s: nobody left to tell: %s", self._runtime.location, item.error.message,
+                    extra=self._runtime.fields())
 
     def _tell_soon(self, item: shard_pb2.LinkMessage, up: bool) -> None:
         """_tell from a callback. Dropped if a new deployment came first: the old one's news would open its
@@ -320,7 +322,7 @@ class LinkedLoop:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the work reports its own failures; this is a last resort
-            log.error("%s: link work failed: %r", self._runtime.location, error)
+            log.error("%s: link work failed: %r", self._runtime.location, error, extra=self._runtime.fields())
 
     # --- items -----------------------------------------------------------------------------------------
     def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
@@ -596,7 +598,7 @@ class LinkedLoop:
             no_client_gradients=lambda key: self._no_client_gradients(stage, key),
             residual_gradients=lambda key: shard.residual_gradients(stage, key),
             send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients,
-            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1))
+            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1), forwarded=shard.steps.forward)
 
     async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
         what = f"the target of step {key.step} micro-batch {key.microbatch}"
@@ -633,8 +635,11 @@ class LinkedLoop:
                                                    shard.settings.timeouts.peer_wait)
             if header.zero_grad:
                 await shard.run(stage.zero_grad)
+            started = time.perf_counter()
             result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
                                                header.requires_grad, header.input_requires_grad, not header.eval_mode)
+            if header.requires_grad and not header.eval_mode:
+                shard.steps.forward(x, time.perf_counter() - started)
             self._forwarded = max(self._forwarded, header.key.step)
             if self._runtime.plan.next_address:
                 # The activation first: the next stage needs it now, a residual's consumer only later.
@@ -790,6 +795,9 @@ class LinkedLoop:
                 await shard.run(stage.step, request.gradient_scale, request.optimizer_step, request.skip,
                                 request.gradient_edits)
                 self._record_stats(request, time.perf_counter() - started)
+                shard.steps.stepped()
+            else:
+                shard.steps.clear()
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
             await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
                              up=False)
@@ -857,7 +865,8 @@ class LinkedLoop:
         try:
             await self._send(self._down(), item)
         except errors.ShardtrainError as error:
-            log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error)
+            log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error,
+                        extra=self._runtime.fields())
 
     async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
         """Passes a failure on the way it travels. A failed backward coming up counts as failed here, and so does

@@ -153,6 +153,7 @@ class PlannedRun:
                                                         False, not header.eval_mode, self.plan.microbatches,
                                                         action=(schedule.FORWARD, k))
         wall = self.began
+        ports.forwarded(x, seconds)
         self.figures.forward_seconds += seconds
         self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, ports.stage.in_flight_bytes)
         if ports.is_last:
@@ -218,7 +219,8 @@ class StagePorts:
                  averager: Callable[[str], Awaitable], averager_arm: Callable[[bool], None],
                  incoming_residuals, after_optimizer_step, target, loss, send_loss, send_activation,
                  send_residuals, no_client_gradients, residual_gradients, send_input_gradient,
-                 send_residual_gradients, device=None, virtual_stages: int = 1):
+                 send_residual_gradients, device=None, virtual_stages: int = 1,
+                 forwarded: Callable[[torch.Tensor | None, float], None] = lambda x, seconds: None):
         self.stage, self.index, self.num_stages = stage, index, num_stages
         self.is_last = index == num_stages - 1
         self.deployment_id, self.timeout, self.simulate_compute = deployment_id, timeout, simulate_compute
@@ -230,6 +232,7 @@ class StagePorts:
         self.residual_gradients = residual_gradients
         self.send_input_gradient, self.send_residual_gradients = send_input_gradient, send_residual_gradients
         self.device, self.virtual_stages = device, virtual_stages  # shard_service.device.Device, stages on it
+        self.forwarded = forwarded  # a training forward ran on this input (for metrics: step time, samples)
 
 
 def check_plan(plan: shard_pb2.StepPlan) -> None:

@@ -18,7 +18,8 @@ from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.stage_plan import check_load
-from shardtrain import losses, metrics
+from shard_service.step_meter import StepMeter
+from shardtrain import logs, losses, metrics
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shardtrain.residuals import StageResiduals, Wiring
@@ -65,6 +66,7 @@ class ShardRuntime:
         self._averager: GradientAverager | None = None  # this stage's replicas, when data parallel
         self._losses: dict[bytes, tuple] = {}
         self.order = StepOrder()        # what this shard has settled: optimizer steps and backwards
+        self.steps = StepMeter()        # the training forwards since the last optimizer step, for metrics
         self.forgetters: list[Callable[[int], None]] = []  # what else drops a step's leftovers (loop, servicer)
         self._durations: dict[str, float] = {}
         self._threads = settings.threads or torch.get_num_threads()
@@ -81,6 +83,11 @@ class ShardRuntime:
         if self.memory_budget and header.nbytes > self.memory_budget:
             raise ResourceExhausted(f"tensor {header.name[:80]!r} of {header.nbytes} bytes is more than a stage "
                                     f"on this shard may hold ({self.memory_budget} bytes, --memory)")
+
+    def fields(self, **more) -> dict:
+        """A log record's structured fields (logs.fields): the deployment and stage held here, if any, and `more`."""
+        held = {"deployment": self.deployment_id, "stage": self._stage.index} if self._stage is not None else {}
+        return logs.fields(**held, **more)
 
     @property
     def location(self) -> str:
@@ -161,8 +168,9 @@ class ShardRuntime:
         self._averager = await asyncio.to_thread(GradientAverager.for_plan, plan, stage, self.address,
                                                  self.settings.timeouts.peer_wait, request.deployment_secret)
         self.order = StepOrder()
+        self.steps.clear()
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
-                 request.deployment_id)
+                 request.deployment_id, extra=self.fields())
         return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,
                                            rendezvous=self._averager.hosted if self._averager else "")
 

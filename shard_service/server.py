@@ -19,7 +19,8 @@ import torch
 from shard_service.device import Device, stage_memory
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, metrics, rpc, shm
-from shardtrain.lifecycle import die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm
+from shardtrain.lifecycle import (die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm,
+                                  stop_reason)
 from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import coordinator_pb2
@@ -96,6 +97,7 @@ async def serve(settings: ShardSettings) -> None:
     """Runs this process's shards (settings.virtual_stages of them, on one device) until cancelled: serve,
     register, announce readiness on stdout. SIGTERM cancels it."""
     stop_on_sigterm()
+    scraped = metrics.serve_for(settings, "shard")  # before the servers: they count requests from the first
     device = Device()
     group = secrets.token_hex(8) if settings.virtual_stages > 1 else ""
     shards = []
@@ -110,7 +112,7 @@ async def serve(settings: ShardSettings) -> None:
                  "shard_id": ids[0]}
         if len(shards) > 1:
             ready.update(addresses=[servicer.address for _, _, servicer in shards], shard_ids=ids)
-        print(json.dumps({**ready, **metrics.serve_for(settings)}), flush=True)
+        print(json.dumps({**ready, **scraped}), flush=True)
         heartbeats = [asyncio.ensure_future(keep_registered(settings, servicer.address, servicer.instance, group,
                                                             servicer.control_key))
                       for _, _, servicer in shards]
@@ -163,7 +165,10 @@ def run(settings: ShardSettings) -> int:
         asyncio.run(serve(settings))
     except ShardtrainError as error:
         print(f"shard: {error}", file=sys.stderr)
+        log.info("stopped: %s", stop_reason(error))
         return 1
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (stop_on_sigterm)
-        pass
+    except (KeyboardInterrupt, asyncio.CancelledError) as stopped:  # Ctrl-C, or SIGTERM (stop_on_sigterm)
+        log.info("stopped: %s", stop_reason(stopped))
+    else:
+        log.info("stopped: %s", stop_reason(None))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import resource
 import secrets
@@ -24,6 +25,8 @@ from shardtrain.rpc import boundary
 from shardtrain.settings import ShardSettings
 from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2
+
+log = logging.getLogger("shardtrain.shard")
 
 # Opened by stages, with the shard role's token; the rest by the SDK, with the client's.
 _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL, shard_pb2.LINK_ROLE_TIED)
@@ -189,6 +192,9 @@ class ShardServicer:
         if not moved:  # torch's optimizer keeps the tensors it loads: the snapshot held here keeps its own
             state = optim.KeyedState(state.groups, {key: t.clone() for key, t in state.tensors.items()}, state.values)
         await self.runtime.run(stage.load_optimizer_state, state)
+        log.info("restored stage %d of deployment %s from snapshot %r of %s, at optimizer step %d", stage.index,
+                 request.deployment_id, request.snapshot, request.source_address or "this shard",
+                 snapshot.optimizer_step, extra=self.runtime.fields(step=snapshot.optimizer_step))
         return shard_pb2.RestoreStageResponse(optimizer_step=snapshot.optimizer_step, bytes=moved)
 
     @boundary
@@ -237,6 +243,10 @@ class ShardServicer:
         await self.runtime.run(stage.load_state, weights, request.check_only)
         if request.optimizer and not request.check_only:
             await self.runtime.run(stage.load_optimizer_state, state)
+        if not request.check_only:
+            log.info("stage %d of deployment %s loaded checkpoint %s (%s)", stage.index, request.deployment_id,
+                     request.directory, "weights and optimizer state" if request.optimizer else "weights",
+                     extra=self.runtime.fields())
         return shard_pb2.LoadCheckpointResponse(bytes=read, layout=state.layout() if request.optimizer else "")
 
     @boundary

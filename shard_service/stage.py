@@ -12,7 +12,7 @@ import torch
 from shard_service import recomputation, split_backward
 from shard_service.deferred_norms import DeferredNorms
 from shard_service.recomputation import Replay
-from shardtrain import optim, precision, wire
+from shardtrain import logs, optim, precision, wire
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
@@ -324,7 +324,7 @@ class Stage:
         while len(self._in_flight) > self._max_in_flight and next(iter(self._in_flight))[0] != key[0]:
             dropped, _ = self._in_flight.popitem(last=False)
             log.warning("stage %d dropped step %s: more than %d steps in flight without backward",
-                        self.index, dropped, self._max_in_flight)
+                        self.index, dropped, self._max_in_flight, extra=logs.fields(stage=self.index, step=dropped[0]))
 
     def backward(self, key: StepKey, grad_output: torch.Tensor | None,
                  residual_grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:

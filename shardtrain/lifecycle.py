@@ -9,6 +9,7 @@ import os
 import signal
 
 _PR_SET_PDEATHSIG = 1
+_parent_pid = 0  # the process whose death sends this one SIGTERM (die_with_parent), for stop_reason
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -17,8 +18,10 @@ def die_with_parent(parent_pid: int) -> None:
     Set by the service itself rather than in a pre-exec hook: a pre-exec hook forces a plain fork,
     and grpc's fork handlers can crash the child before it execs (grpc/grpc#43055).
     """
+    global _parent_pid
     if not parent_pid:
         return
+    _parent_pid = parent_pid
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
@@ -62,3 +65,16 @@ def stop_on_sigterm() -> None:
     task, so the service reports NOT_SERVING, ends its calls and exits 0. As PID 1 in a container a process
     has no default action for SIGTERM at all: without this, `docker stop` waits and then kills."""
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+
+
+def stop_reason(raised: BaseException | None) -> str:
+    """Why a service's main task ended, for the one line it logs as it exits: the signal (SIGTERM cancels the task,
+    Ctrl-C interrupts it), its parent's death, or the error it raised."""
+    if isinstance(raised, KeyboardInterrupt):
+        return "interrupted (SIGINT)"
+    if isinstance(raised, asyncio.CancelledError):
+        parent_gone = _parent_pid and os.getppid() != _parent_pid
+        return "SIGTERM (its parent process ended)" if parent_gone else "SIGTERM"
+    if raised is None:
+        return "its server ended"
+    return f"{type(raised).__name__}: {raised}"

@@ -18,6 +18,7 @@ from google.protobuf import message_factory
 
 from shardtrain import addresses, auth, codec, enums, errors, logs, metrics, shm, wire
 from shardtrain.channels import CHANNEL_OPTIONS, open_channel, read_pem
+from shardtrain.request_metrics import RequestMetrics
 from shardtrain.settings import Security
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -51,8 +52,11 @@ def tls_client_context(security: Security) -> ssl.SSLContext | None:
 
 
 def new_server(security: Security) -> grpc.aio.Server:
-    """An aio server that checks callers' tokens and roles when a token is configured (shardtrain/auth.py)."""
-    interceptors = [auth.RoleInterceptor(security)] if security.token else []
+    """An aio server that counts and times every request when metrics are on (request_metrics.py), and checks
+    callers' tokens and roles when a token is configured (auth.py)."""
+    interceptors = [RequestMetrics()] if metrics.enabled() else []
+    if security.token:
+        interceptors.append(auth.RoleInterceptor(security))
     return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
@@ -213,7 +217,7 @@ def boundary(method: Callable) -> Callable:
                 async for item in method(self, request, context):
                     yield item
             except Exception as error:  # noqa: BLE001 - this is the one boundary
-                await context.abort(*_refusal(error, self.location, method.__name__, context))
+                await context.abort(*_refusal(error, self.location, method.__name__, context, request))
         return streaming
 
     @functools.wraps(method)
@@ -221,19 +225,29 @@ def boundary(method: Callable) -> Callable:
         try:
             return await method(self, request, context)
         except Exception as error:  # noqa: BLE001 - this is the one boundary
-            await context.abort(*_refusal(error, self.location, method.__name__, context))
+            await context.abort(*_refusal(error, self.location, method.__name__, context, request))
     return unary
 
 
-def _refusal(error: Exception, where: str, method: str, context) -> tuple[grpc.StatusCode, str]:
-    """status_message, logged once with the method and the caller: an info line for a request the caller got
-    wrong, a warning for a failure here or further on."""
+def _refusal(error: Exception, where: str, method: str, context, request) -> tuple[grpc.StatusCode, str]:
+    """status_message, logged once with the method, the caller and the deployment the request names: an info line
+    for a request the caller got wrong, a warning for a failure here or further on."""
     code, message = status_message(error, where)
-    metrics.failed(method, code.name)
     level = logging.INFO if code.name in CALLER_ERRORS else logging.WARNING
     log.log(level, "%s %s from %s: %s %s", "refused" if level == logging.INFO else "failed", method,
-            context.peer(), code.name, message, extra=logs.fields(method=method, code=code.name, peer=context.peer()))
+            context.peer(), code.name, message,
+            extra=logs.fields(method=method, code=code.name, peer=context.peer(), **_deployment_of(request)))
     return code, message
+
+
+def _deployment_of(request) -> dict:
+    """{"deployment": id} when a request names one (its deployment_id, or its key's); {} for a stream of them."""
+    message = request.message if isinstance(request, codec.Frame) else request
+    for holder in (message, getattr(message, "key", None)):
+        deployment = getattr(holder, "deployment_id", "")
+        if deployment and isinstance(deployment, str):
+            return {"deployment": deployment}
+    return {}
 
 
 # Codes that say the request was wrong, not the server or its peers.

@@ -358,8 +358,9 @@ def add_slurm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
                         default=_env(env, "FROM_SLURM") in ("1", "true", "on"),
                         help="take --bind, --advertise and --device from SLURM's environment, for a shard started "
                              "by srun: listen on every interface, advertise SLURMD_NODENAME, compute on "
-                             "cuda:SLURM_LOCALID (cpu without CUDA); and, unless given, --coordinator: the first "
-                             "node of SLURM_JOB_NODELIST at --coordinator-port (or SHARDTRAIN_FROM_SLURM=1)")
+                             "cuda:SLURM_LOCALID (cpu without CUDA), serve metrics at --metrics-port + SLURM_LOCALID; "
+                             "and, unless given, --coordinator: the first node of SLURM_JOB_NODELIST at "
+                             "--coordinator-port (or SHARDTRAIN_FROM_SLURM=1)")
     parser.add_argument("--coordinator-port", type=_port, default=_env(env, "COORDINATOR_PORT", "50051"),
                         help="with --from-slurm: the coordinator's port on the job's first node (default 50051)")
     parser.add_argument("--port", type=_port, default=_env(env, "PORT", "50052"),
@@ -431,11 +432,12 @@ def _place_from_slurm(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
     try:
         place = slurm.shard_place(env, args.coordinator_port, args.port, torch.cuda.device_count(),
-                                  ports_per_shard=args.virtual_stages)
+                                  ports_per_shard=args.virtual_stages, metrics_port=args.metrics_port)
     except slurm.SlurmEnvironmentError as error:
         parser.error(f"--from-slurm: {error}")
     args.coordinator = args.coordinator or place.coordinator
     args.bind, args.advertise, args.device = place.bind, place.advertise, place.device
+    args.metrics_port = place.metrics_port
 
 
 def coordinator_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:

@@ -27,6 +27,7 @@ class ShardPlace:
     bind: str         # host:port this shard listens on (every interface: peers are on other nodes)
     advertise: str    # host:port peers and clients reach it at (port 0: the port it binds)
     device: str       # cuda:N for its GPU, or cpu
+    metrics_port: int | None = None  # its Prometheus endpoint's port (0: a free one), or None for none
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -89,10 +90,11 @@ def device_for(local_id: int, cuda_devices: int) -> str:
 
 
 def shard_place(env: Mapping[str, str], coordinator_port: int, port: int, cuda_devices: int,
-                ports_per_shard: int = 1) -> ShardPlace:
+                ports_per_shard: int = 1, metrics_port: int | None = None) -> ShardPlace:
     """Where the shard that is this srun task serves: the coordinator at the allocation's first node and
     `coordinator_port`; this node's name (SLURMD_NODENAME) and port `port` + SLURM_LOCALID * `ports_per_shard`
-    (port 0: a free port each); the GPU of its local id."""
+    (port 0: a free port each); the GPU of its local id; metrics at `metrics_port` + SLURM_LOCALID (one endpoint
+    per process, whatever its stages; 0: a free port each; None: none)."""
     nodelist_name = next((name for name in NODELIST_VARIABLES if env.get(name)), None)
     if nodelist_name is None:
         raise SlurmEnvironmentError("SLURM_JOB_NODELIST is not set: start the shard with srun inside a SLURM job")
@@ -108,8 +110,13 @@ def shard_place(env: Mapping[str, str], coordinator_port: int, port: int, cuda_d
     if own_port + ports_per_shard - 1 > 65535:
         raise SlurmEnvironmentError(f"SLURM_LOCALID={local_id} puts this shard at port {own_port}, past 65535: "
                                     f"give a lower --port")
+    own_metrics = metrics_port + local_id if metrics_port else metrics_port
+    if own_metrics is not None and own_metrics > 65535:
+        raise SlurmEnvironmentError(f"SLURM_LOCALID={local_id} puts this shard's metrics at port {own_metrics}, "
+                                    f"past 65535: give a lower --metrics-port")
     return ShardPlace(coordinator=f"{first_node}:{coordinator_port}", bind=f"0.0.0.0:{own_port}",
-                      advertise=f"{node}:{own_port}", device=device_for(local_id, cuda_devices))
+                      advertise=f"{node}:{own_port}", device=device_for(local_id, cuda_devices),
+                      metrics_port=own_metrics)
 
 
 def _count(env: Mapping[str, str], name: str) -> int:

@@ -1,5 +1,6 @@
 """docker/kubernetes/shardtrain.yaml: valid for Kubernetes by its published schemas, and consistent with the
-image and the services it runs (ports, probes, flags, user)."""
+image and the services it runs (ports, probes, flags, user, metrics); docker/kubernetes/servicemonitor.yaml
+scrapes the ports the manifest's Services publish."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate",
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "docker" / "kubernetes" / "shardtrain.yaml"
+SERVICE_MONITOR = ROOT / "docker" / "kubernetes" / "servicemonitor.yaml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
@@ -64,11 +66,11 @@ def test_the_schema_check_catches_a_misspelt_probe():
 
 def test_every_probe_asks_grpc_health_on_a_port_its_container_serves():
     for container in containers():
-        ports = {port["containerPort"] for port in container["ports"]}
+        grpc = next(port["containerPort"] for port in container["ports"] if port["name"] == "grpc")
         probes = [container[name] for name in PROBES if name in container]
         assert {"readinessProbe", "livenessProbe"} <= container.keys(), container["name"]
-        assert all(probe["grpc"]["port"] in ports for probe in probes), (container["name"], ports)
-        assert f"0.0.0.0:{ports.pop()}" in container["args"], "the service binds the port its probes ask"
+        assert all(probe["grpc"]["port"] == grpc for probe in probes), (container["name"], grpc)
+        assert f"0.0.0.0:{grpc}" in container["args"], "the service binds the port its probes ask"
 
 
 def test_the_services_reach_the_ports_the_containers_serve_and_the_shards_the_coordinator():
@@ -89,6 +91,31 @@ def test_the_services_reach_the_ports_the_containers_serve_and_the_shards_the_co
     advertised = shard["args"][shard["args"].index("--advertise") + 1]
     assert advertised == f"$(POD_NAME).shardtrain-shard.$(POD_NAMESPACE).svc:{shards['ports'][0]['port']}"
     assert {"POD_NAME", "POD_NAMESPACE"} <= env.keys(), "the advertised name is made of the downward API's"
+
+
+def test_every_pod_serves_metrics_where_its_annotations_and_the_service_monitor_look():
+    for resource in resources().values():
+        if "template" not in resource.get("spec", {}):
+            continue
+        annotations = resource["spec"]["template"]["metadata"]["annotations"]
+        (container,) = resource["spec"]["template"]["spec"]["containers"]
+        port = next(port["containerPort"] for port in container["ports"] if port["name"] == "metrics")
+        assert container["args"][container["args"].index("--metrics-port") + 1] == str(port)
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                               "prometheus.io/path": "/metrics"}, resource["metadata"]["name"]
+    # The ServiceMonitor's CRD is the Prometheus Operator's, which kubernetes-validate has no schema for: checked
+    # here against the Services it selects instead.
+    monitor = yaml.safe_load(SERVICE_MONITOR.read_text())
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "ServiceMonitor")
+    assert set(monitor["spec"]) == {"selector", "endpoints"}
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    selected = [resource for name, resource in resources().items() if name.startswith("Service/")
+                and wanted.items() <= resource["metadata"]["labels"].items()]
+    assert len(selected) == 2, "the coordinator's Service and the shards'"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    for service in selected:
+        assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}, service["metadata"]["name"]
 
 
 def test_each_shard_takes_one_gpu_and_computes_on_it():

@@ -263,6 +263,52 @@ def test_refused_requests_are_logged_once_with_the_code_and_the_caller_as_json_l
     assert refusals[1]["method"] == "Deploy" and refusals[1]["code"] == "UNAUTHENTICATED"
 
 
+def test_a_deploy_a_recovery_and_a_stop_are_one_json_line_each_with_their_fields(tmp_path):
+    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("coordinator", "shard")}
+    flags = ["--bind", "127.0.0.1:0", "--log-format", "json"]
+    coordinator = subprocess.Popen(["shardtrain", "coordinator", *flags], stdout=subprocess.PIPE,
+                                   stderr=logs["coordinator"], text=True, env=without_shardtrain_variables())
+    shard = None
+    try:
+        address = f"127.0.0.1:{json.loads(coordinator.stdout.readline())['port']}"
+        shard = subprocess.Popen(["shardtrain", "shard", *flags, "--coordinator", address], stdout=subprocess.PIPE,
+                                 stderr=logs["shard"], text=True, env=without_shardtrain_variables())
+        json.loads(shard.stdout.readline())
+        with Cluster.connect(address) as cluster:
+            model = cluster.deploy(nn.Sequential(nn.Linear(2, 1)))
+            train_remotely(model, regression_batches(steps=2, batch=2, features=2))
+            stage, deployment = model._clients.stages[0], model._clients.deployment_id
+            cluster._io.run(stage.call("Snapshot", shard_pb2.SnapshotRequest(deployment_id=deployment, name="s")))
+            cluster._io.run(stage.call("RestoreStage", shard_pb2.RestoreStageRequest(
+                deployment_id=deployment, snapshot="s", source_deployment_secret=model._clients.secret)))
+        for process in (shard, coordinator):
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0
+    finally:
+        for process in (shard, coordinator):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
+    lines = {}
+    for name, log in logs.items():
+        log.seek(0)
+        lines[name] = [json.loads(line) for line in log.read().splitlines()]
+        log.close()
+
+    def one(service: str, start: str) -> dict:
+        found = [line for line in lines[service] if line["message"].startswith(start)]
+        assert len(found) == 1 and found[0]["level"] == "INFO", (service, start, lines[service])
+        return found[0]
+    assert one("coordinator", "deployed ")["deployment"] == deployment
+    loaded = one("shard", "loaded stage 0 ")
+    assert (loaded["deployment"], loaded["stage"], loaded["logger"]) == (deployment, 0, "shardtrain.shard")
+    restored = one("shard", "restored stage 0 ")
+    assert (restored["deployment"], restored["stage"], restored["step"]) == (deployment, 0, 2)
+    for service in ("coordinator", "shard"):
+        assert one(service, "stopped")["message"] == "stopped: SIGTERM"
+        assert lines[service][-1]["message"] == "stopped: SIGTERM", "the last line says why it stopped"
+
+
 def test_entry_point_lists_its_commands_and_its_version():
     version = subprocess.run(["shardtrain", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("shardtrain 0.")

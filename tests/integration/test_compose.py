@@ -4,7 +4,8 @@ There is no Docker engine here, so the services run as the file describes them, 
 service's entrypoint and command (the image's ENTRYPOINT from docker/Dockerfile when it sets none), its
 environment, its volumes (a named volume becomes a directory of tmp_path), its health check, and its
 `depends_on` conditions, in order. The one thing changed is the network: every service runs on 127.0.0.1 at a
-free port of its own, so `coordinator:50051`, `shard-1:50052` and `0.0.0.0:50052` become 127.0.0.1 addresses.
+free port of its own, so `coordinator:50051`, `shard-1:50052` and `0.0.0.0:50052` become 127.0.0.1 addresses,
+and so does each service's `--metrics-port`, where docker/prometheus.yml's targets are scraped.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import os
 import pathlib
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -32,6 +35,8 @@ from tests.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"
+PROMETHEUS_FILE = ROOT / "docker" / "prometheus.yml"
+PROMTOOL = shutil.which("promtool")
 # docker-compose 1.29 (Debian's apt package) validates against the compose schema and resolves anchors, merge
 # keys and variables without a Docker daemon; .ci/run installs it.
 DOCKER_COMPOSE = shutil.which("docker-compose")
@@ -99,8 +104,11 @@ class ComposeHere:
         return re.sub(r"(?<![\w.-])([\w.-]+):(\d+)\b", to_here, text)
 
     def argv(self, service: str, words: list[str]) -> list[str]:
-        """The command line that runs `words` (a service's entrypoint and command) here."""
+        """The command line that runs `words` (a service's entrypoint and command) here; a --metrics-port, a port
+        of the service's own, becomes its free port here."""
         words = [self.mapped(service, word) for word in words]
+        words = [self.address(service, int(word)).rpartition(":")[2] if flag == "--metrics-port" else word
+                 for flag, word in zip(["", *words], words)]
         return [*EXECUTABLES.get(words[0], words[:1]), *words[1:]]
 
     def environment(self, service: str) -> dict[str, str]:
@@ -234,6 +242,7 @@ def test_the_services_train_through_tls_and_the_token_as_the_file_says(tmp_path)
             listed = compose.run("client")  # the client service's own command: it lists the shards
             assert listed.returncode == 0 and all(shard in listed.stdout for shard in shards), listed.stderr
             trains_like_one_process(cluster)
+            prometheus_scrapes_every_service(compose)
         with pytest.raises(errors.Unauthenticated):
             Cluster.connect(coordinator, security_from_env({k: v for k, v in client_env.items() if "TOKEN" not in k}))
     finally:
@@ -251,6 +260,32 @@ def trains_like_one_process(cluster) -> None:
     losses = train_remotely(model, batches)
     assert losses[-1] < losses[0], losses
     assert largest_difference(model.state_dict(), expected) < 1e-5
+
+
+def prometheus_scrapes_every_service(compose: ComposeHere) -> None:
+    """docker/prometheus.yml's targets are every running service's metrics port, each answering over HTTPS with a
+    certificate the compose CA signed; and promtool (where installed) accepts the configuration."""
+    config = yaml.safe_load(PROMETHEUS_FILE.read_text())
+    (job,) = config["scrape_configs"]
+    targets = [target for group in job["static_configs"] for target in group["targets"]]
+    served = {f"{service}:{port}" for service in compose.running
+              for flag, port in zip(compose.services[service]["command"], compose.services[service]["command"][1:])
+              if flag == "--metrics-port"}
+    assert sorted(targets) == sorted(served), f"prometheus.yml scrapes {targets}; the services serve {served}"
+    ca_file = compose.mapped("prometheus", job["tls_config"]["ca_file"])
+    context = ssl.create_default_context(cafile=ca_file)
+    for target in targets:
+        service, port = target.split(":")
+        url = f"{job['scheme']}://{compose.address(service, int(port))}{job.get('metrics_path', '/metrics')}"
+        with urllib.request.urlopen(url, context=context, timeout=10) as answer:
+            text = answer.read().decode()
+        role = "coordinator" if service == "coordinator" else "shard"
+        assert re.search(rf'^shardtrain_build_info{{.*role="{role}".*}} 1\.0$', text, re.MULTILINE), target
+    if PROMTOOL is not None:  # its file checks need the CA where the configuration says: a copy that says here
+        copy = compose.log_dir / "prometheus.yml"
+        copy.write_text(PROMETHEUS_FILE.read_text().replace(job["tls_config"]["ca_file"], ca_file))
+        done = subprocess.run([PROMTOOL, "check", "config", str(copy)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 def wait_for(condition, what: str, timeout: float = 30.0) -> None:

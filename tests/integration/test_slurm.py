@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -180,12 +181,19 @@ def test_the_batch_script_trains_the_demo_on_a_slurm_job(slurm, tmp_path):
     submitted = slurm.command(
         "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--overcommit", "--gpus-per-node=0",
         "--time=3", f"--output={tmp_path}/job.out",
-        f"--export=ALL,SHARDS_PER_NODE=2,SHARD_PORT=0,COORDINATOR_PORT={free_port()},STARTUP_TIMEOUT=60",
-        str(SCRIPT), "--steps", "60", cwd=tmp_path)
+        f"--export=ALL,SHARDS_PER_NODE=2,SHARD_PORT=0,COORDINATOR_PORT={free_port()},STARTUP_TIMEOUT=60,"
+        "METRICS_PORT=0", str(SCRIPT), "--steps", "60", cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
+    targets, roles = tmp_path / f"shardtrain-targets-{job}.json", []
+
+    def finished() -> bool:  # while the demo trains, every target of the discovery file answers
+        if not roles and targets.exists():
+            roles.extend(scraped_roles(json.loads(targets.read_text())))
+            (tmp_path / "targets.json").write_text(targets.read_text())
+        return slurm.job_state(job).get("JobState") in FINISHED
     try:
-        wait_until(lambda: slurm.job_state(job).get("JobState") in FINISHED, 100, f"job {job} finished")
+        wait_until(finished, 100, f"job {job} finished")
     finally:
         output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else "(no output)"
         print(output[-3000:])  # shown with a failure
@@ -198,6 +206,28 @@ def test_the_batch_script_trains_the_demo_on_a_slurm_job(slurm, tmp_path):
     assert losses[-1] < losses[0] / 10, output[-3000:]
     assert "-> match" in output
     assert not list(tmp_path.glob(".shardtrain-token-*")), "the job left its token file behind"
+    assert sorted(roles) == ["coordinator", "shard", "shard"], output[-3000:]
+    assert not targets.exists(), "the job left its discovery file behind: Prometheus would scrape it on"
+    if shutil.which("promtool"):  # the file as Prometheus' file-based discovery reads it
+        config = tmp_path / "prometheus.yml"
+        config.write_text(f"scrape_configs:\n  - job_name: shardtrain\n    file_sd_configs:\n"
+                          f"      - files: [{tmp_path / 'targets.json'}]\n")
+        checked = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True,
+                                 timeout=60)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def scraped_roles(groups: list[dict]) -> list[str]:
+    """The role each target of a file_sd file names in its shardtrain_build_info, scraped over HTTP."""
+    roles = []
+    for group in groups:
+        assert group["labels"].keys() == {"slurm_job_id"}
+        for target in group["targets"]:
+            assert re.fullmatch(r"localhost:[1-9]\d*", target), target
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as answer:
+                roles += re.findall(r'^shardtrain_build_info{.*role="(\w+)".*} 1\.0$', answer.read().decode(),
+                                    re.MULTILINE)
+    return roles
 
 
 def test_shards_from_slurm_variables_register_where_they_say_and_the_demo_trains_on_them(tmp_path):

@@ -71,6 +71,15 @@ def test_missing_or_bad_variables_are_named(change, complaint):
         slurm.shard_place(env, 50051, 50052, 0)
 
 
+def test_each_shard_of_a_node_serves_metrics_at_the_port_its_local_id_after_the_first():
+    assert slurm.shard_place(JOB, 50051, 50052, 0, metrics_port=9401).metrics_port == 9403
+    assert slurm.shard_place(JOB, 50051, 50052, 0, metrics_port=0).metrics_port == 0
+    assert slurm.shard_place(JOB, 50051, 50052, 0).metrics_port is None
+    assert shard_settings(["--from-slurm", "--metrics-port", "9401"], env=JOB).metrics_port == 9403
+    with pytest.raises(slurm.SlurmEnvironmentError, match="metrics at port 65536, past 65535"):
+        slurm.shard_place(JOB, 50051, 50052, 0, metrics_port=65534)
+
+
 def test_ports_past_the_last_are_refused():
     with pytest.raises(slurm.SlurmEnvironmentError, match="port 65536, past 65535"):
         slurm.shard_place(JOB, 50051, 65534, 0)
