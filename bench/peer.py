@@ -84,8 +84,8 @@ class SimulatedDevices(Loopback):
 
 
 class Keeper(threading.Thread):
-    """Starts a local cluster and deploys on it, then lives until released: a local cluster's services end with the
-    thread that started them. Three start at once, so one's start-up fills the others' waits."""
+    """Starts a local cluster and deploys on it, keeps it until released, then closes it: a local cluster's services
+    end with the thread that started them. The clusters start (and stop) at once, each filling the others' waits."""
 
     def __init__(self, start: Callable[[], tuple]):
         super().__init__(daemon=True)
@@ -100,16 +100,23 @@ class Keeper(threading.Thread):
             self.error = error
         self._done.set()
         self._released.wait()
+        if self.result:
+            self.result[0].close()
 
     def get(self) -> tuple:
+        """(cluster, deployed model), once started; what the start raised, if it failed."""
         self._done.wait()
         if self.error is not None:
             raise self.error
         return self.result
 
-    def release(self) -> None:
-        self._released.set()
-        self.join()
+    @staticmethod
+    def release(keepers: list[Keeper]) -> None:
+        """Closes every keeper's cluster, all at once."""
+        for keeper in keepers:
+            keeper._released.set()
+        for keeper in keepers:
+            keeper.join()
 
 
 def deployed(config: Config, shards: int, ms: float, virtual: int = 1, **options) -> tuple:
@@ -136,17 +143,8 @@ class Shardtrain:
         keepers = {name: Keeper(functools.partial(deployed, config, **spec)) for name, spec in specs.items()}
         for keeper in keepers.values():
             keeper.start()
-            stack.callback(keeper.release)
-        self._models, failure = {}, None
-        for name, keeper in keepers.items():
-            try:
-                self._models[name] = keeper.get()
-            except BaseException as error:
-                failure = failure or error
-                continue
-            stack.callback(self._models[name][0].close)
-        if failure is not None:  # raised once every cluster that started is sure to be closed
-            raise failure
+        stack.callback(Keeper.release, list(keepers.values()))
+        self._models = {name: keeper.get() for name, keeper in keepers.items()}
         self._initial = build(config).state_dict()
 
     def turn(self, row: str) -> dict:

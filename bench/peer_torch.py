@@ -180,6 +180,9 @@ def _worker(rank: int, world: int, port: int, commands, results) -> None:
             out = {"error": traceback.format_exc()}
         results.put((rank, out))
     dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # everything this rank put is on its way
+    os._exit(0)  # the interpreter's own teardown (gloo's native state) takes seconds and has nothing left to do
 
 
 def free_port() -> int:
