@@ -27,12 +27,14 @@ ranks), the median over rounds. Every step's loss of every turn must equal one p
 of the same model on the same batches, micro-batch-accumulated) within a relative 1e-5; the run exits
 non-zero if one does not.
 
---simulate-compute-ms D stands for GPU hosts, where stages do not share cores: every shard is started with
-`--simulate-compute-ms` (SHARDTRAIN_SIMULATE_COMPUTE_MS, which Cluster.local's services inherit), so it
-waits D ms (asyncio.sleep) after each planned forward and each backward of a micro-batch, D / 2 after
-each half of a split (zb-h1) backward; the torch stages sleep (time.sleep) the same after the same actions
-(a PipelineStage subclass; for DistributedDataParallel, after the whole model's forward and before its
-backward). Interleaved stages are half a device's share of the model, so they wait D / 2 per action.
+--simulate-compute-ms D stands for GPU hosts, where stages do not share cores. Every shard runs with
+`--simulate-compute-ms D` (set as SHARDTRAIN_SIMULATE_COMPUTE_MS in the environment of its command:
+Cluster.local passes no shard flags), so after each forward and each backward of a micro-batch that
+train_step plans it waits D ms more (asyncio.sleep, its compute thread free), D / 2 after each half of a
+split (zb-h1) backward, nothing more for the loss; the torch stages sleep (time.sleep) as long after the
+same actions (a PipelineStage subclass; with DistributedDataParallel, after the whole model's forward and
+before its backward). Interleaved stages are half a device's share of the model: D / 2 per action, both
+sides. The layers still compute for real, on the shared cores.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class SimulatedDevices(Loopback):
         self.ms = ms
 
     def prefix(self, index: int) -> list[str]:
-        return ["env", f"SHARDTRAIN_SIMULATE_COMPUTE_MS={self.ms:g}"] if self.ms else []
+        return ["env", f"SHARDTRAIN_SIMULATE_COMPUTE_MS={self.ms:g}"]  # 0 too: none inherited from this process
 
 
 class Keeper(threading.Thread):
