@@ -227,6 +227,7 @@ def run_rounds(shardtrain: Shardtrain, pool: TorchPool, config: Config, rounds: 
 
 
 def parse(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
+    """The run's Config (the defaults, or --quick's, with the options given) and the other options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per turn (default 10; --quick 2)")
@@ -246,6 +247,7 @@ def parse(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Starts both sides, runs the rounds, prints the table and the loss checks; exits non-zero if one failed."""
     config, args = parse(argv)
     started, load = time.perf_counter(), os.getloadavg()
     torch.set_num_threads(threads_for(4))

@@ -29,6 +29,7 @@ class Config:
 
     @property
     def total_steps(self) -> int:
+        """Steps of one turn, warm-up included."""
         return self.warmup + self.steps
 
 

@@ -203,11 +203,13 @@ class TorchPool:
         self._processes = None
 
     def start(self) -> None:
+        """Spawns the ranks; they join their group in the background (ready() waits for them)."""
         self._processes = mp.start_processes(_worker, args=(self.world, free_port(), self._commands, self._results),
                                              nprocs=self.world, join=False, daemon=True, start_method="spawn")
 
     @property
     def pids(self) -> list[int]:
+        """The ranks' process ids."""
         return self._processes.pids()
 
     def ready(self) -> None:
