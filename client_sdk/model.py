@@ -16,6 +16,7 @@ import torch
 
 from client_sdk import recovery
 from client_sdk.autograd import RemoteStages
+from client_sdk.batch import MAIN, TARGET, Batch
 from client_sdk.fit import Fit, History
 from client_sdk.gradients import RemoteGradient, RemoteGradients
 from client_sdk.inflight import InFlight
@@ -25,7 +26,7 @@ from client_sdk.loss_scaling import LossScaler
 from client_sdk.losses import LossSpecs
 from client_sdk.optimizer import Hyperparameters, clip_coefficient, client_optimizer
 from client_sdk.data import RowBatch
-from client_sdk.pipeline import MAIN, TARGET, Batch, PipelineTrainer
+from client_sdk.pipeline import PipelineTrainer
 from client_sdk.reports import ShardReport, Table
 from client_sdk.timeline import Timeline
 from client_sdk.transport import split_state
