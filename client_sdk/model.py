@@ -96,18 +96,19 @@ class DistributedModel:
         self._trainer = trainer
         self._clients = trainer.replicas[0]  # the PyTorch-shaped loop drives replica 0 (the only one then)
         self.placements = list(placements)
-        self._calls = CallOrder()  # the call-order state a script's calls move through
+        self._call_order = CallOrder()  # the call-order state a script's calls move through
         self._closed = False
         self.virtual_stages = 1  # stages per device (deploy(virtual_stages=)), for the interleaved schedule
         self._interface = interface or Interface()  # the model's arguments and outputs
         # The handle's work, by what it does; each reaches the deployment through the handle.
-        self._loop = ScriptLoop(self)
-        self._planned = PlannedSteps(self)
-        self._state = ModelState(self, owners, key_order, parameter_keys, holders)
+        self._script_loop = ScriptLoop(self)
+        self._planned_steps = PlannedSteps(self)
+        self._model_state = ModelState(self, owners, key_order, parameter_keys, holders)
         self._gradients = RemoteGradients(
-            {p.name: list(p.stages) for p in parameters if p.requires_grad and p.stages}, self._loop.parameter_norms,
+            {p.name: list(p.stages) for p in parameters if p.requires_grad and p.stages},
+            self._script_loop.parameter_norms,
             lambda: self._trainer.scaler.scale if self._trainer.scaler is not None else 1.0,
-            lambda: self._calls.has_gradients)
+            lambda: self._call_order.has_gradients)
         self._parameters = [replace(parameter, gradients=self._gradients) for parameter in parameters]
         # The shards' optimizer as seen from here: its param groups hold the hyperparameters in force.
         self.optimizer = client_optimizer(optimizer or shard_pb2.OptimizerSpec(name="SGD", kwargs_json='{"lr": 0.01}'),
@@ -148,24 +149,24 @@ class DistributedModel:
         """Runs the model on its arguments, as the local model takes them (the tensors the example had); returns
         what it returns (a tensor, or a tuple or dict of them). Under autograd the result backpropagates into the
         shards: into the first input too when it requires grad; the other inputs take no gradient."""
-        return self._loop.forward(args, kwargs)
+        return self._script_loop.forward(args, kwargs)
 
     def step(self) -> None:
         """Every shard applies its optimizer to the gradients accumulated so far (nothing, as in PyTorch, when no
         backward ran since the last zero_grad). Outputs not yet backpropagated can no longer be: their graphs hold
         weights the step changed, and their backward raises FailedPrecondition at once, as PyTorch raises."""
-        self._loop.step()
+        self._script_loop.step()
 
     def zero_grad(self) -> None:
         """Clears gradients on every shard (to None, as torch does); sent with the next forward, backward or step
         rather than on its own, so it takes effect before any backward called after it."""
-        self._loop.zero_grad()
+        self._script_loop.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every stage's gradients: returns their total norm, and the next step()
         scales every gradient by max_norm / (total + 1e-6) when that is under 1. Waits for the backwards sent."""
-        return self._loop.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return self._script_loop.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def synchronize(self) -> None:
         """Waits until every shard has finished everything sent so far; raises the first error."""
@@ -174,22 +175,22 @@ class DistributedModel:
     # -- weights, optimizer state and checkpoints (client_sdk/model_state.py) -------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights, gathered from the shards, in the original model's key order."""
-        return self._state.state_dict()
+        return self._model_state.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Pushes weights to the shards that own them."""
-        self._state.load_state_dict(state, strict)
+        self._model_state.load_state_dict(state, strict)
 
     def optimizer_state_dict(self) -> dict:
         """The shards' optimizer state (Adam's moments, step counts, hyperparameters...) as torch.optim's
         state_dict() of one optimizer over net.parameters() would hold it. Save it with model.state_dict() to
         resume training exactly; it loads into a local optimizer over the same model too."""
-        return self._state.optimizer_state_dict()
+        return self._model_state.optimizer_state_dict()
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Replaces the shards' optimizer state with one from optimizer_state_dict() (or from a local optimizer
         of the same class over net.parameters()); a state that does not fit is refused and changes nothing."""
-        self._state.load_optimizer_state_dict(state)
+        self._model_state.load_optimizer_state_dict(state)
 
     def save_checkpoint(self, directory: str | os.PathLike, on_shards: bool | None = None) -> None:
         """Writes the weights and the optimizer state to `directory` as safetensors files and a JSON description,
@@ -206,7 +207,7 @@ class DistributedModel:
         but leaves its generation-* directory: loads of `directory` are then refused until a save succeeds, or
         that directory is removed to load the checkpoint it did not replace. The files are this user's alone
         (0600; a shard's --checkpoint-group lets a group read them)."""
-        self._state.save_checkpoint(directory, on_shards)
+        self._model_state.save_checkpoint(directory, on_shards)
 
     def load_weights(self, source: str | os.PathLike, provided: Sequence[str] = ()) -> dict[str, int]:
         """Has every stage read its own weights from `source`, where they lie: a safetensors file, a directory,
@@ -216,7 +217,7 @@ class DistributedModel:
         tensor (present under its key or a tied weight's, same dtype and shape) before any stage reads one: a
         source that does not fit is refused, naming the tensor, and changes nothing. What state_dict() leaves out
         (non-persistent buffers), and `provided` keys, are not looked for. Returns the bytes each shard read."""
-        return self._state.load_weights(source, provided)
+        return self._model_state.load_weights(source, provided)
 
     def load_checkpoint(self, directory: str | os.PathLike, optimizer: bool = True,
                         on_shards: bool | None = None) -> None:
@@ -225,7 +226,7 @@ class DistributedModel:
         steps (DataLoss, naming the stage), or whose directory holds a save that did not finish
         (FailedPrecondition) is refused and changes nothing. The shards read their own tensors where they can, as
         save_checkpoint writes them (`on_shards` as there)."""
-        self._state.load_checkpoint(directory, optimizer, on_shards)
+        self._model_state.load_checkpoint(directory, optimizer, on_shards)
 
     def named_parameters(self):
         """(name, RemoteParameter) for each parameter, in net.named_parameters()'s order (a tied weight once)."""
@@ -266,7 +267,7 @@ class DistributedModel:
         global norm before the step, as clip_grad_norm_ does (the optimizer step then waits for the stages'
         norms; model.grad_norm() gives the total norm).
         """
-        return self._planned.train_step(x, y, loss_fn, microbatches, schedule, clip_grad_norm, loss_output)
+        return self._planned_steps.train_step(x, y, loss_fn, microbatches, schedule, clip_grad_norm, loss_output)
 
     def fit(self, data, epochs: int = 1, loss_fn="MSELoss", *, microbatches: int | None = None,
             schedule: str = "1f1b", loop: bool = False, loss_output=None, validation=None,
@@ -340,15 +341,15 @@ class DistributedModel:
     # -- the explicit asynchronous API ---------------------------------------------------------
     async def aforward(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the model; returns a leaf tensor that requires grad. Pass its .grad to abackward."""
-        return await self._loop.aforward(x)
+        return await self._script_loop.aforward(x)
 
     async def abackward(self, grad_output: torch.Tensor, step: int | None = None) -> None:
         """Backpropagates the gradient of an aforward output (the oldest one not yet backpropagated)."""
-        await self._loop.abackward(grad_output, step)
+        await self._script_loop.abackward(grad_output, step)
 
     async def astep(self) -> None:
         """Applies every shard's optimizer and waits until all have."""
-        await self._loop.astep()
+        await self._script_loop.astep()
 
     async def azero_grad(self) -> None:
         """Awaitable zero_grad() (it sends nothing by itself either)."""
@@ -356,13 +357,13 @@ class DistributedModel:
 
     async def astate_dict(self) -> dict[str, torch.Tensor]:
         """Awaitable state_dict()."""
-        return await self._io.wrap(self._state.read_state())
+        return await self._io.wrap(self._model_state.read_state())
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def _synchronize(self) -> None:
         """Waits until every shard has finished everything sent so far (on the IoLoop)."""
         await self._clients.flush()
-        await self._calls.inflight.drain()
+        await self._call_order.inflight.drain()
 
     def _settle(self) -> None:
         """Waits for the calls still in flight; a failure among them is logged, not raised (a deploy is next)."""
@@ -388,7 +389,6 @@ class DistributedModel:
         stages = ", ".join(f"stage {p.stage}@{p.shard_address}: layers {p.first_layer}-{p.end_layer - 1}"
                            for p in self.placements)
         return f"DistributedModel({self.deployment_id}; {stages})"
-
 
 
 async def _memory(model: DistributedModel) -> list[dict]:

@@ -107,14 +107,14 @@ class ModelState:
     async def _load_state(self, per_stage) -> None:
         model = self.model
         await model._synchronize()
-        model._planned.forget_snapshots()  # they no longer hold this state: the next train_step takes new ones
+        model._planned_steps.forget_snapshots()  # they no longer hold this state: the next train_step takes new ones
         await asyncio.gather(*(clients.load_state(per_stage) for clients in model._trainer.replicas))
 
     async def _load_optimizer_state(self, per_stage) -> None:
         """Every stage checks its share before any loads it: a state that one stage refuses changes none."""
         model = self.model
         await model._synchronize()
-        model._planned.forget_snapshots()
+        model._planned_steps.forget_snapshots()
         for check_only in (True, False):
             await asyncio.gather(*(clients.load_optimizer_state(per_stage, check_only)
                                    for clients in model._trainer.replicas))
@@ -123,7 +123,7 @@ class ModelState:
         """Every stage of every replica checks its tensors in `source`, then reads them."""
         model = self.model
         await model._synchronize()
-        model._planned.forget_snapshots()
+        model._planned_steps.forget_snapshots()
         stages = [(clients.deployment_id, stage) for clients in model._trainer.replicas for stage in clients.stages]
         answers = []
         for check_only in (True, False):
@@ -188,7 +188,7 @@ class ModelState:
         none)."""
         model = self.model
         await model._synchronize()
-        model._planned.forget_snapshots()
+        model._planned_steps.forget_snapshots()
         answers = []
         for check_only in (True, False):
             calls = [stage.call("LoadCheckpoint", shard_pb2.LoadCheckpointRequest(

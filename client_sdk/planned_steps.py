@@ -21,6 +21,9 @@ from shardtrain.v1 import shard_pb2
 log = logging.getLogger("shardtrain.sdk")
 
 MAX_RECOVERIES = 3  # dead shards replaced within one train_step call before its failure is raised
+# What a handle holds of its deployment, which a redeploy after a dead shard swaps: the handle's loop, planned steps
+# and state keep none of it, and reach it through the handle.
+DEPLOYMENT_ATTRIBUTES = ("_trainer", "_clients", "placements", "_call_order")
 
 
 class PlannedSteps:
@@ -30,7 +33,7 @@ class PlannedSteps:
 
     def __init__(self, model) -> None:
         self.model = model
-        self._loss_specs = LossSpecs(model._loop.predict)
+        self._loss_specs = LossSpecs(model._script_loop.predict)
         self._recent: list[tuple[int, tuple]] = []
         self._refused: set[int] = set()  # optimizer steps sent by calls that raised: no recovery runs them again
         self._periodic: recovery.Periodic | None = None
@@ -108,7 +111,7 @@ class PlannedSteps:
             await model._synchronize()
             self._periodic = await recovery.take_snapshots(model._clients, model.steps_done)
         while True:
-            number = model._calls.optimizer_steps + 1  # the optimizer step it is about to be
+            number = model._call_order.optimizer_steps + 1  # the optimizer step it is about to be
             self._recent = [entry for entry in self._recent if entry[0] < number][-1:] + [(number, pending[0])]
             try:
                 loss = await self._run(*pending[0][:-1], hyperparameters=pending[0][-1] if recoveries else None)
@@ -151,7 +154,7 @@ class PlannedSteps:
             raise
         except ShardtrainError:
             self._recent.pop()  # the call fails: a later recovery does not run it again
-            if model._calls.optimizer_steps >= number:
+            if model._call_order.optimizer_steps >= number:
                 self._refused = {n for n in self._refused if n > number - MAX_AWAITING} | {number}
             raise
         restored, handle, record = recovered
@@ -195,12 +198,11 @@ class PlannedSteps:
 
     async def _adopt(self, other) -> None:
         """Takes over `other`'s deployment (a redeploy of the same model with the same split): the handle, its
-        optimizer and its hyperparameters stay the user's. What the handle holds of its deployment is the
-        attributes named here; its loop, planned steps and state reach the deployment through them."""
+        optimizer and its hyperparameters stay the user's."""
         model = self.model
         old = model._trainer.replicas
-        model._calls.inflight.abandon()  # the old deployment's calls: failed, or never to finish
-        for name in ("_trainer", "_clients", "placements", "_calls"):
+        model._call_order.inflight.abandon()  # the old deployment's calls: failed, or never to finish
+        for name in DEPLOYMENT_ATTRIBUTES:
             setattr(model, name, getattr(other, name))
         other._closed = True
         await asyncio.gather(*(clients.close() for clients in old), return_exceptions=True)
@@ -208,7 +210,7 @@ class PlannedSteps:
     async def _run(self, batch: Batch, loss_fn, loss_output, microbatches: int, schedule: str,
                    clip=None, hyperparameters: str | None = None) -> float:
         """One planned step on `batch` as the next optimizer step; returns its loss once the last stages sent it."""
-        model, calls = self.model, self.model._calls
+        model, calls = self.model, self.model._call_order
         calls.inflight.raise_failures()
         if calls.backward_steps:
             await model._synchronize()  # a loop backward still running would add to the step's fresh gradients
@@ -225,7 +227,7 @@ class PlannedSteps:
         model._gradients.changed()
         calls.outdate_awaiting_backward()
         calls.has_gradients = True  # as after a step in one process: the step's gradients stay
-        step, after = model._loop.begin_step(), calls.settle_before_forward
+        step, after = model._script_loop.begin_step(), calls.settle_before_forward
         calls.optimizer_steps += 1
         calls.settle_before_forward = calls.optimizer_steps
         try:

@@ -14,7 +14,7 @@ from shardtrain.errors import FailedPrecondition, InternalError
 
 class ScriptLoop:
     """Sends the forwards, backwards, optimizer steps and gradient clipping of a script's loop for the handle
-    `model` (a DistributedModel), whose call-order state (model._calls) says what each call may do."""
+    `model` (a DistributedModel), whose call-order state (model._call_order) says what each call may do."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -36,7 +36,7 @@ class ScriptLoop:
     def begin_step(self) -> int:
         """Numbers a new step, once the handle is known to be open."""
         self.model._check_open()
-        return self.model._calls.next_step()
+        return self.model._call_order.next_step()
 
     def remote_forward(self, step: int, x: torch.Tensor, inputs: dict[str, torch.Tensor], requires_grad: bool,
                        input_requires_grad: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -56,7 +56,7 @@ class ScriptLoop:
 
     def zero_grad(self) -> None:
         """model.zero_grad(): a flag the next forward, backward or step carries."""
-        calls, gradients = self.model._calls, self.model._gradients
+        calls, gradients = self.model._call_order, self.model._gradients
         calls.zero_grad_pending = True
         calls.has_gradients = False
         self.gradient_scale = 0.0
@@ -73,15 +73,15 @@ class ScriptLoop:
         self._check_plain("aforward")
         step = self.begin_step()
         output, _ = await self.model._io.wrap(self.send_forward(step, x, requires_grad=True))
-        self.model._calls.async_steps.append(step)
+        self.model._call_order.async_steps.append(step)
         return output.requires_grad_(True)
 
     async def abackward(self, grad_output: torch.Tensor, step: int | None = None) -> None:
         """model.abackward(): the oldest aforward's unless `step` is given."""
         if step is None:
-            if not self.model._calls.async_steps:
+            if not self.model._call_order.async_steps:
                 raise FailedPrecondition("abackward without a pending aforward")
-            step = self.model._calls.async_steps.pop(0)
+            step = self.model._call_order.async_steps.pop(0)
         await self.model._io.wrap(self.send_backward(step, grad_output, wait=True))
 
     async def astep(self) -> None:
@@ -97,7 +97,7 @@ class ScriptLoop:
                            training: bool | None = None,
                            inputs: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(the main output, the model's other outputs in the interface's order)."""
-        model, calls = self.model, self.model._calls
+        model, calls = self.model, self.model._call_order
         calls.inflight.raise_failures()
         zero_grad = calls.take_zero_grad()
         training = model.training if training is None else training
@@ -114,7 +114,7 @@ class ScriptLoop:
     async def send_backward(self, step: int, grad_output: torch.Tensor | None, wait: bool,
                             output_grads: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor | None:
         """Sends a backward; with `wait`, waits for it and returns the input's gradient (if the forward asked)."""
-        model, calls = self.model, self.model._calls
+        model, calls = self.model, self.model._call_order
         calls.inflight.raise_failures()
         calls.check_backward(step)
         zero_grad = calls.take_zero_grad()
@@ -136,7 +136,7 @@ class ScriptLoop:
 
     async def send_step(self, wait: bool = False) -> None:
         """Sends the optimizer step down the stages at once; each applies it after its own backwards."""
-        model, calls = self.model, self.model._calls
+        model, calls = self.model, self.model._call_order
         if not calls.has_gradients:  # torch.optim skips parameters without gradients: this step changes nothing
             model._gradients.take_edits()
             if wait:
@@ -165,17 +165,17 @@ class ScriptLoop:
     async def _loss_scaling(self) -> tuple[float, bool]:
         """Under fp16's loss scaling: (the factor that unscales the gradients, whether a gradient overflowed and
         the step is skipped), from the stages' gradient norms; (0, False) without it."""
-        model = self.model
+        model, calls = self.model, self.model._call_order
         scaler = model._trainer.scaler
         if scaler is None:
             return 0.0, False
-        norms = await model._clients.gradient_norms(model._calls.backward_steps, 2.0, model._calls.optimizer_steps + 1,
+        norms = await model._clients.gradient_norms(calls.backward_steps, 2.0, calls.optimizer_steps + 1,
                                                     model._gradients.take_edits_by_stage())
         unscale, skip, _ = scaler.verdict(norms)
         return unscale, skip
 
     async def _clip_grad_norm(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-        model, calls = self.model, self.model._calls
+        model, calls = self.model, self.model._call_order
         calls.inflight.raise_failures()
         if not calls.has_gradients:
             return torch.tensor(0.0)
@@ -192,9 +192,9 @@ class ScriptLoop:
         model = self.model
 
         async def fetch() -> dict[str, float]:
-            model._calls.inflight.raise_failures()
-            answers = await model._clients.gradient_norm_answers(model._calls.backward_steps, norm_type,
-                                                                 model._calls.optimizer_steps + 1, edits, names)
+            model._call_order.inflight.raise_failures()
+            answers = await model._clients.gradient_norm_answers(model._call_order.backward_steps, norm_type,
+                                                                 model._call_order.optimizer_steps + 1, edits, names)
             return {name: norm for stage, answer in enumerate(answers)
                     for name, norm in zip(names.get(stage, []), answer.parameter_norms)}
         model._check_open()
