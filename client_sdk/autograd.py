@@ -13,13 +13,13 @@ class RemoteStages(torch.autograd.Function):
     gradient."""
 
     @staticmethod
-    def forward(ctx, model, anchor: torch.Tensor, x: torch.Tensor, inputs: dict):  # noqa: ARG004 - anchor
+    def forward(ctx, loop, anchor: torch.Tensor, x: torch.Tensor, inputs: dict):  # noqa: ARG004 - anchor
         # `anchor` is a scalar that requires grad, so the output does too even when x does not.
-        ctx.model = model
-        ctx.step = model._begin_step()
+        ctx.loop = loop  # the model's ScriptLoop (client_sdk/script_loop.py)
+        ctx.step = loop.begin_step()
         ctx.input_requires_grad = x.requires_grad
-        main, extras = model._remote_forward(ctx.step, x, inputs, requires_grad=True,
-                                             input_requires_grad=x.requires_grad)
+        main, extras = loop.remote_forward(ctx.step, x, inputs, requires_grad=True,
+                                           input_requires_grad=x.requires_grad)
         outputs = (main, *extras)
         ctx.differentiable = [_differentiable(t) for t in outputs]
         ctx.mark_non_differentiable(*(t for t, d in zip(outputs, ctx.differentiable) if not d))
@@ -28,11 +28,11 @@ class RemoteStages(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor, *output_grads: torch.Tensor):
         # Without an input gradient to return, backward only needs to be sent; with one, it must finish first.
-        names = ctx.model._interface.outputs
+        names = ctx.loop.model._interface.outputs
         grads = {name: grad if differentiable else None
                  for name, grad, differentiable in zip(names, output_grads, ctx.differentiable[1:])}
-        grad_input = ctx.model._remote_backward(ctx.step, grad_output if ctx.differentiable[0] else None,
-                                                ctx.input_requires_grad, grads)
+        grad_input = ctx.loop.remote_backward(ctx.step, grad_output if ctx.differentiable[0] else None,
+                                              ctx.input_requires_grad, grads)
         return None, None, grad_input, None
 
 

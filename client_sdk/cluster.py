@@ -5,55 +5,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import logging
 import os
 import secrets
-import time
 import warnings
 from collections.abc import Sequence
 
 import torch
 
+from client_sdk import deploy_steps as steps
 from client_sdk import layers as layer_tools
-from client_sdk import materialize, modes
-from client_sdk import optimizer as optimizer_tools
-from client_sdk.loss_scaling import LossScaler
-from client_sdk.interface import Interface
+from client_sdk.deploy_steps import DeployOptions, PhaseClock, Shipped
 from client_sdk.io_loop import shared_loop
-from client_sdk.model import DistributedModel, Placement, RemoteParameter
-from client_sdk.pipeline import PipelineTrainer
+from client_sdk.model import DistributedModel
 from client_sdk.processes import LocalServices
 from client_sdk.reports import DeploymentReport, ShardInfo, Table
 from client_sdk.transport import StageClients
-from shardtrain import auth, optim, wire
-from shardtrain import precision as precision_mode
-from shardtrain import recompute as recompute_mode
+from shardtrain import auth
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env, timeouts_env
-from shardtrain.v1 import coordinator_pb2, shard_pb2
+from shardtrain.v1 import coordinator_pb2
 
-
-BALANCES = ("time", "parameters")  # measured on the shards, or parameter counts
-log = logging.getLogger("shardtrain.client")
-
-
-def _on_meta(values):
-    """The same structure with every tensor moved to the meta device (examples for a model built there)."""
-    return torch.utils._pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, values)
-
-
-class _PhaseClock:
-    """Seconds per named phase of a deploy, for model.deploy_seconds and the deploy's log line."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def done(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = now - self._last
-        self._last = now
 
 
 class Cluster:
@@ -225,116 +197,62 @@ class Cluster:
         The handle starts in the model's mode (training, or eval after model.eval()); its train() and eval()
         switch it. Deploying leaves `model` as it was: weights, buffers, modes and torch's random stream.
         """
-        if replicas < 1:
-            raise InvalidArgument(f"replicas must be at least 1, got {replicas}")
-        recomputed = [] if isinstance(recompute, str) else list(recompute)
-        recompute = recompute_mode.check(recompute) if isinstance(recompute, str) else "never"
-        precision_mode.check(precision)
-        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
-            raise InvalidArgument(f"snapshot_every must be a whole number >= 0, got {snapshot_every!r}")
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise InvalidArgument(f"virtual_stages must be a whole number >= 1, got {virtual_stages!r}")
-        module = layer_tools.as_module(model)
-        clock = _PhaseClock()
-        empty = materialize.is_empty(module)  # built on meta: captured from shapes, initialised a part at a time
-        if empty:
-            if weights is None:
-                materialize.check_initialisable(module)
-            example_input, example_inputs, example_kwargs = _on_meta((example_input, example_inputs, example_kwargs))
-        layers, interface, (x, inputs) = self._split(module, example_input, example_inputs, example_kwargs,
-                                                     dynamic_shapes)
-        clock.done("capture whole")
-        if split_points or layers_per_stage:
-            balance = "parameters"  # nothing to balance: the costs shown are parameter counts
-        balance = balance or ("parameters" if layer_tools.is_layered(module) else "time")
-        if balance not in BALANCES:
-            raise InvalidArgument(f"balance must be one of {list(BALANCES)}, got {balance!r}")
-        mixed = modes.mixed_modes(module)
-        if mixed:
-            warnings.warn(f"layers {mixed[:5]} are not in the model's {'training' if module.training else 'eval'} "
-                          "mode: the deployment switches the whole model, as model.train() and model.eval() do",
-                          stacklevel=2)
-        spec = optimizer_tools.spec_for(optimizer, dict(module.named_parameters()))
-        encodings = wire.wire_encodings(precision if precision != "fp32" and compression == "none" else compression)
-        request = coordinator_pb2.DeployRequest(
-            encodings=encodings,
-            layers=layer_tools.capture_model(module, layers, x, inputs),
-            optimizer=spec,
-            partition=coordinator_pb2.PartitionSpec(num_stages=num_stages,
-                                                    split_points=layer_tools.split_indexes(layers, split_points),
-                                                    layers_per_stage=layers_per_stage,
-                                                    balance_by_time=balance == "time",
-                                                    virtual_stages=virtual_stages),
-            replicas=replicas, inputs=interface.extra_inputs, outputs=interface.outputs, take_over=take_over,
+        options = DeployOptions.checked(
+            optimizer=optimizer, compression=compression, replicas=replicas, balance=balance,
+            split_points=split_points, layers_per_stage=layers_per_stage, num_stages=num_stages,
+            virtual_stages=virtual_stages, snapshot_every=snapshot_every, take_over=take_over, weights=weights,
             recompute=recompute, precision=precision)
+        module = layer_tools.as_module(model)
+        clock = PhaseClock()
+        captured = steps.capture(module, example_input, example_inputs, example_kwargs, dynamic_shapes, weights)
+        clock.done("capture whole")
+        request = steps.plan(captured, options)
         clock.done("capture units")
-        if self.spares and not (num_stages or split_points or layers_per_stage):  # the spares stay idle
-            in_use = len(self.shards()) - self.spares
-            request.partition.num_stages = max(1, min(in_use // replicas, len(request.layers)))
-        layer_tools.mark_state(request.layers, module)
-        layer_tools.mark_recomputed(layers, request.layers, recomputed)
-        if balance == "time":
-            layer_tools.describe_inputs(module, layers, request.layers, x, inputs)
-        layer_tools.weigh(request.layers, layers, optim.STATE_TENSORS[spec.name])
-        for previous in self._models:  # shards hold one deployment at a time: the previous one's calls end first
-            previous._settle()
+        self._describe(request, captured, options)
         clock.done("describe")
-        response = self._io.run(self._deploy_call(request))
+        response = self._io.run(self._deploy_call(request))  # the coordinator partitions, places and ships
         clock.done("partition and load stages")
-        if not (num_stages or split_points or layers_per_stage):
-            self._warn_idle(response, len(request.layers), replicas)
-        self._close_models()  # only now: a deploy the coordinator refused leaves the previous model training
-        # torch.optim numbers its state by this order: the groups', or net.parameters()'
-        parameter_keys = [key for group in spec.groups for key in group.parameters] or \
-            [name for name, _ in module.named_parameters()]
-        shapes = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()}
-        distributed = self._io.run(self._handle(response, request.layers, encodings, parameter_keys, spec, shapes,
-                                                list(module.state_dict()), interface))
-        if weights is not None:
-            beyond = layer_tools.held_beyond_state_dict(module, layers, request.layers)
-            beyond = materialize.initialise_buffers(module, beyond) if empty else beyond
-            distributed.load_weights(weights)  # all but these, which no checkpoint holds
-            if beyond:
-                distributed.load_state_dict(beyond, strict=False)
-        elif empty:  # the forward's own constants (no module's tensors) first, then module by module
-            owned = {key for key, _ in (*module.named_parameters(remove_duplicate=False),
-                                        *module.named_buffers(remove_duplicate=False))}
-            constants = {key: value for layer in layers for key, value in layer.constants if key not in owned}
-            if constants:
-                distributed.load_state_dict(materialize.initialise_buffers(module, constants), strict=False)
-            materialize.initialise_in_parts(module, [{entry.model_key for entry in layer.state} - set(constants)
-                                                     for layer in request.layers],
-                                            lambda part: distributed.load_state_dict(part, strict=False))
-        else:  # a non-persistent buffer (a mask, a rotary cache) is not in the state dict; its stages need its value
-            distributed.load_state_dict({**module.state_dict(),
-                                         **layer_tools.held_beyond_state_dict(module, layers, request.layers)})
-        if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
-            distributed.load_optimizer_state_dict(optimizer.state_dict())
+        shipped = Shipped.of(request, captured)
+        distributed = self._take_over(response, shipped, options)
+        steps.load(distributed, captured, request, options)
         clock.done("send weights")
-        distributed.deploy_seconds = clock.seconds
-        log.info("deployed %d layers over %d stages in %.2f s: %s", len(request.layers), len(distributed.placements),
-                 sum(clock.seconds.values()), ", ".join(f"{k} {v:.2f} s" for k, v in clock.seconds.items()))
-        distributed.train(module.training)
-        distributed.virtual_stages = virtual_stages
-        distributed.batch_norms = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
-        distributed.snapshot_every = snapshot_every
-        distributed.loss_scaler = LossScaler() if precision == "fp16" else None
-        distributed._redeploy = functools.partial(self._redeploy, request, (encodings, parameter_keys, spec, shapes,
-                                                                            list(module.state_dict()), interface))
+        steps.ready(distributed, captured, request, options, clock)
+        distributed._redeploy = functools.partial(self._redeploy, shipped)
         self._models.append(distributed)
         return distributed
 
-    async def _redeploy(self, request: coordinator_pb2.DeployRequest, handle_arguments: tuple,
-                        prefer: list[str], layers_per_stage: list[int]) -> tuple[list[StageClients], DistributedModel]:
-        """Deploys `request` again with the same split, each stage on `prefer`'s shard where it lives (a spare
+    def _describe(self, request: coordinator_pb2.DeployRequest, captured: steps.Captured,
+                  options: DeployOptions) -> None:
+        """Describes the layers for the partitioner, over the shards a default deploy uses (the spares stay idle),
+        and lets the previous deployment's calls end: shards hold one deployment at a time."""
+        if self.spares and not options.chooses_stages:
+            in_use = len(self.shards()) - self.spares
+            request.partition.num_stages = max(1, min(in_use // options.replicas, len(request.layers)))
+        steps.describe(request, captured, options)
+        for previous in self._models:
+            previous._settle()
+
+    def _take_over(self, response: coordinator_pb2.DeployResponse, shipped: Shipped,
+                   options: DeployOptions) -> DistributedModel:
+        """The handle to the new deployment, once the previous one's handles are closed (only now: a deploy the
+        coordinator refused leaves the previous model training)."""
+        if not options.chooses_stages:
+            self._warn_idle(response, len(shipped.request.layers), options.replicas)
+        self._close_models()
+        return self._io.run(steps.connect(response, shipped, self._io, self.security, self.timeouts))
+
+    async def _redeploy(self, shipped: Shipped, prefer: list[str],
+                        layers_per_stage: list[int]) -> tuple[list[StageClients], DistributedModel]:
+        """Deploys `shipped` again with the same split, each stage on `prefer`'s shard where it lives (a spare
         elsewhere); the new deployment's replicas and a handle to it (whose weights are still to be restored)."""
+        request = shipped.request
         again = coordinator_pb2.DeployRequest()
         again.CopyFrom(request)
         again.partition.CopyFrom(coordinator_pb2.PartitionSpec(layers_per_stage=layers_per_stage,
                                                                virtual_stages=request.partition.virtual_stages))
         again.prefer_addresses[:] = prefer
         response = await self._deploy_call(again)
-        handle = await self._handle(response, request.layers, *handle_arguments)
+        handle = await steps.connect(response, shipped, self._io, self.security, self.timeouts)
         return handle._trainer.replicas, handle
 
     def _warn_idle(self, response: coordinator_pb2.DeployResponse, layer_count: int, replicas: int) -> None:
@@ -345,7 +263,7 @@ class Cluster:
             why = (f"the model has {layer_count} parts to cut between" if layer_count * replicas < used + idle
                    else "a stage of every shard would not balance better")
             warnings.warn(f"the deployment uses {used} of {used + idle} shards and leaves {idle} idle: {why}; "
-                          "num_stages= or split_points= choose the stages", stacklevel=3)
+                          "num_stages= or split_points= choose the stages", stacklevel=4)
 
     async def _deploy_call(self, request: coordinator_pb2.DeployRequest) -> coordinator_pb2.DeployResponse:
         """Deploy, carrying the secret of this client's last deployment, which the new one may replace."""
@@ -354,51 +272,6 @@ class Cluster:
         response = await self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc, metadata=metadata)
         self._secret = response.deployment_secret
         return response
-
-    @staticmethod
-    def _split(module: torch.nn.Module, example_input, example_inputs: tuple, example_kwargs: dict | None,
-               dynamic_shapes) -> tuple:
-        """(layers, interface, (main example input, other example inputs by name)), warning of Python state the
-        capture fixes."""
-        if layer_tools.is_layered(module):
-            layers, interface = layer_tools.layers_of(module), Interface()
-            x = example_input if example_input is not None else layer_tools.example_input(module, layers)
-            x = x.to("meta") if materialize.is_empty(module) else x
-            args, kwargs, bound = (x,), {}, (x, {})
-        else:
-            args = (example_input,) if isinstance(example_input, torch.Tensor) else tuple(example_inputs)
-            kwargs = dict(example_kwargs or {})
-            layers, interface = layer_tools.whole_model_layers(module, args, kwargs, dynamic_shapes)
-            bound = interface.bind(args, kwargs)
-        layer_tools.warn_frozen(module, args, kwargs)
-        return layers, interface, bound
-
-    async def _handle(self, response, captured, encodings, parameter_keys: list[str],
-                      optimizer: shard_pb2.OptimizerSpec, shapes: dict[str, tuple],
-                      model_keys: list[str], interface: Interface) -> DistributedModel:
-        owners, holders, placements = {}, {}, []
-        for stage in (s for s in response.stages if s.replica == 0):
-            held = captured[stage.first_layer:stage.end_layer]
-            keys = tuple(dict.fromkeys(entry.model_key for layer in held for entry in layer.state))
-            for key in keys:
-                owners.setdefault(key, []).append(stage.stage)
-            for entry in (entry for layer in held for entry in layer.state):  # a tied weight: on every stage using it
-                holders.setdefault(entry.tied_to or entry.model_key, set()).add(stage.stage)
-            placements.append(Placement(stage.stage, stage.shard_address, stage.first_layer, stage.end_layer,
-                                        tuple(layer.description for layer in held),
-                                        stage.cost, response.cost_unit, tuple(stage.layer_costs), keys))
-        replicas = []
-        for replica in range(max(s.replica for s in response.stages) + 1):
-            addresses = [s.shard_address for s in response.stages if s.replica == replica]
-            replicas.append(StageClients(response.deployment_id, addresses, self.security, self.timeouts, encodings,
-                                         response.deployment_secret))
-        await asyncio.gather(*(clients.probe() for clients in replicas))
-        trainer = PipelineTrainer(replicas)
-        key_order = [key for key in model_keys if key in owners]  # state_dict(): the model's keys, in its order
-        parameters = [RemoteParameter(name, shape, dtype, requires_grad, tuple(sorted(holders.get(name, ()))))
-                      for name, (shape, dtype, requires_grad) in shapes.items()]
-        return DistributedModel(self._io, trainer, placements, owners, key_order, parameter_keys, optimizer,
-                                {key: sorted(stages) for key, stages in holders.items()}, parameters, interface)
 
     def _close_models(self) -> None:
         models, self._models = self._models, []

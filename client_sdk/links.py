@@ -67,12 +67,6 @@ class SdkLinks:
         client = self._link(role)
         await client.send(message, tensor, self._options(client.peer, kind))
 
-    @staticmethod
-    def _expect(pending: dict, key: int) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
-        pending[key] = future
-        return future
-
     async def _wait(self, pending: dict, key: int, future: asyncio.Future, what: str):
         try:
             if not await settled_within(future, self._timeout):
@@ -88,7 +82,7 @@ class SdkLinks:
         """Sends x into the first stage, the model's other inputs ahead of it as residuals; returns the last stage's
         output and the model's other outputs, which come ahead of it."""
         step = header.key.step
-        future = self._expect(self._outputs, step)
+        future = _expect(self._outputs, step)
         self._follows[step] = header.after_optimizer_step
         try:
             self._link(_ROLES.LINK_ROLE_OUTPUT)  # opened now: the last stage sends the output on it
@@ -118,7 +112,7 @@ class SdkLinks:
         """Sends the outputs' gradients into the last stage (the other outputs' ahead of the main one's; None for
         one without); returns (the input's gradient or None) once every stage has run backward."""
         step = header.key.step
-        future = self._expect(self._backwards, step)
+        future = _expect(self._backwards, step)
         for name, output_grad in (output_grads or {}).items():
             item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=header.key, name=name))
             await self._send(_ROLES.LINK_ROLE_OUTPUT, item, output_grad, "gradients")
@@ -138,10 +132,10 @@ class SdkLinks:
         With `gradient_scale` (clipping, loss scaling), the optimizer step goes once that future has the scale
         and whether to skip the step."""
         step, number = forwards[0][0].key.step, request.optimizer_step
-        loss = self._expect(self._losses, step)
-        failed = self._expect(self._planned, step)
+        loss = _expect(self._losses, step)
+        failed = _expect(self._planned, step)
         self._loss_parts[step] = [0.0, len(forwards)]
-        settled = self._expect(self._settles, number)
+        settled = _expect(self._settles, number)
         self._after_forward[number] = step
         self._flushed = max(self._flushed, number)
         self._link(_ROLES.LINK_ROLE_OUTPUT)  # opened now: the last stage sends the losses on it
@@ -205,7 +199,7 @@ class SdkLinks:
         """Sends an optimizer step down the stages. The future ends once every stage settled it (with an error
         if a stage's optimizer failed); nothing answers a step by itself: a later output or flush() does."""
         number = request.optimizer_step
-        settled = self._expect(self._settles, number)  # now, so that a flush() right after knows of it
+        settled = _expect(self._settles, number)  # now, so that a flush() right after knows of it
         self._after_forward[number] = request.step
         if request.backwards_end_with_step:
             self._ends_with[number] = list(request.backward_steps)
@@ -328,6 +322,13 @@ class SdkLinks:
             await client.close()
         self._link_broke(errors.FailedPrecondition(f"deployment {self._deployment_id}: the client closed"), None)
         self._ends_with.clear()
+
+
+def _expect(pending: dict, key: int) -> asyncio.Future:
+    """A new future that `pending` holds under `key`, for what comes back to resolve."""
+    future = asyncio.get_running_loop().create_future()
+    pending[key] = future
+    return future
 
 
 def _resolve(future: asyncio.Future | None, value, error: BaseException | None = None) -> None:

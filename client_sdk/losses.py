@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from client_sdk.pipeline import Batch
+from client_sdk.batch import Batch
 from shardtrain import losses
 from shardtrain.capture import LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument

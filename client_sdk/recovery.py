@@ -4,7 +4,7 @@ With replicas (recover): when a step fails and some shard no longer answers, eve
 stage (weights and optimizer state, and the last optimizer step it applied); the model is deployed again with the
 same split, each stage on the shard that held it where that shard lives and on a spare otherwise; every new stage
 restores from a survivor's snapshot of the same stage (its own, or a live replica's, read shard to shard); then
-the steps the restored state lacks run again (DistributedModel.train_step).
+the steps the restored state lacks run again (client_sdk/planned_steps.py).
 
 Without (take_snapshots, roll_back): every few steps each stage snapshots itself and the next stage's shard keeps
 a copy; after a death the model is deployed again the same way and every stage restores from those snapshots.

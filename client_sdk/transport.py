@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from client_sdk.batch import MAIN, TARGET, Batch
 from client_sdk.links import SdkLinks
 from shardtrain import auth, errors, optim, shm, wire
 from shardtrain.errors import InvalidArgument
@@ -15,9 +15,6 @@ from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, checksums_from_env
 from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2, tensor_pb2
-
-if TYPE_CHECKING:
-    from client_sdk.pipeline import Batch
 
 
 class StageClients:
@@ -62,7 +59,6 @@ class StageClients:
         """One planned step over this pipeline's Links: each micro-batch of `share` forward and backward on every
         stage in the plan's order, then optimizer step `optimizer_step`. Returns this share's loss once the last
         stage computed it, and a future of every stage's StageStats once the step settled."""
-        from client_sdk.pipeline import MAIN, TARGET  # here: pipeline imports this module
         forwards = [(shard_pb2.ForwardHeader(key=self.key(step, k), requires_grad=True, zero_grad=k == 0,
                                              after_optimizer_step=after_optimizer_step, eval_mode=eval_mode,
                                              plan=plan, data=piece.data(MAIN)),

@@ -73,7 +73,7 @@ def test_backward_of_an_unknown_step_is_not_found(picky_model):
 def test_wrong_gradient_shape_fails_backward_and_nothing_is_stepped(picky_model):
     before = picky_model.state_dict()
     pred = picky_model(torch.randn(4, 3))
-    picky_model._remote_backward(picky_model._last_step, torch.zeros(4, 7))
+    picky_model._script_loop.remote_backward(picky_model._call_order.last_step, torch.zeros(4, 7))
     with pytest.raises(errors.InvalidArgument, match=r"output gradient: expected torch.float32 of shape \[4, 1\]"):
         picky_model.step()
         picky_model.synchronize()

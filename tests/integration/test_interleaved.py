@@ -78,7 +78,7 @@ def test_a_plan_a_shard_refuses_fails_its_step_at_once_and_the_next_step_trains(
     batches = regression_batches(steps=2, batch=16, features=1)
     model = two_devices.deploy(TEST_RESIDUAL_SMALL, optimizer=SGD, num_stages=2)
     model.load_state_dict(reference.state_dict())
-    model._check_schedule = lambda *_: None  # as a client in another language that sends the plan unchecked
+    model._planned_steps.check_schedule = lambda *_: None  # as a client in another language sending it unchecked
     with pytest.raises(errors.InvalidArgument, match=r"\(stage 0\): the interleaved schedule puts several stages"):
         model.train_step(*batches[0], "MSELoss", microbatches=4, schedule="interleaved")
     model.train_step(*batches[1], "MSELoss", microbatches=4, schedule="1f1b")  # no stage waits for the refused one

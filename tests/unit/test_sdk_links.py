@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from client_sdk.links import SdkLinks
+from client_sdk.links import SdkLinks, _expect
 from shardtrain import errors, link
 from shardtrain.v1 import shard_pb2
 
@@ -17,10 +17,10 @@ BROKE = errors.Unavailable("shard at 127.0.0.1:1 (stage 1) is unavailable: its l
 
 def waits(links: SdkLinks, outputs=(), backwards=(), optimizer_steps=()) -> dict:
     """Futures the SDK would wait on: outputs and backwards by step; optimizer steps as (number, last forward)."""
-    pending = {("output", step): links._expect(links._outputs, step) for step in outputs}
-    pending.update({("backward", step): links._expect(links._backwards, step) for step in backwards})
+    pending = {("output", step): _expect(links._outputs, step) for step in outputs}
+    pending.update({("backward", step): _expect(links._backwards, step) for step in backwards})
     for number, after_forward in optimizer_steps:
-        pending["optimizer step", number] = links._expect(links._settles, number)
+        pending["optimizer step", number] = _expect(links._settles, number)
         links._after_forward[number] = after_forward
     return pending
 

@@ -1,11 +1,11 @@
-"""client_sdk.pipeline.split_batch: a batch over replicas, then micro-batches."""
+"""client_sdk.batch.split_batch: a batch over replicas, then micro-batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from client_sdk.pipeline import split_batch
+from client_sdk.batch import split_batch
 from shardtrain.errors import InvalidArgument
 
 
