@@ -48,6 +48,11 @@ class RemoteGradients:
         """The shards' gradients changed: norms asked for before are stale."""
         self._norms.clear()
 
+    def cleared(self) -> None:
+        """The shards' gradients are gone (zero_grad, a planned step): edits of them are moot, norms stale."""
+        self._edits.clear()
+        self._norms.clear()
+
     def take_edits(self) -> list[shard_pb2.GradientEdit]:
         """The edits not yet sent, for a Step (each stage applies those naming what it holds)."""
         edits, self._edits = self._edits, []

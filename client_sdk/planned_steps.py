@@ -223,8 +223,7 @@ class PlannedSteps:
         await calls.inflight.drain_previous()
         # A planned step starts from zero gradients: a pending zero_grad, and edits of the old ones, are moot.
         calls.zero_grad_pending = False
-        model._gradients.take_edits()
-        model._gradients.changed()
+        model._gradients.cleared()
         calls.outdate_awaiting_backward()
         calls.has_gradients = True  # as after a step in one process: the step's gradients stay
         step, after = model._script_loop.begin_step(), calls.settle_before_forward

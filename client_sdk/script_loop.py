@@ -56,12 +56,11 @@ class ScriptLoop:
 
     def zero_grad(self) -> None:
         """model.zero_grad(): a flag the next forward, backward or step carries."""
-        calls, gradients = self.model._call_order, self.model._gradients
+        calls = self.model._call_order
         calls.zero_grad_pending = True
         calls.has_gradients = False
         self.gradient_scale = 0.0
-        gradients.take_edits()  # edits of gradients that are gone
-        gradients.changed()
+        self.model._gradients.cleared()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
         """model.clip_grad_norm_(): the total norm now, the scale with the next step."""
