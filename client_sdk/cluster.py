@@ -214,9 +214,13 @@ class Cluster:
         clock.done("partition and load stages")
         shipped = Shipped.of(request, captured)
         distributed = self._take_over(response, shipped, options)
-        steps.load(distributed, captured, request, options)
-        clock.done("send weights")
-        steps.ready(distributed, captured, request, options, clock)
+        try:
+            steps.load(distributed, captured, request, options)
+            clock.done("send weights")
+            steps.ready(distributed, captured, request, options, clock)
+        except BaseException:
+            distributed.close()  # never handed out: its open links would hold the shards for nobody
+            raise
         distributed._redeploy = functools.partial(self._redeploy, shipped)
         self._models.append(distributed)
         return distributed
