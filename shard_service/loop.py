@@ -34,9 +34,10 @@ import torch
 
 from shard_service import reads
 from shard_service.calls import CallOutbox
+from shard_service.held import HeldItems, tensor_bytes
 from shard_service.mailbox import Mailbox
 from shard_service.peers import Peers
-from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts, tensor_bytes
+from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts
 from shard_service.runtime import ShardRuntime, summed
 from shard_service.stage import Stage
 from shardtrain import errors, link, wire
@@ -47,11 +48,6 @@ from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard.loop")
 _ROLES = shard_pb2.LinkRole
-# Forwards and backwards a stage holds at once, tensors and all, while they wait to run (for the optimizer step
-# they follow, a residual, the compute thread): the loop has one or two, a script that never steps could pile
-# up any number. Beyond either bound the item is refused with RESOURCE_EXHAUSTED.
-MAX_HELD_ITEMS = 128
-MAX_HELD_BYTES = 2 << 30
 REOPEN_DELAYS = (0.0, 0.2, 0.5, 1.0, 2.0)  # before each attempt to reopen a broken link to the next stage
 STATS_KEPT = 8  # the StageStats of the last planned steps, for a Flush that asks for them
 VERDICTS_KEPT = 4  # step items passed down, sent again over a new link to the next stage (a step settles before
@@ -84,11 +80,10 @@ class LinkedLoop:
         self._verdicts = _Verdicts()  # the step items this stage took, and the last ones it passed down
         self._reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
         self._tasks: set[asyncio.Task] = set()
-        self._held = [0, 0]  # forwards and backwards received and not yet run: how many, and their tensors' bytes
+        self._held = HeldItems()      # forwards, backwards and targets received and not yet run
         self._runs: dict[int, PlannedRun] = {}  # planned steps, by step
-        self._after_runs: dict[int, asyncio.Future] = {}  # replicated: step -> why the stages after failed it, or ""
-        self._targets = Mailbox()     # last stage: a planned step's loss targets, by (step, microbatch)
-        self._target_bytes = 0        # their tensors' bytes
+        self._after_runs = Mailbox()  # replicated: step -> why the stages after failed it, or ""
+        self._targets = Mailbox(held=self._held)  # last stage: a planned step's loss targets, by (step, microbatch)
         self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
         self._tied = Mailbox()        # other stages' gradients of tied weights, by (optimizer step, key, stage)
         self._tied_summed: set[int] = set()  # optimizer steps whose tied gradients are summed here already
@@ -116,14 +111,15 @@ class LinkedLoop:
             await client.close()
         self._residuals.discard_where(lambda key: True)
         self._runs.clear()
-        self._after_runs.clear()
+        self._after_runs.discard_where(lambda key: True)
+        self._held = HeldItems()  # what the old deployment's work still holds, it gives back to the old budget
         self._tied.discard_where(lambda key: True)
         self._tied_summed.clear()
         self.calls.forget(float("inf"))
         self._by_call.clear()
         self._unread.clear()
         self._targets.discard_where(lambda key: True)
-        self._target_bytes = 0
+        self._targets = Mailbox(held=self._held)
         self._stats.clear()
 
     def _expect(self, message: shard_pb2.LinkMessage, header) -> None:
@@ -298,21 +294,19 @@ class LinkedLoop:
     def _spawn_held(self, coroutine, key: shard_pb2.StepKey, tensor: torch.Tensor | None, backward: bool) -> None:
         """_spawn for a forward or backward, counted while it holds its tensor; refused beyond MAX_HELD_*."""
         size = tensor_bytes(tensor)
-        count, held = self._held
-        if count >= MAX_HELD_ITEMS or held + size > MAX_HELD_BYTES:
+        try:
+            self._held.hold(size, item=True)
+        except errors.ResourceExhausted as error:
             coroutine.close()
-            error = errors.ResourceExhausted(
-                f"{count} forwards and backwards ({held >> 20} MiB) already wait to run here, at most {MAX_HELD_ITEMS} "
-                f"and {MAX_HELD_BYTES >> 20} MiB: a step waits for an optimizer step that has not come")
             self._spawn(self._report(key, error, backward))
             return
-        self._held = [count + 1, held + size]
+        held = self._held
 
         async def counted() -> None:
             try:
                 await coroutine
             finally:
-                self._held = [self._held[0] - 1, self._held[1] - size]
+                held.release(size, item=True)
         self._spawn(counted())
 
     async def _logged(self, coroutine) -> None:
@@ -401,7 +395,7 @@ class LinkedLoop:
                 self._runtime.fits(header)
                 if kind == "forward":
                     stage.expect_input(header)
-                self._check_room(wire.meta(header))
+                self._held.check(tensor_bytes(wire.meta(header)))
             tensor = await self._reads.read(rows, check)
             if key.step in self._unread:
                 return  # another of the step's reads failed: the step failed here already
@@ -482,7 +476,6 @@ class LinkedLoop:
                 run = self._start_run(key, item[0].plan)
             if run.aborted:
                 return  # the step failed; its other items are dropped
-            self._check_room(item[1])
             run.deliver(key.microbatch, "backward" if backward else "forward", item)
         except errors.ShardtrainError as error:
             if key.step not in self._runs and key.step > self._forwarded:
@@ -508,16 +501,6 @@ class LinkedLoop:
         task.add_done_callback(self._tasks.discard)
         return run
 
-    def _check_room(self, tensor: torch.Tensor | None) -> None:
-        """ResourceExhausted if one more tensor of a planned step would pass the bound on the bytes a stage holds
-        waiting. (Their count is bounded already: each micro-batch's item comes once, for at most MAX_RUNS steps.)"""
-        size = tensor_bytes(tensor)
-        held = self._held[1] + self._target_bytes + sum(run.held_bytes() for run in self._runs.values())
-        if held + size > MAX_HELD_BYTES:
-            raise errors.ResourceExhausted(
-                f"{held >> 20} MiB of forwards, backwards and targets already wait to run here, at most "
-                f"{MAX_HELD_BYTES >> 20} MiB: send fewer or smaller micro-batches at once")
-
     def _target_item(self, end: link.LinkEnd, target: shard_pb2.LossTarget, tensor: torch.Tensor | None) -> None:
         key = target.key
         try:
@@ -526,9 +509,7 @@ class LinkedLoop:
             if (tensor is None) != bool(target.loss.model_output):
                 raise errors.InvalidArgument("a target item carries the target tensor, unless its loss is the model's "
                                              "own output (LossSpec.model_output), and then none")
-            self._check_room(tensor)
-            self._targets.put((key.step, key.microbatch), (target, tensor))
-            self._target_bytes += tensor_bytes(tensor)
+            self._targets.put((key.step, key.microbatch), (target, tensor), tensor_bytes(tensor))
         except errors.ShardtrainError as error:
             self._spawn(self._report(key, error, backward=False))
 
@@ -558,20 +539,16 @@ class LinkedLoop:
 
     def _after_run(self, step: int, failure: str) -> None:
         """The stages after this one finished planned step `step` ("") or failed it (why); the first word counts."""
-        outcome = self._after_runs.setdefault(step, asyncio.get_running_loop().create_future())
-        if not outcome.done():
-            outcome.set_result(failure)
+        if not self._after_runs.has(step):
+            self._after_runs.put(step, failure)
 
     async def _runs_after(self, step: int) -> str:
         """Why the stages after this one failed planned step `step`, or "" once they all finished it."""
-        wait = self._runtime.settings.timeouts.peer_wait
-        outcome = self._after_runs.setdefault(step, asyncio.get_running_loop().create_future())
+        what = f"the stages after this one finishing step {step}"
         try:
-            return await asyncio.wait_for(asyncio.shield(outcome), wait)
-        except TimeoutError:
-            return f"the stages after this one did not finish step {step} within {wait:g} s"
-        finally:
-            self._after_runs.pop(step, None)
+            return await self._after_runs.take(step, self._runtime.settings.timeouts.peer_wait, what)
+        except errors.ShardtrainError as error:
+            return str(error)
 
     def _abort_run(self, step: int, reason: str) -> bool:
         """Ends a planned step that failed on another stage; False if there is none running here."""
@@ -598,14 +575,12 @@ class LinkedLoop:
             no_client_gradients=lambda key: self._no_client_gradients(stage, key),
             residual_gradients=lambda key: shard.residual_gradients(stage, key),
             send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients,
-            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1), forwarded=shard.steps.forward)
+            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1), forwarded=shard.steps.forward,
+            held=self._held)
 
     async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
         what = f"the target of step {key.step} micro-batch {key.microbatch}"
-        entry = await self._targets.get((key.step, key.microbatch), self._runtime.settings.timeouts.peer_wait, what)
-        self._targets.discard((key.step, key.microbatch))
-        self._target_bytes -= tensor_bytes(entry[1])
-        return entry
+        return await self._targets.take((key.step, key.microbatch), self._runtime.settings.timeouts.peer_wait, what)
 
     async def _send_loss(self, key: shard_pb2.StepKey, loss: float) -> None:
         if self._output is None:
@@ -890,10 +865,7 @@ class LinkedLoop:
         """Drops the residuals of steps up to `up_to_step` that no forward took."""
         self._residuals.discard_where(lambda key: key[0] <= up_to_step)
         self._targets.discard_where(lambda key: key[0] <= up_to_step)
-        # Recounted: a target sent twice replaced the first in the mailbox, and was counted twice.
-        self._target_bytes = sum(tensor_bytes(target) for _, target in self._targets.delivered())
-        for step in [step for step in self._after_runs if step <= up_to_step]:
-            del self._after_runs[step]
+        self._after_runs.discard_where(lambda step: step <= up_to_step)
         for step in [step for step in self._runs if step <= up_to_step]:
             run = self._runs.pop(step)
             run.abort()

@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from shard_service.held import HeldItems, tensor_bytes
+from shard_service.mailbox import Mailbox
 from shardtrain import errors, schedule
 from shardtrain.v1 import shard_pb2
 
@@ -60,8 +62,8 @@ class PlannedRun:
         self.turns = plan.schedule in schedule.INTERLEAVED and ports.device is not None
         self.final_backward = self.actions[-1].microbatch if self.actions else -1
         self.figures = Figures()
-        self._inbox: dict[tuple[int, str], asyncio.Future] = {}
-        self._held = 0  # bytes of the items that wait in the inbox
+        # The micro-batches' items until their action's turn; their bytes count against the shard's budget.
+        self._inbox = Mailbox(held=ports.held)
         self.task: asyncio.Task | None = None  # what runs execute(), once started
         self.began = 0.0  # when the last piece of work started (time.time()), for its span
         self.done = False     # every action ran
@@ -69,37 +71,22 @@ class PlannedRun:
 
     # --- what arrives ------------------------------------------------------------------------------
     def deliver(self, microbatch: int, kind: str, value) -> None:
-        """A micro-batch's forward (header, activation) or backward (header, gradient) item, for its turn."""
+        """A micro-batch's forward (header, activation) or backward (header, gradient) item, for its turn.
+        ResourceExhausted if its tensor does not fit what the shard may hold waiting."""
         if not 0 <= microbatch < self.plan.microbatches:
             raise errors.InvalidArgument(f"step {self.step} is planned over {self.plan.microbatches} micro-batches; "
                                          f"got a {kind} item for micro-batch {microbatch}")
-        slot = self._slot(microbatch, kind)
-        if slot.done():
+        if self._inbox.has((microbatch, kind)):
             raise errors.InvalidArgument(f"a second {kind} item for step {self.step} micro-batch {microbatch}")
-        slot.set_result(value)
-        self._held += tensor_bytes(value[1])
-
-    def _slot(self, microbatch: int, kind: str) -> asyncio.Future:
-        key = (microbatch, kind)
-        if key not in self._inbox:
-            self._inbox[key] = asyncio.get_running_loop().create_future()
-        return self._inbox[key]
+        self._inbox.put((microbatch, kind), value, tensor_bytes(value[1]))
 
     async def _take(self, microbatch: int, kind: str):
-        slot = self._slot(microbatch, kind)
-        try:
-            value = await asyncio.wait_for(asyncio.shield(slot), self.ports.timeout)
-            self._held -= tensor_bytes(value[1])
-            return value
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"the {kind} of step {self.step} micro-batch {microbatch} did not arrive "
-                                          f"within {self.ports.timeout:g} s") from None
-        finally:
-            self._inbox.pop((microbatch, kind), None)
+        what = f"the {kind} of step {self.step} micro-batch {microbatch}"
+        return await self._inbox.take((microbatch, kind), self.ports.timeout, what)
 
     def held_bytes(self) -> int:
         """Bytes of the items that wait in the inbox."""
-        return self._held
+        return self._inbox.held_bytes()
 
     # --- running -----------------------------------------------------------------------------------
     async def execute(self) -> None:
@@ -202,12 +189,7 @@ class PlannedRun:
         self.aborted = True
         if self.turns:
             self.ports.device.give_up(self.step)
-        for slot in self._inbox.values():
-            if not slot.done():
-                slot.set_exception(errors.Cancelled(f"step {self.step} failed on another stage"))
-                slot.exception()
-        self._inbox.clear()
-        self._held = 0
+        self._inbox.discard_where(lambda key: True, errors.Cancelled(f"step {self.step} failed on another stage"))
 
 
 class StagePorts:
@@ -220,7 +202,8 @@ class StagePorts:
                  incoming_residuals, after_optimizer_step, target, loss, send_loss, send_activation,
                  send_residuals, no_client_gradients, residual_gradients, send_input_gradient,
                  send_residual_gradients, device=None, virtual_stages: int = 1,
-                 forwarded: Callable[[torch.Tensor | None, float], None] = lambda x, seconds: None):
+                 forwarded: Callable[[torch.Tensor | None, float], None] = lambda x, seconds: None,
+                 held: HeldItems | None = None):
         self.stage, self.index, self.num_stages = stage, index, num_stages
         self.is_last = index == num_stages - 1
         self.deployment_id, self.timeout, self.simulate_compute = deployment_id, timeout, simulate_compute
@@ -233,6 +216,7 @@ class StagePorts:
         self.send_input_gradient, self.send_residual_gradients = send_input_gradient, send_residual_gradients
         self.device, self.virtual_stages = device, virtual_stages  # shard_service.device.Device, stages on it
         self.forwarded = forwarded  # a training forward ran on this input (for metrics: step time, samples)
+        self.held = held  # what the shard's stage may hold waiting, shared with its other items
 
 
 def check_plan(plan: shard_pb2.StepPlan) -> None:
@@ -259,8 +243,3 @@ def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:
     if not (math.isfinite(target.loss_scale) and target.loss_scale >= 0):
         raise errors.InvalidArgument(f"a target's loss_scale must be a finite number >= 0, got {target.loss_scale}")
     return 1.0 if sums else target.rows / target.batch_rows
-
-
-def tensor_bytes(tensor: torch.Tensor | None) -> int:
-    """A tensor's bytes (0 for none)."""
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
