@@ -37,7 +37,10 @@ from shard_service.calls import CallOutbox
 from shard_service.held import HeldItems, tensor_bytes
 from shard_service.mailbox import Mailbox
 from shard_service.peers import Peers
-from shard_service.planned import MAX_RUNS, PlannedRun, StagePorts
+from shard_service.executor import StageExecutor
+from shard_service.planned import MAX_RUNS, PlannedRun
+from shard_service.sends import StageSends
+from shard_service.stage_links import StageLinks
 from shard_service.runtime import ShardRuntime, summed
 from shard_service.stage import Stage
 from shardtrain import errors, link, wire
@@ -68,28 +71,28 @@ class LinkedLoop:
         self._runtime = runtime
         self._peers = peers  # the channels to other shards that this stage's links are opened on
         runtime.forgetters.append(self.forget)
-        self._deployment_id = ""
-        self._input: link.LinkEnd | None = None    # the SDK's input link (first stage)
-        self._output: link.LinkEnd | None = None   # the SDK's output link (last stage)
-        self._output_opened = asyncio.Event()      # the SDK opens it with the input link; it may arrive later
-        self._from_stage: dict[int, link.LinkEnd] = {}  # links other stages opened to this one
-        self._opened: dict[str, link.ClientLink] = {}   # links this stage opened, by address
-        self._residuals = Mailbox()   # residuals pushed here by their producers, by (step, microbatch, name)
+        self._tasks: set[asyncio.Task] = set()
+        self._reads = reads.DataReads(runtime.settings.data_roots)  # items naming rows of data: read here
+        self._start("")
+
+    def _start(self, deployment_id: str) -> None:
+        """The state of one deployment, new."""
+        self._deployment_id = deployment_id
+        self._links = StageLinks(self._runtime, self._peers, deployment_id, self.on_item, self._broke,
+                                 lambda: self._verdicts.passed)
+        self._sends = StageSends(self._runtime, self._links)
+        stage = self._runtime.stage if deployment_id else None
+        self._executor = StageExecutor(self._runtime, stage, self._sends) if stage is not None else None
+        self._held = self._executor.held if self._executor is not None else HeldItems()
         self._forwarded = -1          # the highest step this stage ran a forward for (steps count from 0)
-        self._ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
         self._verdicts = _Verdicts()  # the step items this stage took, and the last ones it passed down
         self._reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
-        self._tasks: set[asyncio.Task] = set()
-        self._held = HeldItems()      # forwards, backwards and targets received and not yet run
         self._runs: dict[int, PlannedRun] = {}  # planned steps, by step
         self._after_runs = Mailbox()  # replicated: step -> why the stages after failed it, or ""
         self._targets = Mailbox(held=self._held)  # last stage: a planned step's loss targets, by (step, microbatch)
         self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
         self._tied = Mailbox()        # other stages' gradients of tied weights, by (optimizer step, key, stage)
         self._tied_summed: set[int] = set()  # optimizer steps whose tied gradients are summed here already
-        self.calls = CallOutbox()     # the SDK's part for steps a Forward call started (keep_output), ...
-        self._by_call: set[int] = set()  # ... which are these
-        self._reads = reads.DataReads(runtime.settings.data_roots)  # items naming rows of data: read here
         self._unread: set[int] = set()  # steps whose data rows could not be read here: their other items are dropped
 
     # --- links ---------------------------------------------------------------------------------------
@@ -98,80 +101,30 @@ class LinkedLoop:
         of what it holds), and nothing of theirs is reported."""
         for task in list(self._tasks):
             task.cancel()
-        self._deployment_id = deployment_id
-        self._forwarded = -1
-        self._ended_by_step.clear()
-        self._verdicts = _Verdicts()
-        self._reopening.clear()
-        self._input = self._output = None
-        self._output_opened.clear()
-        self._from_stage.clear()
-        opened, self._opened = self._opened, {}
-        for client in opened.values():
-            await client.close()
-        self._residuals.discard_where(lambda key: True)
-        self._runs.clear()
-        self._after_runs.discard_where(lambda key: True)
-        self._held = HeldItems()  # what the old deployment's work still holds, it gives back to the old budget
-        self._tied.discard_where(lambda key: True)
-        self._tied_summed.clear()
-        self.calls.forget(float("inf"))
-        self._by_call.clear()
-        self._unread.clear()
-        self._targets.discard_where(lambda key: True)
-        self._targets = Mailbox(held=self._held)
-        self._stats.clear()
+        links = self._links
+        self._start(deployment_id)
+        await links.close()
 
-    def _expect(self, message: shard_pb2.LinkMessage, header) -> None:
-        """Refuses an item's tensor larger than a stage here may hold, before any of it is stored (the rest of its
-        checks come with the item's work: a refusal here ends the link)."""
-        self._runtime.fits(header)
+    @property
+    def calls(self) -> CallOutbox:
+        """Where the per-call RPCs' results wait for FetchTensor."""
+        return self._links.calls
 
     @property
     def client_attached(self) -> bool:
         """The SDK has its input or output link open here: the deployment's client is there."""
-        return self._input is not None or self._output is not None
+        return self._links.input is not None or self._links.output is not None
 
     def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
         self._runtime.stage_for(opening.deployment_id)
-        plan = self._runtime.plan
-        end.expect = self._expect
-        end.toward_first = opening.role != _ROLES.LINK_ROLE_OUTPUT
-        if opening.role == _ROLES.LINK_ROLE_INPUT and plan.stage == 0:
-            self._input = end
-        elif opening.role == _ROLES.LINK_ROLE_OUTPUT and plan.stage == plan.num_stages - 1:
-            self._output = end
-            self._output_opened.set()
-        elif opening.role == _ROLES.LINK_ROLE_TIED and \
-                any(opening.from_stage in tie.stages and opening.from_stage > plan.stage for tie in plan.tied):
-            end.name = f"stage {opening.from_stage} (a tied weight's gradients)"
-        elif opening.role in (_ROLES.LINK_ROLE_NEXT, _ROLES.LINK_ROLE_RESIDUAL) and \
-                0 <= opening.from_stage < plan.stage:
-            self._from_stage[opening.from_stage] = end
-            addresses = {r.producer_stage: r.producer_address for r in plan.incoming_residuals}
-            if plan.previous_address:
-                addresses[plan.stage - 1] = plan.previous_address
-            end.name = f"shard at {addresses.get(opening.from_stage, '?')} (stage {opening.from_stage})"
-        else:
-            raise errors.InvalidArgument(
-                f"stage {plan.stage} of {plan.num_stages} takes no {_ROLES.Name(opening.role)} link from "
-                f"{'the SDK' if opening.from_stage < 0 else f'stage {opening.from_stage}'}")
+        self._links.opened(opening, end)
 
     def closed(self, end: link.LinkEnd) -> None:
         """A Link opened here ended; if it came from a stage of this deployment, that stage went away or its link
         broke, and the SDK hears of it. (Whether the stage closed the link or died, this end cannot tell reliably:
         link.serve.)"""
-        current = end.deployment_id == self._deployment_id
-        stages = [stage for stage, known in self._from_stage.items() if known is end]
-        for stage in stages:
-            del self._from_stage[stage]
-        if end is self._input:
-            self._input = None
-        if end is self._output:
-            self._output = None
-            self._output_opened.clear()
-        if current and stages:
+        if self._links.closed(end):
             error = errors.Unavailable(f"{end.name} is unavailable: its link to this shard ended")
             self._tell_soon(self._break_item(error), up=False)
 
@@ -181,29 +134,10 @@ class LinkedLoop:
         is gone); without the bound, a report the SDK read after the failure it caused failed the next step too."""
         return link.error_item(None, error, self._runtime.location, through_step=self._forwarded)
 
-    def _client(self, address: str, role: int) -> link.ClientLink:
-        """The Link this stage opened to `address`, opened again if it broke."""
-        client = self._opened.get(address)
-        if client is None or client.broken is not None:
-            peer = self._peers.peer(address)
-            settings = self._runtime.settings
-            opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role,
-                                         from_stage=self._runtime.plan.stage, shared_memory=peer.same_host,
-                                         local_carrier=peer.same_host and settings.local_links,
-                                         tcp_carrier=not peer.same_host and settings.tcp_links)
-            # A link to the next stage starts with the last verdicts passed down: one may have been lost with the
-            # link before (the next stage takes each verdict once).
-            first = self._verdicts.passed if address == self._runtime.plan.next_address else ()
-            client = link.ClientLink(peer, opening, self.on_item, self._broke, first_items=first)
-            client.expect = self._expect
-            client.toward_first = False
-            self._opened[address] = client
-        return client
-
     def _broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
         """A link this stage opened broke: the backwards and residual gradients it would bring back for the steps
         sent on it will not come, so those steps' optimizer steps are refused here; the SDK hears why."""
-        if self._opened.get(client.peer.address) is not client:
+        if self._links.opened_here.get(client.peer.address) is not client:
             return
         address = client.peer.address
         # A link opened again only to resend verdicts, which the next stage never accepted: the SDK heard already.
@@ -231,58 +165,19 @@ class LinkedLoop:
         """Opens the link to the next stage again after REOPEN_DELAYS[attempt], unless something opened it meanwhile."""
         deployment = self._deployment_id
         await asyncio.sleep(REOPEN_DELAYS[attempt])
-        current = self._opened.get(address)
+        current = self._links.opened_here.get(address)
         if self._deployment_id != deployment or (current is not None and current.broken is None):
             return
-        self._reopening[self._client(address, _ROLES.LINK_ROLE_NEXT)] = attempt
-
-    # --- sending ---------------------------------------------------------------------------------------
-    def _down(self, step: int | None = None) -> link.LinkEnd | CallOutbox | None:
-        """The way toward the last stage and on to the SDK (or, for a step a call started, to the call outbox)."""
-        plan = self._runtime.plan
-        if plan.next_address:
-            return self._client(plan.next_address, _ROLES.LINK_ROLE_NEXT)
-        return self.calls if step in self._by_call else self._output
-
-    def _up(self, step: int | None = None) -> link.LinkEnd | CallOutbox | None:
-        """The way toward the first stage and on to the SDK (or the call outbox)."""
-        plan = self._runtime.plan
-        if plan.stage > 0:
-            return self._from_stage.get(plan.stage - 1)
-        return self.calls if step in self._by_call else self._input
-
-    async def _send(self, end: link.LinkEnd | None, message, tensor: torch.Tensor | None = None,
-                    kind: str = "activations") -> None:
-        if end is None:
-            raise errors.Unavailable(f"{self._runtime.location}: no link to send a {message.WhichOneof('item')} on")
-        await end.send(message, tensor, self._peers.options(end.same_host, kind))
-
-    async def _report(self, key: shard_pb2.StepKey, error: BaseException, backward: bool) -> None:
-        """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
-        await self._tell(link.error_item(key, error, self._runtime.location, backward), up=backward)
-
-    async def _tell(self, item: shard_pb2.LinkMessage, up: bool, either_way: bool = True) -> None:
-        """Sends an error item up or down the stages; one that starts here goes the other way if that way is gone
-        (one being passed on does not: it would come back)."""
-        ways = [self._up, self._down] if up else [self._down, self._up]
-        step = item.error.key.step if item.error.HasField("key") else None
-        for way in ways if either_way else ways[:1]:
-            try:
-                await self._send(way(step), item)
-                return
-            except errors.ShardtrainError:
-                continue
-        log.warning("%s: nobody left to tell: %s", self._runtime.location, item.error.message,
-                    extra=self._runtime.fields())
+        self._reopening[self._links.client(address, _ROLES.LINK_ROLE_NEXT)] = attempt
 
     def _tell_soon(self, item: shard_pb2.LinkMessage, up: bool) -> None:
-        """_tell from a callback. Dropped if a new deployment came first: the old one's news would open its
+        """Tells (sends.tell) from a callback. Dropped if a new deployment came first: the old one's news would open its
         links, and a failure passed up a link the SDK's first item never travelled would stop halfway."""
         deployment = self._deployment_id
 
         async def tell() -> None:
             if self._deployment_id == deployment:
-                await self._tell(item, up)
+                await self._sends.tell(item, up)
         self._spawn(tell())
 
     def _spawn(self, coroutine) -> None:
@@ -298,7 +193,7 @@ class LinkedLoop:
             self._held.hold(size, item=True)
         except errors.ResourceExhausted as error:
             coroutine.close()
-            self._spawn(self._report(key, error, backward))
+            self._spawn(self._sends.report(key, error, backward))
             return
         held = self._held
 
@@ -350,18 +245,19 @@ class LinkedLoop:
             self._spawn_held(self._backward(message.backward, tensor), message.backward.key, tensor, backward=True)
         elif kind == "step":
             request = message.step.request
-            if not self._verdicts.take(request.optimizer_step) and end is not self._input:
+            if not self._verdicts.take(request.optimizer_step) and end is not self._links.input:
                 log.debug("%s: optimizer step %d's verdict came again (over a new link); taken once already",
                           self._runtime.location, request.optimizer_step)
                 return
-            if end is self._input and request.backwards_end_with_step:
-                self._ended_by_step.update(request.backward_steps)
+            if end is self._links.input and request.backwards_end_with_step:
+                self._sends.ended_by_step.update(request.backward_steps)
             self._spawn(self._step(message.step))
         elif kind == "flush":
             self._spawn(self._flush(message.flush))
         elif kind == "residual":
             key = message.residual.key
-            self._residuals.put((key.step, key.microbatch, message.residual.name), tensor)
+            self._executor_for(self._deployment_id).residuals.put((key.step, key.microbatch, message.residual.name),
+                                                                   tensor)
         elif kind == "residual_gradient":
             self._spawn(self._runtime.accumulate(message.residual_gradient.key, message.residual_gradient.name,
                                                tensor))
@@ -385,7 +281,7 @@ class LinkedLoop:
         try:
             if tensor is not None:
                 raise errors.InvalidArgument(f"a {kind} item names data rows or carries a tensor, not both")
-            sdk_end = self._output if kind == "target" else self._input
+            sdk_end = self._links.output if kind == "target" else self._links.input
             if end is not sdk_end:
                 raise errors.InvalidArgument(f"data rows come on the SDK's {'output' if kind == 'target' else 'input'}"
                                              " link, to the stage that reads them")
@@ -407,7 +303,7 @@ class LinkedLoop:
             self._unread.add(key.step)
             if not self._abort_run(key.step, str(error)) and key.step not in self._runs and key.step > self._forwarded:
                 await self._runtime.order.backward_finished(key.step, str(error))  # no backward will run here
-            await self._report(key, error, backward=False)
+            await self._sends.report(key, error, backward=False)
 
     # --- the per-call RPCs: adapters onto the same work, for clients without Links ---------------------------
     async def forward_call(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
@@ -482,17 +378,17 @@ class LinkedLoop:
                 # The step could not start here (its plan was refused): its backward will never run, so its
                 # optimizer step must be refused here rather than wait for it.
                 self._spawn(self._runtime.order.backward_finished(key.step, str(error)))
-            self._spawn(self._report(key, error, backward))
+            self._spawn(self._sends.report(key, error, backward))
 
     def _start_run(self, key: shard_pb2.StepKey, plan: shard_pb2.StepPlan) -> PlannedRun:
-        stage = self._runtime.stage_for(key.deployment_id)
+        executor = self._executor_for(key.deployment_id)
         if key.step <= self._forwarded:
             raise errors.InvalidArgument(f"step {key.step} comes after step {self._forwarded} on this stage: "
                                          "steps count up")
         if sum(not run.done for run in self._runs.values()) >= MAX_RUNS:
             raise errors.ResourceExhausted(f"{MAX_RUNS} planned steps already run here; a step waits for an "
                                            "optimizer step that has not come")
-        run = PlannedRun(self._ports(stage), key.step, plan)
+        run = PlannedRun(executor, key.step, plan, self._targets)
         self._runs[key.step] = run
         self._forwarded = key.step
         task = asyncio.ensure_future(self._execute(run))
@@ -504,14 +400,14 @@ class LinkedLoop:
     def _target_item(self, end: link.LinkEnd, target: shard_pb2.LossTarget, tensor: torch.Tensor | None) -> None:
         key = target.key
         try:
-            if end is not self._output:
+            if end is not self._links.output:
                 raise errors.InvalidArgument("loss targets come from the SDK's output link to the last stage")
             if (tensor is None) != bool(target.loss.model_output):
                 raise errors.InvalidArgument("a target item carries the target tensor, unless its loss is the model's "
                                              "own output (LossSpec.model_output), and then none")
             self._targets.put((key.step, key.microbatch), (target, tensor), tensor_bytes(tensor))
         except errors.ShardtrainError as error:
-            self._spawn(self._report(key, error, backward=False))
+            self._spawn(self._sends.report(key, error, backward=False))
 
     async def _execute(self, run: PlannedRun) -> None:
         """Runs a planned step's actions; a failure goes both ways (the stages before wait for gradients, those
@@ -523,9 +419,9 @@ class LinkedLoop:
         except Exception as error:  # noqa: BLE001 - reported; the step's optimizer step is refused everywhere
             run.abort()
             key = shard_pb2.StepKey(deployment_id=self._deployment_id, step=run.step)
-            await self._tell(link.error_item(key, error, self._runtime.location, backward=True), up=True,
+            await self._sends.tell(link.error_item(key, error, self._runtime.location, backward=True), up=True,
                              either_way=False)
-            await self._tell(link.error_item(key, error, self._runtime.location), up=False, either_way=False)
+            await self._sends.tell(link.error_item(key, error, self._runtime.location), up=False, either_way=False)
             await self._runtime.order.backward_finished(run.step, status_message(error, self._runtime.location)[1])
             return
         run.done = True
@@ -535,7 +431,8 @@ class LinkedLoop:
         await self._runtime.order.backward_finished(run.step, failure)
         if replicated and plan.stage > 0 and not failure:
             key = shard_pb2.StepKey(deployment_id=self._deployment_id, step=run.step)
-            await self._send(self._up(run.step), shard_pb2.LinkMessage(run_done=shard_pb2.TensorKey(key=key)))
+            await self._links.send(self._links.up(run.step),
+                                   shard_pb2.LinkMessage(run_done=shard_pb2.TensorKey(key=key)))
 
     def _after_run(self, step: int, failure: str) -> None:
         """The stages after this one finished planned step `step` ("") or failed it (why); the first word counts."""
@@ -561,174 +458,53 @@ class LinkedLoop:
         self._spawn(self._runtime.order.backward_finished(step, reason))
         return True
 
-    def _ports(self, stage: Stage) -> StagePorts:
-        shard = self._runtime
-        wait = shard.settings.timeouts.peer_wait
-        return StagePorts(
-            stage=stage, index=shard.plan.stage, num_stages=shard.plan.num_stages,
-            deployment_id=self._deployment_id, timeout=wait, simulate_compute=shard.settings.simulate_compute,
-            run=shard.run, in_flight=lambda: len(stage.in_flight_steps), averager=shard.averager_call,
-            averager_arm=shard.averager_arm, incoming_residuals=lambda key: self._incoming_residuals(stage, key),
-            after_optimizer_step=lambda number: shard.order.after_optimizer_step(number, wait),
-            target=self._target, loss=shard.loss, send_loss=self._send_loss, send_activation=self._send_activation,
-            send_residuals=lambda key, outgoing: self._send_residuals(key, outgoing, to_client=False),
-            no_client_gradients=lambda key: self._no_client_gradients(stage, key),
-            residual_gradients=lambda key: shard.residual_gradients(stage, key),
-            send_input_gradient=self._send_planned_gradient, send_residual_gradients=self._send_residual_gradients,
-            device=shard.device, virtual_stages=max(shard.plan.virtual_stages, 1), forwarded=shard.steps.forward,
-            held=self._held)
-
-    async def _target(self, key: shard_pb2.StepKey) -> tuple[shard_pb2.LossTarget, torch.Tensor]:
-        what = f"the target of step {key.step} micro-batch {key.microbatch}"
-        return await self._targets.take((key.step, key.microbatch), self._runtime.settings.timeouts.peer_wait, what)
-
-    async def _send_loss(self, key: shard_pb2.StepKey, loss: float) -> None:
-        if self._output is None:
-            await self._sdk_output()
-        await self._send(self._output, shard_pb2.LinkMessage(loss=shard_pb2.StepLoss(key=key, loss=loss)))
-
-    async def _send_planned_gradient(self, key: shard_pb2.StepKey, grad: torch.Tensor) -> None:
-        await self._send(self._up(), shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key)), grad,
-                         "gradients")
-
     async def _forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None,
                        after_verdict: int = 0) -> BaseException | None:
-        """Runs the stage's forward once the optimizer step the SDK names has settled here, and every step whose
-        verdict came before this forward (the SDK stops naming one after a failure, when a verdict sent again
-        over a new link may still come first), then sends the activation and residuals on. Returns the failure
-        it reported, if any."""
-        shard = self._runtime
+        """A forward of the loop (a schedule of one micro-batch): runs once the optimizer step the SDK names has
+        settled here, and every step whose verdict came before this forward (the SDK stops naming one after a
+        failure, when a verdict sent again over a new link may still come first), then sends the activation and
+        residuals on. Returns the failure it reported, if any."""
+        by_call = self._links.by_call
         if header.keep_output:
-            self._by_call.add(header.key.step)
+            by_call.add(header.key.step)
         else:
-            self._by_call.discard(header.key.step)  # the SDK's own step of that number
+            by_call.discard(header.key.step)  # the SDK's own step of that number
         try:
-            stage = shard.stage_for(header.key.deployment_id)
+            executor = self._executor_for(header.key.deployment_id)
             _check_forward(header, x)
-            incoming = await self._incoming_residuals(stage, header.key)
-            await shard.order.after_optimizer_step(max(header.after_optimizer_step, after_verdict),
-                                                   shard.settings.timeouts.peer_wait)
-            if header.zero_grad:
-                await shard.run(stage.zero_grad)
-            started = time.perf_counter()
-            result, outgoing = await shard.run(stage.forward, (header.key.step, header.key.microbatch), x, incoming,
-                                               header.requires_grad, header.input_requires_grad, not header.eval_mode)
-            if header.requires_grad and not header.eval_mode:
-                shard.steps.forward(x, time.perf_counter() - started)
+            output, outgoing, _ = await executor.forward(header, x, after=after_verdict)
             self._forwarded = max(self._forwarded, header.key.step)
-            if self._runtime.plan.next_address:
-                # The activation first: the next stage needs it now, a residual's consumer only later.
-                await self._send_activation(header, result)
-                await self._send_residuals(header.key, outgoing)
-            else:  # the SDK takes the output as the step's end: the model's other outputs go ahead of it
-                await self._send_residuals(header.key, outgoing)
-                await self._send_activation(header, result)
+            await self._sends.forward_results(header, output, outgoing)
         except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
-            await self._report(header.key, error, backward=False)
+            await self._sends.report(header.key, error, backward=False)
             return error
         return None
-
-    async def _send_activation(self, header: shard_pb2.ForwardHeader, result: torch.Tensor) -> None:
-        """To the next stage, or (from the last stage) to the SDK as the output."""
-        if self._runtime.plan.next_address:
-            await self._send(self._down(), shard_pb2.LinkMessage(forward=header), result)
-            return
-        if self._down(header.key.step) is None:
-            await self._sdk_output()
-        await self._send(self._down(header.key.step), shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key)),
-                         result)
-
-    async def _send_residuals(self, key: shard_pb2.StepKey, outgoing: dict[str, torch.Tensor],
-                              to_client: bool = True) -> None:
-        """Each residual this stage produced, straight to every stage that consumes it, and with `to_client` the
-        model's other outputs to the SDK (a planned step returns only its loss)."""
-        for name, tensor in outgoing.items():
-            sink = next(r for r in self._runtime.plan.outgoing_residuals if r.name == name)
-            for consumer, address in zip(sink.consumer_stages, sink.consumer_addresses):
-                item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
-                if consumer != CLIENT:
-                    await self._send(self._client(address, _ROLES.LINK_ROLE_RESIDUAL), item, tensor, "residuals")
-                elif to_client and key.step not in self._by_call:  # per-call RPCs carry no output after the first
-                    if self._down(key.step) is None:
-                        await self._sdk_output()
-                    await self._send(self._down(key.step), item, tensor, "activations")
-
-    async def _no_client_gradients(self, stage, key: shard_pb2.StepKey) -> None:
-        """In a planned step the SDK sends no gradient for the model's outputs (the loss is taken on the last
-        stage): each output's share from the SDK counts as none."""
-        for name, consumers in stage.residuals.outgoing.items():
-            if CLIENT in consumers:
-                await self._runtime.accumulate(key, name, None)
-
-    async def _sdk_output(self) -> None:
-        """Waits (up to the peer-wait deadline) for the SDK's output link, opened at the same time as the input."""
-        timeout = self._runtime.settings.timeouts.peer_wait
-        try:
-            await asyncio.wait_for(self._output_opened.wait(), timeout)
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"the SDK did not open its output link within {timeout:g} s") from None
-
-    async def _incoming_residuals(self, stage, key: shard_pb2.StepKey) -> dict:
-        shard = self._runtime
-        incoming = {}
-        for name in stage.residuals.incoming:
-            producer = shard.producer(name).producer_stage
-            source = "the SDK" if producer == CLIENT else f"stage {producer}"
-            what = f"residual {name!r} of step {key.step} micro-batch {key.microbatch} from {source}"
-            tensor = await self._residuals.get((key.step, key.microbatch, name), shard.settings.timeouts.peer_wait,
-                                               what)
-            self._residuals.discard((key.step, key.microbatch, name))
-            spec = stage.incoming_spec(name)
-            if spec is not None:
-                spec.check(tensor, f"residual {name!r} from {source}")
-            if key.step in self._by_call:  # a client of the per-call RPCs may fetch it (FetchTensor)
-                self.calls.keep(key, name, tensor)
-            incoming[name] = tensor
-        return incoming
 
     async def _backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> BaseException | None:
-        """Runs the stage's backward once the gradients of the residuals it produced are in, then sends the input
-        gradient and the residuals' gradients back. Returns the failure it reported, if any."""
-        shard = self._runtime
-        key = (header.key.step, header.key.microbatch)
+        """A backward of the loop: runs the stage's backward once the gradients of the residuals it produced are
+        in, then sends the input gradient (first: the previous stage's backward needs it now, while a residual's
+        producer is that stage or one before it) and the residuals' gradients back. Returns the failure it
+        reported, if any."""
+        key = header.key
         try:
-            stage = shard.stage_for(header.key.deployment_id)
-            if header.zero_grad:
-                await shard.run(stage.zero_grad)
-            residual_grads = await shard.residual_gradients(stage, key)
-            grad_input, incoming_grads = await shard.run(stage.backward, key, grad, residual_grads)
-            # The input gradient first, as a forward sends its activation first: the previous stage's backward
-            # needs it now, while a residual's producer is that stage or one before it, whose backward comes later.
-            await self._send_input_gradient(header, grad_input)
-            await self._send_residual_gradients(header.key, incoming_grads)
+            executor = self._executor_for(key.deployment_id)
+            grad_input, incoming_grads, _ = await executor.backward((key.step, key.microbatch), grad,
+                                                                    zero_grad=header.zero_grad)
+            await self._sends.input_gradient(key, grad_input, zero_grad=header.zero_grad)
+            await self._sends.residual_gradients(key, incoming_grads)
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
-            await self._report(header.key, error, backward=True)
-            await shard.order.backward_finished(key[0], status_message(error, shard.location)[1])
+            await self._sends.report(key, error, backward=True)
+            await self._runtime.order.backward_finished(key.step, status_message(error, self._runtime.location)[1])
             return error
-        await shard.order.backward_finished(key[0], "")
+        await self._runtime.order.backward_finished(key.step, "")
         return None
 
-    async def _send_residual_gradients(self, key: shard_pb2.StepKey, grads: dict[str, torch.Tensor]) -> None:
-        """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
-        for name, grad in grads.items():
-            producer = self._runtime.producer(name).producer_stage
-            if producer == CLIENT:
-                continue  # a model input: it takes no gradient
-            item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
-            await self._send(self._from_stage.get(producer), item, grad, "residuals")
-
-    async def _send_input_gradient(self, header: shard_pb2.BackwardHeader, grad_input: torch.Tensor | None) -> None:
-        """To the previous stage (which clears its gradients first when this one did), or (from the first stage) to
-        the SDK as the end of the backward."""
-        key = header.key
-        if self._runtime.plan.stage > 0:
-            item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key, zero_grad=header.zero_grad))
-        elif grad_input is None and key.step in self._ended_by_step:
-            self._ended_by_step.discard(key.step)
-            return  # the optimizer step that lists it tells the SDK
-        else:
-            item = shard_pb2.LinkMessage(backward_done=shard_pb2.TensorKey(key=key))
-        await self._send(self._up(key.step), item, grad_input, "gradients")
+    def _executor_for(self, deployment_id: str) -> StageExecutor:
+        """This deployment's executor; FailedPrecondition for another deployment or none."""
+        self._runtime.stage_for(deployment_id)
+        if self._executor is None:
+            raise errors.FailedPrecondition("no stage is loaded here; deploy a model first")
+        return self._executor
 
     async def _step(self, item: shard_pb2.LinkStep) -> str:
         """Passes an optimizer step on once this stage's share of its backwards is over, then applies it
@@ -738,7 +514,7 @@ class LinkedLoop:
         if self._runtime.plan.next_address:
             verdict = shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
             self._verdicts.passed_down(verdict)
-            await self._pass_down(verdict)
+            await self._sends.pass_down(verdict)
         await self._apply_step(stage, request, failure)
         return failure
 
@@ -774,7 +550,7 @@ class LinkedLoop:
             else:
                 shard.steps.clear()
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
-            await self._tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
+            await self._sends.tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
                              up=False)
         finally:
             await shard.order.optimizer_step_settled(request.optimizer_step)
@@ -798,7 +574,8 @@ class LinkedLoop:
                     # To a later stage as a residual link (it may carry the next stage's items too), to an earlier
                     # one on a link of its own.
                     role = _ROLES.LINK_ROLE_RESIDUAL if other > plan.stage else _ROLES.LINK_ROLE_TIED
-                    await self._send(self._client(address, role), item, stage.tied_gradient(tie.key), "exact")
+                    await self._links.send(self._links.client(address, role), item, stage.tied_gradient(tie.key),
+                                           "exact")
         for tie in plan.tied:
             grads = []
             for other in tie.stages:
@@ -829,19 +606,12 @@ class LinkedLoop:
             await self._runtime.order.after_optimizer_step(flush.optimizer_step,
                                                            self._runtime.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
-            await self._tell(link.error_item(None, error, self._runtime.location, optimizer_step=flush.optimizer_step),
+            await self._sends.tell(link.error_item(None, error, self._runtime.location, optimizer_step=flush.optimizer_step),
                              up=False)
             return
         if flush.stats and flush.optimizer_step in self._stats:
             flush.stage_stats.append(self._stats[flush.optimizer_step])
-        await self._pass_down(shard_pb2.LinkMessage(flush=flush))
-
-    async def _pass_down(self, item: shard_pb2.LinkMessage) -> None:
-        try:
-            await self._send(self._down(), item)
-        except errors.ShardtrainError as error:
-            log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error,
-                        extra=self._runtime.fields())
+        await self._sends.pass_down(shard_pb2.LinkMessage(flush=flush))
 
     async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
         """Passes a failure on the way it travels. A failed backward coming up counts as failed here, and so does
@@ -851,19 +621,20 @@ class LinkedLoop:
         from_below = not end.toward_first
         aborted = error.HasField("key") and self._abort_run(error.key.step, error.message)
         last_stage = not self._runtime.plan.next_address
-        if error.HasField("key") and not from_below and last_stage and self._output is None:
+        if error.HasField("key") and not from_below and last_stage and self._links.output is None:
             # A forward that failed before it reached the last stage, with no SDK here to hear of it: a client of
             # the per-call RPCs started it, and fetches its output from here.
-            self._by_call.add(error.key.step)
+            self._links.by_call.add(error.key.step)
         if error.HasField("key") and from_below:
             self._after_run(error.key.step, error.message)
         if error.HasField("key") and error.backward == from_below and not aborted:
             await self._runtime.order.backward_finished(error.key.step, error.message)
-        await self._tell(message, up=from_below, either_way=False)
+        await self._sends.tell(message, up=from_below, either_way=False)
 
     def forget(self, up_to_step: int) -> None:
         """Drops the residuals of steps up to `up_to_step` that no forward took."""
-        self._residuals.discard_where(lambda key: key[0] <= up_to_step)
+        if self._executor is not None:
+            self._executor.forget(up_to_step)
         self._targets.discard_where(lambda key: key[0] <= up_to_step)
         self._after_runs.discard_where(lambda step: step <= up_to_step)
         for step in [step for step in self._runs if step <= up_to_step]:
@@ -871,10 +642,9 @@ class LinkedLoop:
             run.abort()
             if run.task is not None:
                 run.task.cancel()
-        self._ended_by_step = {step for step in self._ended_by_step if step > up_to_step}
-        self._by_call = {step for step in self._by_call if step > up_to_step}
+        self._sends.ended_by_step = {step for step in self._sends.ended_by_step if step > up_to_step}
+        self._links.forget(up_to_step)
         self._unread = {step for step in self._unread if step > up_to_step}
-        self.calls.forget(up_to_step)
 
     async def close(self) -> None:
         """Ends the links this stage opened and the work in progress."""
