@@ -14,8 +14,17 @@ import torch
 from shard_service.held import HeldItems
 from shard_service.mailbox import Mailbox
 from shard_service.sends import StageSends
+from shardtrain import errors
 from shardtrain.residuals import CLIENT
+from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
+
+def _check_forward(header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
+    if x is None:
+        raise errors.InvalidArgument("a forward item carries the activation tensor")
+    if header.HasField("step_first"):
+        raise errors.InvalidArgument("on a Link an optimizer step travels as a step item, not in step_first")
+
 
 Compute = Callable[..., Awaitable[tuple]]  # (function, *args) -> (its result, seconds it ran)
 
@@ -28,6 +37,7 @@ class StageExecutor:
         self.held = held if held is not None else HeldItems()  # what waits to run here, under one bound
         self.residuals = Mailbox()  # residuals pushed here by their producers, by (step, microbatch, name)
         self.timeout = runtime.settings.timeouts.peer_wait
+        self.forwarded = -1  # the highest step this stage started a forward for (steps count from 0)
 
     async def timed(self, function, *args) -> tuple:
         """Runs stage work on the compute thread; its result and how long it took."""
@@ -63,6 +73,46 @@ class StageExecutor:
         work = self.stage.backward_input if input_half else self.stage.backward
         (grad_input, incoming_grads), seconds = await (compute or self.timed)(work, key, grad, residual_grads)
         return grad_input, incoming_grads, seconds
+
+    async def loop_forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None,
+                           after_verdict: int = 0) -> BaseException | None:
+        """A forward of the loop (a schedule of one micro-batch, its action come as the script called): runs once
+        the optimizer step the SDK names has settled here, and every step whose verdict came before it (the SDK
+        stops naming one after a failure, when a verdict sent again over a new link may still come first), then
+        sends the activation and residuals on. Returns the failure it reported, if any."""
+        by_call = self.sends.links.by_call
+        if header.keep_output:
+            by_call.add(header.key.step)
+        else:
+            by_call.discard(header.key.step)  # the SDK's own step of that number
+        try:
+            self.runtime.stage_for(header.key.deployment_id)
+            _check_forward(header, x)
+            output, outgoing, _ = await self.forward(header, x, after=after_verdict)
+            self.forwarded = max(self.forwarded, header.key.step)
+            await self.sends.forward_results(header, output, outgoing)
+        except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
+            await self.sends.report(header.key, error, backward=False)
+            return error
+        return None
+
+    async def loop_backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> BaseException | None:
+        """A backward of the loop: the stage's backward, then the input gradient (first: the previous stage's
+        backward needs it now, while a residual's producer is that stage or one before it) and the residuals'
+        gradients back; its outcome settles the step's backward here. Returns the failure it reported, if any."""
+        key = header.key
+        try:
+            self.runtime.stage_for(key.deployment_id)
+            grad_input, incoming_grads, _ = await self.backward((key.step, key.microbatch), grad,
+                                                                zero_grad=header.zero_grad)
+            await self.sends.input_gradient(key, grad_input, zero_grad=header.zero_grad)
+            await self.sends.residual_gradients(key, incoming_grads)
+        except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
+            await self.sends.report(key, error, backward=True)
+            await self.runtime.order.backward_finished(key.step, status_message(error, self.runtime.location)[1])
+            return error
+        await self.runtime.order.backward_finished(key.step, "")
+        return None
 
     async def incoming_residuals(self, key: shard_pb2.StepKey) -> dict[str, torch.Tensor]:
         """The residuals this stage reads in (step, micro-batch), as their producers pushed them, checked."""
