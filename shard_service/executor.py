@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from shard_service.held import HeldItems
 from shard_service.mailbox import Mailbox
-from shard_service.sends import StageSends
 from shardtrain import errors
 from shardtrain.residuals import CLIENT
-from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
+
+if TYPE_CHECKING:  # the sends are I/O: the executor only calls them, and loads no gRPC itself
+    from shard_service.sends import StageSends
 
 def _check_forward(header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
     if x is None:
@@ -109,7 +111,8 @@ class StageExecutor:
             await self.sends.residual_gradients(key, incoming_grads)
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self.sends.report(key, error, backward=True)
-            await self.runtime.order.backward_finished(key.step, status_message(error, self.runtime.location)[1])
+            reason = errors.located_message(error, self.runtime.location)
+            await self.runtime.order.backward_finished(key.step, reason)
             return error
         await self.runtime.order.backward_finished(key.step, "")
         return None

@@ -11,7 +11,6 @@ from shard_service.sends import StageSends
 from shard_service.tied import TiedGradients
 from shard_service.verdicts import Verdicts
 from shardtrain import errors, link
-from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
 STATS_KEPT = 8  # the StageStats of the last planned steps, for a Flush that asks for them
@@ -47,7 +46,7 @@ class OptimizerSteps:
             stage = shard.stage_for(request.deployment_id)
             failures = await shard.order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
         except Exception as error:  # noqa: BLE001 - the step is refused on this stage and those after it
-            return None, failure or status_message(error, shard.location)[1]
+            return None, failure or errors.located_message(error, shard.location)
         if failures and not failure:
             step, reason = next(iter(failures.items()))
             failure = f"the backward of step {step} failed: {reason}"

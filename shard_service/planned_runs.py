@@ -14,7 +14,6 @@ from shard_service.held import tensor_bytes
 from shard_service.mailbox import Mailbox
 from shard_service.planned import MAX_RUNS, PlannedRun
 from shardtrain import errors, link
-from shardtrain.rpc import status_message
 from shardtrain.v1 import shard_pb2
 
 
@@ -105,7 +104,7 @@ class PlannedRuns:
         location = self._runtime.location
         await self._sends.tell(link.error_item(key, error, location, backward=True), up=True, either_way=False)
         await self._sends.tell(link.error_item(key, error, location), up=False, either_way=False)
-        await self._runtime.order.backward_finished(run.step, status_message(error, location)[1])
+        await self._runtime.order.backward_finished(run.step, errors.located_message(error, location))
 
     def after_run(self, step: int, failure: str) -> None:
         """The stages after this one finished planned step `step` ("") or failed it (why); the first word counts."""

@@ -1,5 +1,5 @@
-"""The code's shape, read with ast: no import cycles among the packages, and no class in client_sdk/ or shard_service/
-too big to read.
+"""The code's shape, read with ast: no import cycles among the packages, no class in client_sdk/ or shard_service/
+too big to read, and a stage's executor that loads no gRPC.
 
 An import counts where it stands at module level, under `if TYPE_CHECKING:` or in a try or class body included (the
 design allows no cycle, TYPE_CHECKING ones included); imports inside functions are checked on their own, since a
@@ -9,6 +9,8 @@ deferred import only hides a cycle until the function runs.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,11 @@ def test_no_class_in_the_sdk_or_a_shard_is_too_big_to_read(package):
 def test_a_pin_follows_its_class_down():
     sizes = {name: size for package in SIZED for name, size in class_sizes(package).items()}
     assert {name: sizes.get(name) for name in PINNED} == PINNED, "a pinned class shrank: lower its pin to its size"
+
+
+def test_a_stages_executor_and_planned_runs_load_no_grpc():
+    """They are domain code (DESIGN.md: only servicers and the SDK's RPC layer import gRPC); their sends are I/O, and
+    reach the links through an object they are handed."""
+    code = "import sys, shard_service.planned; print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", f"importing the executor loaded {loaded.stdout.strip()}"
