@@ -3,9 +3,10 @@ the schedule gives this stage, on the same Links and with the same items as the 
 
 The micro-batches' forward items (activations) and backward items (gradients) come over the stage's links
 and wait in the run's inbox until their action's turn; results leave as soon as they exist, so stage i works on
-micro-batch k+1 while stage i+1 works on k. The last stage computes each micro-batch's loss against the target
-the SDK sent it and starts that micro-batch's backward itself. The run's end is the step's backward on this stage:
-the optimizer step item that follows (loop.py) is applied once it is over, on every stage or on none.
+micro-batch k+1 while stage i+1 works on k. Each action's forward or backward is the stage executor's, the one
+the loop's items run too (executor.py). The last stage computes each micro-batch's loss against the target the
+SDK sent it and starts that micro-batch's backward itself. The run's end is the step's backward on this stage:
+the optimizer step item that follows (optimizer_steps.py) is applied once it is over, on every stage or on none.
 """
 
 from __future__ import annotations
