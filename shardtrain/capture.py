@@ -25,7 +25,8 @@ from shardtrain.errors import InvalidArgument
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?")
-_OPERATOR = re.compile(r"torch\.ops\.aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operator\.[a-z_]+")
+_OPERATOR = re.compile(r"torch\.ops\.aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|torch\.ops\.higher_order\.[A-Za-z0-9_]+|"
+                       r"_operator\.[a-z_]+")
 # Strings that only label things (dtype names, dialects, kinds): no quotes, spaces or brackets.
 _PLAIN = re.compile(r"[A-Za-z0-9_.:\-]*")
 _NAME_KEYS = {"name", "parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name",
@@ -77,7 +78,8 @@ class LayerAdapter(torch.nn.Module):
 def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
                   varying: tuple[tuple[int, ...], ...] | None = None) -> bytes:
     """Exports a layer with a dynamic batch (dim 0) on every input, or the dims `varying` names per input;
-    returns the program without weights."""
+    returns the program without weights. Exported with autograd on, as the layer trains: a region its forward
+    runs under torch.no_grad() is recorded as one only where it changes the grad mode."""
     if varying is None:
         batch = torch.export.Dim("batch", min=1)
         per_input = [{0: batch} if arg.dim() > 0 else {} for arg in example_args]
@@ -86,7 +88,8 @@ def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
     dynamic: dict = {"x": per_input[0]}
     if len(example_args) > 1:  # export wants the varargs key only when varargs were given
         dynamic["dependencies"] = tuple(per_input[1:])
-    program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
+    with torch.enable_grad():
+        program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
     try:
         artifact = export_serde.serialize(program, serialize_state_dict=False, serialize_constants=False,
                                           serialize_example_inputs=False)
@@ -167,8 +170,7 @@ def _parse_program(program: bytes) -> dict:
         if len(guard) > MAX_STRING:
             raise InvalidArgument(f"captured program: a guard of {len(guard)} characters; at most {MAX_STRING}")
     try:
-        for node in tree["graph_module"]["graph"].get("nodes", []):
-            node["metadata"] = {}  # stack traces and module paths are not needed to run, and not trusted
+        _drop_metadata(tree["graph_module"]["graph"])
     except (KeyError, TypeError, AttributeError) as error:
         raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
     body = {k: v for k, v in tree.items() if k != "guards_code"}
@@ -180,6 +182,17 @@ def _parse_program(program: bytes) -> dict:
     except (KeyError, TypeError, AttributeError, ValueError, IndexError) as error:
         raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
     return tree
+
+
+def _drop_metadata(graph: dict, depth: int = 0) -> None:
+    """Empties every node's metadata, in the graphs higher-order operators carry too: stack traces and module
+    paths are not needed to run, and not trusted."""
+    if depth > operators.MAX_DEPTH:
+        raise InvalidArgument(f"captured program nests graphs more than {operators.MAX_DEPTH} deep")
+    for node in graph.get("nodes", []):
+        node["metadata"] = {}
+        for inner in operators.subgraphs(node):
+            _drop_metadata(inner["graph"], depth + 1)
 
 
 class CapturedProgram:
@@ -291,19 +304,24 @@ def _without_input_checks(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _check_targets(exported: torch.export.ExportedProgram) -> None:
-    """The built graph calls what the checked program named: allowed operators only (a second look)."""
-    for node in exported.graph.nodes:
-        if node.op == "call_function":
-            target = node.target
-            if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
-                why = operators.refusal(target._schema.name.removeprefix("aten::"), target._schema, target.tags)
-            else:
-                allowed = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
-                why = None if allowed in operators.ALLOWED_PYTHON else "is not an allowed operator"
-            if why is not None:
-                raise InvalidArgument(f"captured program calls {target!r}, which {why}")
-        if node.op in ("call_module", "call_method"):
-            raise InvalidArgument(f"captured program has a {node.op} node; only torch operators are allowed")
+    """The built graph, and those its higher-order operators carry, call what the checked program named: allowed
+    operators only (a second look)."""
+    for module in exported.graph_module.modules():
+        for node in getattr(module, "graph", torch.fx.Graph()).nodes:
+            if node.op == "call_function" and _refusal(node.target) is not None:
+                raise InvalidArgument(f"captured program calls {node.target!r}, which {_refusal(node.target)}")
+            if node.op in ("call_module", "call_method"):
+                raise InvalidArgument(f"captured program has a {node.op} node; only torch operators are allowed")
+
+
+def _refusal(target) -> str | None:
+    """Why a built node's target may not run, or None."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return operators.refusal(target._schema.name.removeprefix("aten::"), target._schema, target.tags)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return None if target.name() in operators.HIGHER_ORDER else "is not an allowed higher-order operator"
+    allowed = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
+    return None if allowed in operators.ALLOWED_PYTHON else "is not an allowed operator"
 
 
 @dataclass(frozen=True)
