@@ -345,11 +345,15 @@ class _UnitBuilder:
         return torch.fx.GraphModule(self.holder, self.graph)
 
     def resolve(self, arg: torch.fx.Node):
-        """What stands for `arg` in the unit: a copy made already, a weight, or a size read again here."""
+        """What stands for `arg` in the unit: a copy made already, a weight, a graph a higher-order operator runs,
+        or a size read again here."""
         if arg in self.env:
             return self.env[arg]
         if arg.name in self.cutter.state:
             self.env[arg] = self._weight(self.cutter.state[arg.name])
+        elif arg.op == "get_attr":  # a graph a higher-order operator runs (a cond's branch): the unit's own copy
+            self.holder.add_module(arg.target, getattr(self.cutter.program.graph_module, arg.target))
+            self.env[arg] = self.graph.get_attr(arg.target)
         elif _is_symbolic(arg):
             value = arg.meta["val"]
             if isinstance(value, (int, float, bool)):
