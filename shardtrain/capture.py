@@ -10,9 +10,11 @@ received as plain tensors, and re-checks the built graph's shapes (shardtrain/pr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +243,23 @@ class CapturedProgram:
     def load(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> torch.nn.Module:
         """Rebuilds the layer around the given weights (Parameters and buffers, used as they are), making the
         tensors its operations create (an arange, a mask) on `device` rather than where it was captured."""
+        self._check_state(state)
+        exported = copy.copy(self._built(state, device))
+        exported._state_dict = dict(state)
+        module = _without_input_checks(exported.module())
+        if self.guards:
+            check = symbolic.check_layer_inputs(self.guards)
+            module.register_forward_pre_hook(lambda _module, arguments: check(arguments))
+        return module
+
+
+    def _built(self, state: dict[str, torch.Tensor], device: torch.device | None) -> torch.export.ExportedProgram:
+        """The program deserialized and checked, without weights: once per program and device (a model's identical
+        blocks share one), since deserializing costs several times what making a module of it does."""
+        key = (self._digest, str(device))
+        if key in _BUILT:
+            _BUILT.move_to_end(key)
+            return _BUILT[key]
         try:
             serialized = export_serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
             exported = export_serde.ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
@@ -250,12 +269,30 @@ class CapturedProgram:
         propagation.check_program_shapes(self._digest, exported.graph)
         if device is not None:
             _create_on(exported.graph_module, device)
-        module = _without_input_checks(exported.module())
-        if self.guards:
-            check = symbolic.check_layer_inputs(self.guards)
-            module.register_forward_pre_hook(lambda _module, arguments: check(arguments))
-        return module
+        exported._state_dict = {}  # the weights are each load's own
+        _BUILT[key] = exported
+        if len(_BUILT) > BUILT_KEPT:
+            _BUILT.popitem(last=False)
+        return exported
 
+    def _check_state(self, state: dict[str, torch.Tensor]) -> None:
+        """InvalidArgument unless `state` holds exactly the weights the program expects, each of its shape, dtype and
+        kind (a Parameter or a buffer)."""
+        specs = {spec.graph_key: spec for spec in self.state_specs()}
+        if set(state) != set(specs):
+            raise InvalidArgument(f"captured program expects weights {sorted(specs)[:8]}, got {sorted(state)[:8]}")
+        for key, spec in specs.items():
+            tensor = state[key]
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or \
+                    isinstance(tensor, torch.nn.Parameter) != spec.is_parameter:
+                kind = "parameter" if spec.is_parameter else "buffer"
+                raise InvalidArgument(f"captured program: weight {key!r} should be a {kind} of {spec.dtype} "
+                                      f"{list(spec.shape)}, got {type(tensor).__name__} of {tensor.dtype} "
+                                      f"{list(tensor.shape)}")
+
+
+_BUILT: OrderedDict[tuple[bytes, str], torch.export.ExportedProgram] = OrderedDict()  # checked programs by digest
+BUILT_KEPT = 256                                                                      # and device, without weights
 
 _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
 
