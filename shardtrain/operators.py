@@ -204,24 +204,26 @@ def _check_higher_order(node: dict, name: str, origin: dict[str, str]) -> None:
     if name not in HIGHER_ORDER:
         why = REFUSED_HIGHER_ORDER.get(name, REFUSED_HIGHER_ORDER[None])
         raise InvalidArgument(f"captured program calls {node['target']!r}, which {why}")
-    arguments = [entry["arg"] for entry in node["inputs"]]
-    operands = _operands(node["target"], name, arguments)
-    outputs = []
-    for inner in subgraphs(node):
-        inputs = list(inner["graph"]["inputs"])
-        if len(inputs) != len(operands):
-            raise InvalidArgument(f"captured program: {node['target']} passes {len(operands)} operands to graph "
-                                  f"{inner['name']!r}, which takes {len(inputs)}")
-        passed = {inside: origin.get(outside, "result") for value, given in zip(inputs, operands)
-                  for inside, outside in zip(_tensor_names(value), _tensor_names(given))}
-        try:
-            outputs.append(_check_nodes(inner["graph"], passed))
-        except InvalidArgument as error:
-            raise InvalidArgument(f"{error} (in graph {inner['name']!r} of {node['target']})") from None
-    results = list(_tensor_names(node["outputs"]))
-    for position, tensor in enumerate(results):
+    operands = _operands(node["target"], name, [entry["arg"] for entry in node["inputs"]])
+    outputs = [_check_subgraph(node["target"], inner, operands, origin) for inner in subgraphs(node)]
+    for position, tensor in enumerate(_tensor_names(node["outputs"])):
         kinds = [graph_outputs[position] for graph_outputs in outputs if position < len(graph_outputs)]
         origin[tensor] = min(kinds or ["result"], key=_STRICTEST.index)
+
+
+def _check_subgraph(target: str, inner: dict, operands: list[dict], origin: dict[str, str]) -> list[str]:
+    """One graph a higher-order operator carries, checked with its inputs' origins those of the operands passed to
+    them; returns its outputs' origins. An error names the graph and the operator."""
+    inputs = list(inner["graph"]["inputs"])
+    if len(inputs) != len(operands):
+        raise InvalidArgument(f"captured program: {target} passes {len(operands)} operands to graph "
+                              f"{inner['name']!r}, which takes {len(inputs)}")
+    passed = {inside: origin.get(outside, "result") for value, given in zip(inputs, operands)
+              for inside, outside in zip(_tensor_names(value), _tensor_names(given))}
+    try:
+        return _check_nodes(inner["graph"], passed)
+    except InvalidArgument as error:
+        raise InvalidArgument(f"{error} (in graph {inner['name']!r} of {target})") from None
 
 
 def _operands(target: str, name: str, arguments: list[dict]) -> list[dict]:
@@ -241,8 +243,9 @@ def _operands(target: str, name: str, arguments: list[dict]) -> list[dict]:
     for argument, kind in zip(arguments[len(expected):], kinds[len(expected):]):
         if kind not in _OPERANDS:
             raise InvalidArgument(f"captured program: {target} passes a {kind} operand; expected tensors or numbers")
-        many = isinstance(argument[kind], list)
-        operands.extend({kind.removesuffix("s"): item} for item in argument[kind]) if many else \
+        if isinstance(argument[kind], list):  # a list of operands (cond's): one graph input each
+            operands.extend({kind.removesuffix("s"): item} for item in argument[kind])
+        else:
             operands.append(argument)
     return operands
 
