@@ -17,8 +17,13 @@ def frozen_reads(module: torch.nn.Module, run: Callable[[], object]) -> list[str
     """What `run()` (a forward of `module`) reads that a capture would fix, as "Class.attribute = value" and
     "random.name()" lines, each once, in the order first read."""
     seen: dict[str, None] = {}
-    with _attribute_reads(module, seen), _random_draws(seen):
-        run()
+    try:
+        with _attribute_reads(module, seen), _random_draws(seen):
+            run()
+    except torch._dynamo.exc.TorchDynamoException:  # torch.cond compiles its branches even in eager mode, and
+        seen.clear()                                 # cannot trace the watching classes: watch the draws alone
+        with _random_draws(seen):
+            run()
     return list(seen)
 
 

@@ -37,6 +37,7 @@ class Layer:
     eval_module: torch.nn.Module | None = None  # its eval-mode graph, for a unit of a whole-model capture
     varying: tuple[tuple[int, ...], ...] | None = None  # per input, the dims that vary (default: the batch)
     constants: tuple[tuple[str, torch.Tensor], ...] = ()  # tensors its forward makes, held as buffers, by key
+    keys: tuple[tuple[str, str], ...] = ()  # a unit's weights' names in it -> their model keys, where they differ
 
     @property
     def cost(self) -> int:
@@ -91,12 +92,25 @@ def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
     if train.names != evaluation.names or shapes(train) != shapes(evaluation) or train.inputs != evaluation.inputs:
         raise InvalidArgument(f"{type(module).__name__} passes different values between its parts in training and "
                               "eval mode, so one cut cannot serve both; deploy it as an nn.Sequential")
+    _check_names(train, evaluation)
     layers = [Layer(m, w, "", name=n, description=d, eval_module=e, varying=v,
-                    constants=tuple((k, t) for k, t in train.constants.items() if k in dict(m.named_buffers())))
-              for m, w, n, d, e, v in zip(train.modules, train.wirings, train.names, train.descriptions,
-                                          evaluation.modules, train.varying)]
+                    constants=tuple((k, t) for k, t in train.constants.items()
+                                    if k in {keys.get(b, b) for b, _ in m.named_buffers()}),
+                    keys=tuple(keys.items()))
+              for m, w, n, d, e, v, keys in zip(train.modules, train.wirings, train.names, train.descriptions,
+                                                evaluation.modules, train.varying, train.keys)]
     return layers, Interface(signature, tuple(train.inputs), tuple(train.outputs), tuple(train.leaves),
                              train.out_spec, train.limits)
+
+
+def _check_names(train: units.CutGraph, evaluation: units.CutGraph) -> None:
+    """Both modes' graphs of a unit name each weight alike: the stages look weights up by the training graph's
+    names."""
+    for name, trained, evaluated in zip(train.names, train.keys, evaluation.keys):
+        differing = [local for local, key in evaluated.items() if trained.get(local, key) != key]
+        if differing:
+            raise InvalidArgument(f"the model's unit {name!r} names weight {differing[0]!r} differently in training "
+                                  "and eval mode; deploy it as an nn.Sequential")
 
 
 def _cut(module: torch.nn.Module, args: tuple, kwargs: dict, spec: dict) -> units.CutGraph:
@@ -277,6 +291,7 @@ def capture(layers: Sequence[Layer], x: torch.Tensor,
     as it was."""
     captured, saved = [], {name: _rows(value) for name, value in (inputs or {}).items()}
     x = _rows(x)
+    programs: dict[tuple, tuple[bytes, bytes]] = {}  # by what a unit's capture depends on: identical units once
     with torch.no_grad():
         for index, layer in enumerate(layers):
             adapter = LayerAdapter(layer.module, layer.wiring.out_variables).train()
@@ -284,17 +299,44 @@ def capture(layers: Sequence[Layer], x: torch.Tensor,
             args = tuple(a.contiguous() for a in (x, *(saved[name] for name in layer.wiring.dependencies)))
             with ModeReads(adapter) as reads:
                 result = adapter(*args)
-            program, eval_program = _export(index, layer, adapter, args), b""
-            if layer.eval_module is not None:
-                eval_adapter = LayerAdapter(layer.eval_module, layer.wiring.out_variables).eval()
-                eval_program = _export(index, layer, eval_adapter, args)
-            elif reads.seen:
-                eval_program = _export(index, layer, adapter.eval(), args)
-                adapter.train()
-            eval_program = b"" if eval_program == program else eval_program
-            captured.append(_describe(index, layer, adapter, program, eval_program))
+            same = _capture_key(layer, args)
+            if same is None or same not in programs or not _fits(programs[same][0], adapter):
+                programs[same] = _export_modes(index, layer, adapter, args, reads.seen)
+            captured.append(_describe(index, layer, adapter, *programs[same]))
             x = passed_on(result, layer.wiring, saved)
     return captured
+
+
+def _export_modes(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[torch.Tensor, ...],
+                  reads_training: bool) -> tuple[bytes, bytes]:
+    """The layer's training-mode program, and its eval-mode one where that differs (b"" where it does not)."""
+    program, eval_program = _export(index, layer, adapter, args), b""
+    if layer.eval_module is not None:
+        eval_adapter = LayerAdapter(layer.eval_module, layer.wiring.out_variables).eval()
+        eval_program = _export(index, layer, eval_adapter, args)
+    elif reads_training:
+        eval_program = _export(index, layer, adapter.eval(), args)
+        adapter.train()
+    return program, b"" if eval_program == program else eval_program
+
+
+def _capture_key(layer: Layer, args: tuple[torch.Tensor, ...]) -> tuple | None:
+    """What a unit's programs depend on besides its weights' values: both modes' graphs (units.structure) and its
+    inputs' shapes, dtypes and varying dims. None for a layer that is not a unit graph: captured on its own."""
+    train, evaluation = units.structure(layer.module), units.structure(layer.eval_module)
+    if train is None or evaluation is None:
+        return None
+    inputs = tuple((tuple(a.shape), a.dtype, a.stride()) for a in args)
+    return train, evaluation, inputs, layer.varying, len(layer.wiring.out_variables)
+
+
+def _fits(program: bytes, adapter: LayerAdapter) -> bool:
+    """Whether a program captured for another unit takes exactly this one's weights (names, shapes, dtypes)."""
+    state = adapter.state_dict(keep_vars=True)
+    specs = CapturedProgram(program).state_specs()
+    return [spec.graph_key for spec in specs] == list(state) and all(
+        spec.shape == tuple(state[spec.graph_key].shape) and spec.dtype == state[spec.graph_key].dtype and
+        spec.is_parameter == isinstance(state[spec.graph_key], torch.nn.Parameter) for spec in specs)
 
 
 def _export(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[torch.Tensor, ...]) -> bytes:
@@ -375,7 +417,8 @@ def _user_line(error: Exception) -> str:
 
 def _describe(index: int, layer: Layer, adapter: LayerAdapter, program: bytes,
               eval_program: bytes) -> shard_pb2.CapturedLayer:
-    state = [shard_pb2.StateEntry(graph_key=key, model_key=_model_key(layer.prefix, key))
+    keys = dict(layer.keys)
+    state = [shard_pb2.StateEntry(graph_key=key, model_key=_model_key(layer.prefix, key, keys))
              for key in adapter.state_dict()]
     return shard_pb2.CapturedLayer(index=index, description=layer.description or _one_line(layer.module),
                                    program=program,
@@ -384,8 +427,9 @@ def _describe(index: int, layer: Layer, adapter: LayerAdapter, program: bytes,
                                    eval_program=eval_program)
 
 
-def _model_key(prefix: str, graph_key: str) -> str:
+def _model_key(prefix: str, graph_key: str, keys: dict[str, str]) -> str:
     local = graph_key.removeprefix("layer.")
+    local = keys.get(local, local)
     return f"{prefix}.{local}" if prefix else local
 
 

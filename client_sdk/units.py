@@ -45,6 +45,7 @@ class CutGraph:
     out_spec: object     # the pytree spec the flat outputs rebuild into (a tuple, a dict, one tensor)
     limits: dict[str, dict[int, int]] = field(default_factory=dict)  # per input, dims with a largest size
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors the forward makes, by their key
+    keys: list[dict[str, str]] = field(default_factory=list)  # per unit, its weights' names in it -> model keys
 
 
 def unit_names(module: torch.nn.Module) -> list[str]:
@@ -234,7 +235,8 @@ class _Cutter:
                         list(self.output_names), leaves, self.program.call_spec.out_spec,
                         {node.name: self._limits(node) for node in self.inputs},
                         {key: value for key, value in self.program.constants.items()
-                         if isinstance(value, torch.Tensor) and key in self.state.values()})
+                         if isinstance(value, torch.Tensor) and key in self.state.values()},
+                        [builder.keys for builder in self.builders])
 
     def _limits(self, node: torch.fx.Node) -> dict[int, int]:
         """The dims of a model input that may not grow past a size (a sequence length's max in dynamic_shapes, or
@@ -301,7 +303,9 @@ class _UnitBuilder:
     def __init__(self, cutter: _Cutter, unit: int):
         self.cutter, self.unit = cutter, unit
         self.graph = torch.fx.Graph()
-        self.holder = torch.nn.Module()  # the unit's weights, at their state-dict paths
+        self.holder = torch.nn.Module()  # the graphs its higher-order operators run; its weights, once finished
+        self.weights: dict[str, tuple[torch.Tensor, bool]] = {}  # by model key: the tensor, whether a parameter
+        self.keys: dict[str, str] = {}  # the weights' names in the unit -> their model keys, once finished
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.read: set[str] = set()     # the whole graph's keys of the weights the unit uses
         self.written: set[str] = set()  # those of them it changes in place
@@ -342,14 +346,36 @@ class _UnitBuilder:
     def finish(self, results: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
         values = [self.env[node] for node in results]
         self.graph.output(values[0] if len(values) == 1 else tuple(values))
+        self.keys = self._local_names()
+        local = {key: name for name, key in self.keys.items()}
+        for node in self.graph.nodes:
+            if node.op == "get_attr" and node.target in self.weights:
+                node.target = local[node.target]
+        for key, (tensor, is_parameter) in self.weights.items():
+            _register(self.holder, local[key], tensor, is_parameter)
         return torch.fx.GraphModule(self.holder, self.graph)
 
+    def _local_names(self) -> dict[str, str]:
+        """Names the unit's weights by their paths inside it (`attn.c_attn.weight` for a block's own), so that
+        identical blocks capture to the same program; a weight from elsewhere keeps its model key. Should two names
+        meet, every weight keeps its model key."""
+        prefix = self.cutter.order[self.unit] + "."
+        names = {key.removeprefix(prefix): key for key in self.weights}
+        taken = {name for name, _ in self.holder.named_children()}
+        if len(names) < len(self.weights) or any(name.split(".")[0] in taken for name in names):
+            names = {key: key for key in self.weights}
+        return names
+
     def resolve(self, arg: torch.fx.Node):
-        """What stands for `arg` in the unit: a copy made already, a weight, or a size read again here."""
+        """What stands for `arg` in the unit: a copy made already, a weight, a graph a higher-order operator runs,
+        or a size read again here."""
         if arg in self.env:
             return self.env[arg]
         if arg.name in self.cutter.state:
             self.env[arg] = self._weight(self.cutter.state[arg.name])
+        elif arg.op == "get_attr":  # a graph a higher-order operator runs (a cond's branch): the unit's own copy
+            self.holder.add_module(arg.target, getattr(self.cutter.program.graph_module, arg.target))
+            self.env[arg] = self.graph.get_attr(arg.target)
         elif _is_symbolic(arg):
             value = arg.meta["val"]
             if isinstance(value, (int, float, bool)):
@@ -361,12 +387,13 @@ class _UnitBuilder:
         return self.env[arg]
 
     def _weight(self, key: str) -> torch.fx.Node:
+        """A get_attr of the weight by its model key, renamed when the unit is finished."""
         self.read.add(key)
         here = self.cutter.key_in(key, self.unit)
         program = self.cutter.program
         # a non-persistent buffer's value is among the program's constants
         value = program.state_dict[key] if key in program.state_dict else program.constants[key]
-        _register(self.holder, here, value, key in program.graph_signature.parameters)
+        self.weights.setdefault(here, (value, key in program.graph_signature.parameters))
         return self.graph.get_attr(here)
 
     def _size(self, arg: torch.fx.Node) -> torch.fx.Node:
@@ -385,6 +412,37 @@ class _UnitBuilder:
 
 
 _SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv, torch.sym_max, torch.sym_min)
+
+
+def structure(module: torch.nn.Module | None) -> tuple | None:
+    """What capturing a unit graph depends on besides its weights' values: its operations in order, with their
+    arguments (other nodes by position, not name), each value's shape and dtype, and its weights' names, shapes,
+    dtypes and kinds. Units of equal structure export to the same program. None for a module that is not a graph."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return None
+    position: dict[torch.fx.Node, int] = {}
+    rows = []
+    for node in module.graph.nodes:
+        position[node] = len(position)
+        arguments = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: f"%{position[arg]}")
+        rows.append((node.op, _target_structure(module, node), repr(arguments), _value_structure(node.meta.get("val"))))
+    return tuple(rows)
+
+
+def _target_structure(module: torch.fx.GraphModule, node: torch.fx.Node):
+    if node.op == "placeholder":
+        return None  # inputs are passed by position
+    if node.op != "get_attr":
+        return str(node.target)
+    held = operator.attrgetter(node.target)(module)
+    if isinstance(held, torch.Tensor):
+        return node.target, _value_structure(held), isinstance(held, torch.nn.Parameter)
+    return structure(held) or ("unknown", id(held))  # a graph a higher-order operator runs; anything else: unique
+
+
+def _value_structure(value) -> str:
+    return repr(pytree.tree_map(lambda v: (tuple(str(size) for size in v.shape), str(v.dtype), v.requires_grad)
+                                if isinstance(v, torch.Tensor) else v, value))
 
 
 def shared_keys(module: torch.nn.Module) -> list[list[str]]:

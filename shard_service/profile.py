@@ -18,6 +18,7 @@ from shardtrain.v1 import shard_pb2
 
 REPEATS = 3       # timed runs per layer after one warm-up (the run that counts saved bytes); the median is kept
 MAX_REPEATS = 20
+LONG_RUN = 0.25   # seconds: a layer whose warm-up takes longer is timed once (its length evens out what repeats would)
 MAX_LAYERS = 10_000  # layers in one request, as in a deploy
 MAX_EXAMPLE_BYTES = 1 << 30  # the example inputs of one layer: a request cannot make a shard allocate more
 
@@ -49,7 +50,8 @@ def _profile(layer: shard_pb2.CapturedLayer, repeats: int, device: torch.device)
     module = program.load(weights, device)
     args = _inputs(layer, program, device)
     with SavedBytes(weights.values()) as counter:
-        _forward_backward(module, args, list(weights.values()), device)  # also the warm-up
+        warm_up = _forward_backward(module, args, list(weights.values()), device)
+    repeats = 1 if warm_up > LONG_RUN else repeats  # a vocabulary's head, on a CPU: seconds a run, four shards
     runs = [_forward_backward(module, args, list(weights.values()), device) for _ in range(repeats)]
     return shard_pb2.LayerProfile(microseconds=max(1, round(statistics.median(runs) * 1e6)),
                                   activation_bytes=counter.total)

@@ -10,9 +10,11 @@ received as plain tensors, and re-checks the built graph's shapes (shardtrain/pr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,8 @@ from shardtrain.errors import InvalidArgument
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?")
-_OPERATOR = re.compile(r"torch\.ops\.aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|_operator\.[a-z_]+")
+_OPERATOR = re.compile(r"torch\.ops\.aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|torch\.ops\.higher_order\.[A-Za-z0-9_]+|"
+                       r"_operator\.[a-z_]+")
 # Strings that only label things (dtype names, dialects, kinds): no quotes, spaces or brackets.
 _PLAIN = re.compile(r"[A-Za-z0-9_.:\-]*")
 _NAME_KEYS = {"name", "parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name",
@@ -77,7 +80,8 @@ class LayerAdapter(torch.nn.Module):
 def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
                   varying: tuple[tuple[int, ...], ...] | None = None) -> bytes:
     """Exports a layer with a dynamic batch (dim 0) on every input, or the dims `varying` names per input;
-    returns the program without weights."""
+    returns the program without weights. Exported with autograd on, as the layer trains: a region its forward
+    runs under torch.no_grad() is recorded as one only where it changes the grad mode."""
     if varying is None:
         batch = torch.export.Dim("batch", min=1)
         per_input = [{0: batch} if arg.dim() > 0 else {} for arg in example_args]
@@ -86,7 +90,8 @@ def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
     dynamic: dict = {"x": per_input[0]}
     if len(example_args) > 1:  # export wants the varargs key only when varargs were given
         dynamic["dependencies"] = tuple(per_input[1:])
-    program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
+    with torch.enable_grad():
+        program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
     try:
         artifact = export_serde.serialize(program, serialize_state_dict=False, serialize_constants=False,
                                           serialize_example_inputs=False)
@@ -167,8 +172,7 @@ def _parse_program(program: bytes) -> dict:
         if len(guard) > MAX_STRING:
             raise InvalidArgument(f"captured program: a guard of {len(guard)} characters; at most {MAX_STRING}")
     try:
-        for node in tree["graph_module"]["graph"].get("nodes", []):
-            node["metadata"] = {}  # stack traces and module paths are not needed to run, and not trusted
+        _drop_metadata(tree["graph_module"]["graph"])
     except (KeyError, TypeError, AttributeError) as error:
         raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
     body = {k: v for k, v in tree.items() if k != "guards_code"}
@@ -180,6 +184,17 @@ def _parse_program(program: bytes) -> dict:
     except (KeyError, TypeError, AttributeError, ValueError, IndexError) as error:
         raise InvalidArgument(f"captured program is malformed: {type(error).__name__}: {error}") from None
     return tree
+
+
+def _drop_metadata(graph: dict, depth: int = 0) -> None:
+    """Empties every node's metadata, in the graphs higher-order operators carry too: stack traces and module
+    paths are not needed to run, and not trusted."""
+    if depth > operators.MAX_DEPTH:
+        raise InvalidArgument(f"captured program nests graphs more than {operators.MAX_DEPTH} deep")
+    for node in graph.get("nodes", []):
+        node["metadata"] = {}
+        for inner in operators.subgraphs(node):
+            _drop_metadata(inner["graph"], depth + 1)
 
 
 class CapturedProgram:
@@ -228,6 +243,23 @@ class CapturedProgram:
     def load(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> torch.nn.Module:
         """Rebuilds the layer around the given weights (Parameters and buffers, used as they are), making the
         tensors its operations create (an arange, a mask) on `device` rather than where it was captured."""
+        self._check_state(state)
+        exported = copy.copy(self._built(state, device))
+        exported._state_dict = dict(state)
+        module = _without_input_checks(exported.module())
+        if self.guards:
+            check = symbolic.check_layer_inputs(self.guards)
+            module.register_forward_pre_hook(lambda _module, arguments: check(arguments))
+        return module
+
+
+    def _built(self, state: dict[str, torch.Tensor], device: torch.device | None) -> torch.export.ExportedProgram:
+        """The program deserialized and checked, without weights: once per program and device (a model's identical
+        blocks share one), since deserializing costs several times what making a module of it does."""
+        key = (self._digest, str(device))
+        if key in _BUILT:
+            _BUILT.move_to_end(key)
+            return _BUILT[key]
         try:
             serialized = export_serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
             exported = export_serde.ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
@@ -237,12 +269,30 @@ class CapturedProgram:
         propagation.check_program_shapes(self._digest, exported.graph)
         if device is not None:
             _create_on(exported.graph_module, device)
-        module = _without_input_checks(exported.module())
-        if self.guards:
-            check = symbolic.check_layer_inputs(self.guards)
-            module.register_forward_pre_hook(lambda _module, arguments: check(arguments))
-        return module
+        exported._state_dict = {}  # the weights are each load's own
+        _BUILT[key] = exported
+        if len(_BUILT) > BUILT_KEPT:
+            _BUILT.popitem(last=False)
+        return exported
 
+    def _check_state(self, state: dict[str, torch.Tensor]) -> None:
+        """InvalidArgument unless `state` holds exactly the weights the program expects, each of its shape, dtype and
+        kind (a Parameter or a buffer)."""
+        specs = {spec.graph_key: spec for spec in self.state_specs()}
+        if set(state) != set(specs):
+            raise InvalidArgument(f"captured program expects weights {sorted(specs)[:8]}, got {sorted(state)[:8]}")
+        for key, spec in specs.items():
+            tensor = state[key]
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or \
+                    isinstance(tensor, torch.nn.Parameter) != spec.is_parameter:
+                kind = "parameter" if spec.is_parameter else "buffer"
+                raise InvalidArgument(f"captured program: weight {key!r} should be a {kind} of {spec.dtype} "
+                                      f"{list(spec.shape)}, got {type(tensor).__name__} of {tensor.dtype} "
+                                      f"{list(tensor.shape)}")
+
+
+_BUILT: OrderedDict[tuple[bytes, str], torch.export.ExportedProgram] = OrderedDict()  # checked programs by digest
+BUILT_KEPT = 256                                                                      # and device, without weights
 
 _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
 
@@ -291,19 +341,24 @@ def _without_input_checks(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _check_targets(exported: torch.export.ExportedProgram) -> None:
-    """The built graph calls what the checked program named: allowed operators only (a second look)."""
-    for node in exported.graph.nodes:
-        if node.op == "call_function":
-            target = node.target
-            if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
-                why = operators.refusal(target._schema.name.removeprefix("aten::"), target._schema, target.tags)
-            else:
-                allowed = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
-                why = None if allowed in operators.ALLOWED_PYTHON else "is not an allowed operator"
-            if why is not None:
-                raise InvalidArgument(f"captured program calls {target!r}, which {why}")
-        if node.op in ("call_module", "call_method"):
-            raise InvalidArgument(f"captured program has a {node.op} node; only torch operators are allowed")
+    """The built graph, and those its higher-order operators carry, call what the checked program named: allowed
+    operators only (a second look)."""
+    for module in exported.graph_module.modules():
+        for node in getattr(module, "graph", torch.fx.Graph()).nodes:
+            if node.op == "call_function" and _refusal(node.target) is not None:
+                raise InvalidArgument(f"captured program calls {node.target!r}, which {_refusal(node.target)}")
+            if node.op in ("call_module", "call_method"):
+                raise InvalidArgument(f"captured program has a {node.op} node; only torch operators are allowed")
+
+
+def _refusal(target) -> str | None:
+    """Why a built node's target may not run, or None."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return operators.refusal(target._schema.name.removeprefix("aten::"), target._schema, target.tags)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return None if target.name() in operators.HIGHER_ORDER else "is not an allowed higher-order operator"
+    allowed = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}"
+    return None if allowed in operators.ALLOWED_PYTHON else "is not an allowed operator"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@ tensors. Every node's target must be an aten operator (or Python arithmetic on s
 - and an operator that writes into a tensor may write only into the layer's own buffers or into tensors the
   graph itself made, never into its inputs or parameters (a view of them counts as them).
 
+Of the higher-order operators, those export writes for `torch.cond`, `torch.no_grad()`/`enable_grad()` and
+`torch.autocast` regions are admitted: each only runs graphs it carries on the tensors it is given, and those
+graphs are checked node by node by the same rule, their inputs keeping the origins of the values passed in.
+Every other higher-order operator is refused, each with its reason.
+
 Everything is checked on the serialized program, before the deserializer builds anything; the shard then
 propagates shapes through the built graph with fake tensors (shardtrain/capture.py).
 """
@@ -64,7 +69,34 @@ _MODE_STRINGS = frozenset({"approximate", "reduce", "rounding_mode", "padding", 
 _UNMARKED_WRITES = {name: ("running_mean", "running_var") for name in ("batch_norm", "instance_norm")}
 _TARGET = re.compile(r"torch\.ops\.aten\.([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)")
 
-MAX_NODES = 50_000  # operator calls in one layer's graph
+# Higher-order operators a shipped program may call: each runs the graphs it carries on its tensor operands.
+HIGHER_ORDER = {
+    "cond": "runs one of two graphs on its operands, chosen by a boolean tensor",
+    "wrap_with_set_grad_enabled": "runs a graph with autograd switched on or off (torch.no_grad())",
+    "wrap_with_autocast": "runs a graph under torch.autocast",
+}
+# Higher-order operators refused, each with the reason; any other gets the last one.
+REFUSED_HIGHER_ORDER = {
+    "while_loop": "runs its body a data-dependent number of times, which no limit bounds",
+    "run_with_rng_state": "sets the random generator's state from a value it is given",
+    "run_and_save_rng_state": "reads the random generator's state",
+    "triton_kernel_wrapper_mutation": "runs a kernel given as source code, not a checked graph",
+    "triton_kernel_wrapper_functional": "runs a kernel given as source code, not a checked graph",
+    "auto_functionalized": "calls a custom operator, outside the aten operators the rule admits",
+    "auto_functionalized_v2": "calls a custom operator, outside the aten operators the rule admits",
+    "with_effects": "orders operators with side effects (printing, custom effects)",
+    "flex_attention": "takes kernel options and score functions compiled for a backend",
+    "call_torchbind": "calls a method of a script object",
+    None: "is not one of the higher-order operators the rule admits "
+          "(cond, wrap_with_set_grad_enabled, wrap_with_autocast)",
+}
+AUTOCAST_DEVICES = frozenset({"cpu", "cuda"})
+_HIGHER_ORDER = re.compile(r"torch\.ops\.higher_order\.([A-Za-z0-9_]+)")
+_OPERANDS = frozenset({"as_tensor", "as_tensors", "as_optional_tensors", "as_int", "as_ints", "as_sym_int",
+                       "as_sym_ints", "as_float", "as_sym_float", "as_bool", "as_sym_bool", "as_none"})
+
+MAX_NODES = 50_000  # operator calls in one layer's graph, those of the graphs inside higher-order operators included
+MAX_DEPTH = 8       # graphs nested inside higher-order operators (a cond inside a cond's branch is two)
 
 
 def refusal(packet: str, schema: torch.FunctionSchema | None, tags=()) -> str | None:
@@ -120,12 +152,35 @@ def resolve(target: str) -> torch._ops.OpOverload | None:
 
 
 def check_graph(graph_module: dict) -> None:
-    """InvalidArgument unless every node calls an allowed operator and writes only to buffers or its own results."""
-    nodes = graph_module["graph"]["nodes"]
-    if len(nodes) > MAX_NODES:
-        raise InvalidArgument(f"captured program has {len(nodes)} operator calls; at most {MAX_NODES} are allowed")
-    origin = _input_origins(graph_module["signature"]["input_specs"])
-    for node in nodes:
+    """InvalidArgument unless every node, those in the graphs higher-order operators carry too, calls an allowed
+    operator and writes only to buffers or its own results."""
+    count = count_nodes(graph_module["graph"])
+    if count > MAX_NODES:
+        raise InvalidArgument(f"captured program has {count} operator calls; at most {MAX_NODES} are allowed")
+    _check_nodes(graph_module["graph"], _input_origins(graph_module["signature"]["input_specs"]))
+
+
+def count_nodes(graph: dict, depth: int = 0) -> int:
+    """The operator calls of a serialized graph, with those of the graphs its higher-order operators carry."""
+    if depth > MAX_DEPTH:
+        raise InvalidArgument(f"captured program nests graphs inside higher-order operators more than {MAX_DEPTH} "
+                              "deep")
+    return sum(1 + sum(count_nodes(inner["graph"], depth + 1) for inner in subgraphs(node))
+               for node in graph["nodes"])
+
+
+def subgraphs(node: dict) -> list[dict]:
+    """The graphs a serialized node carries (a cond's two branches, a region's body), each {name, graph}."""
+    return [entry["arg"]["as_graph"] for entry in node["inputs"] if "as_graph" in entry["arg"]]
+
+
+def _check_nodes(graph: dict, origin: dict[str, str]) -> list[str]:
+    """check_graph's rule over one graph whose inputs' origins are given; returns its outputs' origins."""
+    for node in graph["nodes"]:
+        higher = _HIGHER_ORDER.fullmatch(node["target"])
+        if higher is not None:
+            _check_higher_order(node, higher.group(1), origin)
+            continue
         operator = resolve(node["target"])
         arguments = {entry["name"]: entry["arg"] for entry in node["inputs"]}
         for name in _written_arguments(operator):
@@ -140,6 +195,69 @@ def check_graph(graph_module: dict) -> None:
         for output in node["outputs"]:
             for tensor in _tensor_names(output):
                 origin[tensor] = root
+    return [origin.get(tensor, "result") for tensor in _tensor_names(graph.get("outputs", []))]
+
+
+def _check_higher_order(node: dict, name: str, origin: dict[str, str]) -> None:
+    """An admitted higher-order operator with the arguments its kind takes; its graphs checked by the same rule,
+    each input with the origin of the operand passed to it, its results with those of the graphs' outputs."""
+    if name not in HIGHER_ORDER:
+        why = REFUSED_HIGHER_ORDER.get(name, REFUSED_HIGHER_ORDER[None])
+        raise InvalidArgument(f"captured program calls {node['target']!r}, which {why}")
+    operands = _operands(node["target"], name, [entry["arg"] for entry in node["inputs"]])
+    outputs = [_check_subgraph(node["target"], inner, operands, origin) for inner in subgraphs(node)]
+    for position, tensor in enumerate(_tensor_names(node["outputs"])):
+        kinds = [graph_outputs[position] for graph_outputs in outputs if position < len(graph_outputs)]
+        origin[tensor] = min(kinds or ["result"], key=_STRICTEST.index)
+
+
+def _check_subgraph(target: str, inner: dict, operands: list[dict], origin: dict[str, str]) -> list[str]:
+    """One graph a higher-order operator carries, checked with its inputs' origins those of the operands passed to
+    them; returns its outputs' origins. An error names the graph and the operator."""
+    inputs = list(inner["graph"]["inputs"])
+    if len(inputs) != len(operands):
+        raise InvalidArgument(f"captured program: {target} passes {len(operands)} operands to graph "
+                              f"{inner['name']!r}, which takes {len(inputs)}")
+    passed = {inside: origin.get(outside, "result") for value, given in zip(inputs, operands)
+              for inside, outside in zip(_tensor_names(value), _tensor_names(given))}
+    try:
+        return _check_nodes(inner["graph"], passed)
+    except InvalidArgument as error:
+        raise InvalidArgument(f"{error} (in graph {inner['name']!r} of {target})") from None
+
+
+def _operands(target: str, name: str, arguments: list[dict]) -> list[dict]:
+    """The operands a higher-order call passes its graphs, one per graph input, after checking the arguments its
+    kind takes first (a predicate, a grad mode, autocast's device, dtype and flags) and its graphs."""
+    leading, graphs = _LEADING[name]
+    kinds = [next(iter(argument), None) for argument in arguments]
+    expected = [*leading, *[{"as_graph"}] * graphs]
+    if len(kinds) < len(expected) or any(kind not in allowed for kind, allowed in zip(kinds, expected)):
+        raise InvalidArgument(f"captured program: {target} takes {[sorted(k) for k in expected]} then operands; "
+                              f"got {kinds[:len(expected)]}")
+    device = arguments[0].get("as_string") if name == "wrap_with_autocast" else None
+    if device is not None and device not in AUTOCAST_DEVICES:
+        raise InvalidArgument(f"captured program: {target} on device type {device[:40]!r}; expected one of "
+                              f"{sorted(AUTOCAST_DEVICES)}")
+    operands = []
+    for argument, kind in zip(arguments[len(expected):], kinds[len(expected):]):
+        if kind not in _OPERANDS:
+            raise InvalidArgument(f"captured program: {target} passes a {kind} operand; expected tensors or numbers")
+        if isinstance(argument[kind], list):  # a list of operands (cond's): one graph input each
+            operands.extend({kind.removesuffix("s"): item} for item in argument[kind])
+        else:
+            operands.append(argument)
+    return operands
+
+
+# Per admitted higher-order operator: the argument kinds it takes before its graphs, and how many graphs.
+_LEADING = {
+    "cond": (({"as_tensor", "as_bool", "as_sym_bool"},), 2),
+    "wrap_with_set_grad_enabled": (({"as_bool"},), 1),
+    "wrap_with_autocast": (({"as_string", "as_none"}, {"as_scalar_type", "as_none"}, {"as_bool"},
+                            {"as_bool", "as_none"}), 1),
+}
+_STRICTEST = ("parameter", "user input", "constant", "buffer", "result")  # a value that may be any takes the first
 
 
 def _input_origins(input_specs: list[dict]) -> dict[str, str]:

@@ -31,16 +31,18 @@ def computing(mode: str, device: torch.device) -> contextlib.AbstractContextMana
 def relax(module: torch.nn.Module) -> None:
     """Drops a captured graph's checks of the dtypes its tensors had at capture (aten._assert_tensor_metadata,
     which torch.export records for a .to() call): under autocast a matrix product's result is bfloat16 where
-    the capture saw float32. They assert only; the casts themselves stay."""
-    graph = getattr(module, "graph", None)
-    if graph is None:
-        return
-    checks = [node for node in graph.nodes
-              if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default]
-    for node in checks:
-        graph.erase_node(node)
-    if checks:
-        module.recompile()
+    the capture saw float32. They assert only; the casts themselves stay. The graphs a higher-order operator
+    carries (a cond's branches) are relaxed too."""
+    for graph_module in module.modules():
+        graph = getattr(graph_module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        checks = [node for node in graph.nodes
+                  if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default]
+        for node in checks:
+            graph.erase_node(node)
+        if checks:
+            graph_module.recompile()
 
 
 def restored(value: torch.Tensor, mode: str) -> torch.Tensor:

@@ -5,7 +5,9 @@ operators would never produce, so that a later operator reads past a tensor. Bef
 re-runs every operator on fake tensors (no memory, no data) in the program's own shape environment: each
 result must agree with the declaration, and an operator whose meta kernel refuses its arguments is refused.
 An operator whose meta kernel cannot run on symbolic sizes (an LSTM) is left to its own argument checks when
-it runs: the rule of shardtrain/operators.py admits only operators that check them.
+it runs: the rule of shardtrain/operators.py admits only operators that check them. A higher-order operator (a
+cond) is re-run whole: the graphs it carries run on the fake tensors it is given, so their operators are checked
+on the sizes they would really get, and its results must agree with the declaration.
 """
 
 from __future__ import annotations
@@ -48,12 +50,17 @@ def check_shapes(graph: torch.fx.Graph) -> None:
         return  # a graph without tensors computes nothing to check
     with mode:
         for node in graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.op == "call_function" and isinstance(node.target, _OPERATORS):
                 _check_node(node)
 
 
+# A higher-order operator re-runs the graphs it carries on fake tensors: each of their operators is checked by its
+# own meta kernel on the sizes it is actually given.
+_OPERATORS = (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
+
+
 def _check_node(node: torch.fx.Node) -> None:
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _declared)
     try:
         result = node.target(*args, **kwargs)
     except _UNCHECKABLE:
@@ -71,6 +78,13 @@ def _check_node(node: torch.fx.Node) -> None:
         if isinstance(expected, torch.Tensor) and not _agrees(got, expected):
             raise InvalidArgument(f"captured program: {node.target} ({node.name}) computes "
                                   f"{_describe(got)} where the program declares {_describe(expected)}")
+
+
+def _declared(arg: torch.fx.Node):
+    """What a node's argument is while shapes are checked: its declared value, or the graph a get_attr fetches."""
+    if arg.op == "get_attr":
+        return getattr(arg.graph.owning_module, arg.target)
+    return arg.meta.get("val")
 
 
 def _agrees(got, expected: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 class SavedBytes:
@@ -26,9 +27,17 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if is_traced(tensor):  # torch.cond traces its branches' backward as it runs: nothing of this run is saved
+            return tensor
         if tensor.untyped_storage().data_ptr() not in self._weights:
             self.total += tensor.numel() * tensor.element_size()
         return tensor
+
+
+def is_traced(tensor: torch.Tensor) -> bool:
+    """True for a tensor of a trace (a fake or functional tensor), which has no memory of its own."""
+    return isinstance(tensor, FakeTensor) or torch._is_functional_tensor(tensor) or \
+        type(tensor).__name__ == "FunctionalTensor"
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -410,3 +410,23 @@ def test_tensors_a_layer_makes_are_made_on_the_stage_device():
     assert devices(program.load({})) == [torch.device("cpu")]
     assert devices(program.load({}, torch.device("meta"))) == [torch.device("meta")]
     assert torch.equal(program.load({}, torch.device("cpu"))(torch.zeros(2, 3)), torch.arange(3.0).expand(2, 3))
+
+
+def test_a_program_loaded_again_is_built_once_around_each_loads_own_weights(linear, linear_program):
+    program = CapturedProgram(linear_program)
+    first, second = (program.load({key: torch.nn.Parameter(torch.full(shape, value)) for key, shape in
+                                   (("layer.weight", (4, 3)), ("layer.bias", (4,)))}) for value in (1.0, 2.0))
+    x = torch.ones(5, 3)
+    assert torch.equal(first(x), torch.full((5, 4), 4.0)) and torch.equal(second(x), torch.full((5, 4), 8.0))
+
+
+@pytest.mark.parametrize("weights, why", [
+    ({"layer.weight": torch.nn.Parameter(torch.zeros(4, 3))}, r"expects weights \['layer.bias', 'layer.weight'\]"),
+    ({"layer.weight": torch.nn.Parameter(torch.zeros(3, 4)), "layer.bias": torch.nn.Parameter(torch.zeros(4))},
+     r"'layer.weight' should be a parameter of torch.float32 \[4, 3\], got Parameter of torch.float32 \[3, 4\]"),
+    ({"layer.weight": torch.zeros(4, 3), "layer.bias": torch.nn.Parameter(torch.zeros(4))},
+     r"'layer.weight' should be a parameter of .* got Tensor"),
+])
+def test_weights_that_do_not_fit_the_program_are_refused_naming_the_weight(linear_program, weights, why):
+    with pytest.raises(InvalidArgument, match=why):
+        CapturedProgram(linear_program).load(weights)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
 from torch._export.serde import serialize as export_serde
 
-from shardtrain import operators
+from shardtrain import capture, operators
 from shardtrain.capture import MAX_PROGRAM_BYTES, MAX_STRING, CapturedProgram, LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument
 
@@ -276,6 +277,7 @@ def test_the_built_graph_is_checked_again(monkeypatch):
     """Should the deserializer ever build a call the serialized names did not show, the second look refuses it."""
     program = program_of(SizeArithmetic(), torch.randn(4, 4))
     loaded = CapturedProgram(program)
+    monkeypatch.setattr(capture, "_BUILT", OrderedDict())  # built and checked by an earlier test: built again
     monkeypatch.setattr(operators, "ALLOWED_PYTHON", frozenset({"_operator.getitem"}))
     with pytest.raises(InvalidArgument, match="_operator.mul|built-in function mul"):
         loaded.load({})
@@ -287,3 +289,131 @@ def test_export_names_python_size_arithmetic_as_the_allow_list_spells_it():
     targets = {node["target"] for node in nodes(tree)}
     assert "_operator.mul" in targets and targets - {"_operator.mul"} <= {
         f"torch.ops.aten.{name}" for name in ("sym_size.int", "reshape.default", "add.Tensor")}
+
+
+class Branches(nn.Module):
+    """torch.cond on a tensor predicate: export writes higher_order.cond with two branch graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda v: torch.relu(self.linear(v)), lambda v: v * 2, (x,))
+
+
+class NoGradRegion(nn.Module):
+    """A statistic computed under torch.no_grad(): export writes higher_order.wrap_with_set_grad_enabled."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = x.abs().sum() + 1
+        return self.linear(x) / scale
+
+
+class AutocastRegion(nn.Module):
+    """A product under torch.autocast: export writes higher_order.wrap_with_autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.linear(x)
+        return y.float() + x
+
+
+HIGHER_ORDER_LAYERS = {"cond": Branches, "wrap_with_set_grad_enabled": NoGradRegion,
+                       "wrap_with_autocast": AutocastRegion}
+
+
+def higher_order_tree(name: str) -> tuple[nn.Module, dict, dict]:
+    """A layer calling the higher-order operator `name`, its program, and the node calling it."""
+    torch.manual_seed(0)
+    module = HIGHER_ORDER_LAYERS[name]()
+    tree = tree_of(module, torch.randn(3, 4))
+    return module, tree, node_calling(tree, f"torch.ops.higher_order.{name}")
+
+
+def first_graph(node: dict) -> dict:
+    return operators.subgraphs(node)[0]["graph"]
+
+
+@pytest.mark.parametrize("name", sorted(HIGHER_ORDER_LAYERS))
+def test_admitted_higher_order_operators_pass_and_rebuild_to_the_same_function(name):
+    module, tree, _ = higher_order_tree(name)
+    state = {f"layer.{key}": value for key, value in module.state_dict(keep_vars=True).items()}
+    rebuilt = CapturedProgram(dumps(tree)).load(state)
+    for x in (torch.randn(5, 4), -torch.rand(2, 4)):  # both of a cond's branches
+        assert torch.equal(rebuilt(x), module(x))
+
+
+@pytest.mark.parametrize("name", sorted(HIGHER_ORDER_LAYERS))
+def test_a_refused_operator_inside_a_higher_order_operators_graph_is_refused_naming_it(name):
+    _, tree, node = higher_order_tree(name)
+    inner = next(n for n in first_graph(node)["nodes"] if n["target"].startswith("torch.ops.aten."))
+    inner["target"] = "torch.ops.aten._print.default"
+    with pytest.raises(InvalidArgument, match=rf"_print.default'?, which reads or writes outside .*\(in graph "
+                                              rf"'\w+' of torch.ops.higher_order.{name}\)"):
+        CapturedProgram(dumps(tree))
+
+
+def test_an_in_place_write_inside_a_branch_into_a_parameter_passed_in_is_refused():
+    _, tree, node = higher_order_tree("cond")
+    branch = first_graph(node)
+    weight = next(v["as_tensor"]["name"] for v in branch["inputs"] if "weight" in v["as_tensor"]["name"])
+    relu = next(n for n in branch["nodes"] if n["target"] == "torch.ops.aten.relu.default")
+    relu["target"] = "torch.ops.aten.relu_.default"
+    relu["inputs"][0]["arg"] = {"as_tensor": {"name": weight}}
+    with pytest.raises(InvalidArgument, match=rf"relu_.default writes into '{weight}', a parameter"):
+        CapturedProgram(dumps(tree))
+
+
+def test_the_node_limit_counts_the_nodes_inside_higher_order_operators(monkeypatch):
+    _, tree, node = higher_order_tree("cond")
+    inside = sum(len(graph["graph"]["nodes"]) for graph in operators.subgraphs(node))
+    monkeypatch.setattr(operators, "MAX_NODES", len(nodes(tree)) + inside - 1)
+    with pytest.raises(InvalidArgument, match=rf"has {len(nodes(tree)) + inside} operator calls"):
+        CapturedProgram(dumps(tree))
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("while_loop", "data-dependent number of times"),
+    ("run_with_rng_state", "random generator's state"),
+    ("triton_kernel_wrapper_functional", "kernel given as source code"),
+    ("auto_functionalized", "custom operator"),
+    ("flex_attention", "kernel options"),
+    ("map_impl", "not one of the higher-order operators the rule admits"),
+])
+def test_other_higher_order_operators_are_refused_saying_why(name, reason):
+    _, tree, node = higher_order_tree("cond")
+    node["target"] = f"torch.ops.higher_order.{name}"
+    with pytest.raises(InvalidArgument, match=reason):
+        CapturedProgram(dumps(tree))
+
+
+def test_autocast_on_an_unknown_device_type_is_refused():
+    _, tree, node = higher_order_tree("wrap_with_autocast")
+    node["inputs"][0]["arg"] = {"as_string": "meta"}
+    with pytest.raises(InvalidArgument, match=r"device type 'meta'; expected one of \['cpu', 'cuda'\]"):
+        CapturedProgram(dumps(tree))
+
+
+def test_a_higher_order_operator_given_a_string_operand_is_refused():
+    _, tree, node = higher_order_tree("wrap_with_set_grad_enabled")
+    node["inputs"].append({"name": "", "arg": {"as_string": "x"}, "kind": 1})
+    with pytest.raises(InvalidArgument, match="passes a as_string operand"):
+        CapturedProgram(dumps(tree))
+
+
+def test_a_branch_result_declared_with_the_wrong_shape_is_refused_when_loaded():
+    module, tree, node = higher_order_tree("cond")
+    result = node["outputs"][0]["as_tensor"]["name"]
+    tree["graph_module"]["graph"]["tensor_values"][result]["sizes"][1] = {"as_int": 5}
+    with pytest.raises(InvalidArgument, match=r"computes float32 \[s\d+, 4\] where the program declares"):
+        CapturedProgram(dumps(tree)).load({f"layer.{k}": v for k, v in module.state_dict(keep_vars=True).items()})

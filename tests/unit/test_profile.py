@@ -60,3 +60,16 @@ def test_requests_no_coordinator_would_send_are_refused(captured):
         profile_layers([layer], 1, torch.device("cpu"))
     with pytest.raises(InvalidArgument, match=f"repeats must be within 1..{MAX_REPEATS}, got 0"):
         profile_layers(captured, 0, torch.device("cpu"))
+
+
+def test_a_layer_whose_warm_up_is_long_is_timed_once(captured, monkeypatch):
+    runs = []
+    original = profile._forward_backward
+    monkeypatch.setattr(profile, "_forward_backward", lambda *args: runs.append(original(*args)) or runs[-1])
+    monkeypatch.setattr(profile, "LONG_RUN", 0.0)
+    profile_layers(captured[:1], 3, torch.device("cpu"))
+    assert len(runs) == 2  # the warm-up, then one timed run
+    runs.clear()
+    monkeypatch.setattr(profile, "LONG_RUN", 60.0)
+    profile_layers(captured[:1], 3, torch.device("cpu"))
+    assert len(runs) == 4

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from client_sdk import units
-from client_sdk.layers import whole_model_layers
+from client_sdk.layers import capture_model, whole_model_layers
 from shardtrain.capture import LayerAdapter
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import run_chain
@@ -66,8 +66,33 @@ class TiedHead(nn.Module):
 
 def test_a_tied_weight_keeps_each_parts_own_name():
     layers, _ = whole_model_layers(TiedHead(), (torch.tensor([[1, 2], [3, 4]]),), {})
-    keys = [[key for key, _ in layer.module.named_parameters()] for layer in layers]
+    keys = [[dict(layer.keys)[key] for key, _ in layer.module.named_parameters()] for layer in layers]
     assert keys == [["embed.weight"], ["head.weight"]]
+
+
+class Blocks(nn.Module):
+    """Two identical blocks and a head that reads the first block's weight too."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        x = self.blocks[1](self.blocks[0](x))
+        return self.head(x) + self.blocks[0].weight.sum()
+
+
+def test_a_units_own_weights_are_named_by_their_path_inside_it_and_others_by_their_model_key():
+    layers, _ = whole_model_layers(Blocks(), (torch.randn(2, 3),), {})
+    assert [dict(layer.keys) for layer in layers] == [
+        {"weight": "blocks.0.weight", "bias": "blocks.0.bias"}, {"weight": "blocks.1.weight", "bias": "blocks.1.bias"},
+        {"weight": "head.weight", "bias": "head.bias", "blocks.0.weight": "blocks.0.weight"}]
+    captured = capture_model(Blocks(), layers, torch.randn(2, 3))
+    assert captured[0].program == captured[1].program  # identical blocks: captured once, the same program
+    assert [[(e.graph_key, e.model_key) for e in layer.state] for layer in captured[:2]] == [
+        [("layer.weight", "blocks.0.weight"), ("layer.bias", "blocks.0.bias")],
+        [("layer.weight", "blocks.1.weight"), ("layer.bias", "blocks.1.bias")]]
 
 
 class NotPersistent(nn.Module):
