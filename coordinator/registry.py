@@ -28,6 +28,12 @@ class ShardRecord:
     instance: str = ""     # the shard's own random name: a restart at the address has another
     device_group: str = ""  # shards that compute on one device name the same group; empty: a device of its own
     control_key: str = field(default="", repr=False)  # what the coordinator presents on LoadStage, ProfileLayers
+    compute: str = ""  # what timing a layer there depends on; empty: measured on its own
+
+    @property
+    def measures_like(self) -> tuple[str, str]:
+        """Shards with the same key time a layer alike: one host, one kind of compute (or the shard alone)."""
+        return (self.address.rpartition(":")[0], self.compute) if self.compute else (self.address, "")
 
 
 class ShardRegistry:
@@ -50,7 +56,7 @@ class ShardRegistry:
         return self._by_address.get(address)
 
     def register(self, address: str, device: str, memory_bytes: int = 0, instance: str = "",
-                 device_group: str = "", control_key: str = "") -> ShardRecord:
+                 device_group: str = "", control_key: str = "", compute: str = "") -> ShardRecord:
         """Adds or refreshes a shard; InvalidArgument for an address that is not host:port, ResourceExhausted
         once MAX_SHARDS have registered."""
         if not is_host_port(address):  # what a stage plan will name it by (shard_service/stage_plan.py)
@@ -67,7 +73,7 @@ class ShardRegistry:
                                    "that process renews its registration")
         shard_id = previous.shard_id if previous else f"shard-{next(self._ids)}"
         self._by_address[address] = ShardRecord(shard_id, address, device or "cpu", max(memory_bytes, 0), instance,
-                                                device_group[:64], control_key[:128])
+                                                device_group[:64], control_key[:128], compute[:200])
         self._heard[address] = self._clock()
         return self._by_address[address]
 

@@ -40,7 +40,7 @@ class CoordinatorServicer:
         if holder is not None and holder.instance != request.instance:
             await self._check_takeover(holder, request.instance)
         record = self.registry.register(request.address, request.device, request.memory_bytes, request.instance,
-                                        request.device_group, request.control_key)
+                                        request.device_group, request.control_key, request.compute)
         metrics.registered_shards(len(self.registry.shards()))  # heartbeats keep it current as others expire
         # A heartbeat registers again every few seconds: only a shard new at this address is worth a line.
         log.log(logging.INFO if holder is None or holder.instance != request.instance else logging.DEBUG,
@@ -158,21 +158,27 @@ class CoordinatorServicer:
 
     async def _measure(self, layers, candidates: list[list[ShardRecord]]) -> tuple[list[list[int]], list[list[int]]]:
         """Per stage, each layer's measured microseconds and memory (its weights, and the activations it saved)
-        on that stage's shards (`candidates`), the slowest replica's. Shards on one host measure one after another,
-        so that they do not slow each other; hosts measure at once."""
+        on that stage's shards (`candidates`), the slowest replica's. Of the shards that time a layer alike (one
+        host, one kind of compute) one measures for all; shards on one host measure one after another, so that
+        they do not slow each other; hosts measure at once."""
         shards = [shard for stage_shards in candidates for shard in stage_shards]
         request = shard_pb2.ProfileLayersRequest(layers=layers, repeats=PROFILE_REPEATS)
-        by_host: dict[str, list] = {}
+        groups: dict[tuple[str, str], list[ShardRecord]] = {}
         for shard in shards:
-            by_host.setdefault(shard.address.rpartition(":")[0], []).append(shard)
-
+            groups.setdefault(shard.measures_like, []).append(shard)
+        by_host: dict[str, list[list[ShardRecord]]] = {}
+        for group in groups.values():
+            by_host.setdefault(group[0].address.rpartition(":")[0], []).append(group)
         deadline = deploy_deadlines.profile(self.settings.timeouts.rpc, layers)
 
-        async def measure_host(host_shards) -> dict[str, list]:
-            return {shard.address: list((await self._call(shard, "ProfileLayers", request, deadline)).layers)
-                    for shard in host_shards}
+        async def measure_host(host_groups) -> dict[str, list]:
+            answers = {}
+            for group in host_groups:
+                profile = list((await self._call(group[0], "ProfileLayers", request, deadline)).layers)
+                answers.update({shard.address: profile for shard in group})
+            return answers
         measured = {}
-        for answers in await asyncio.gather(*(measure_host(host_shards) for host_shards in by_host.values())):
+        for answers in await asyncio.gather(*(measure_host(host_groups) for host_groups in by_host.values())):
             measured.update(answers)
         costs, memory = [], []
         for stage_shards in candidates:
@@ -180,8 +186,8 @@ class CoordinatorServicer:
             costs.append([max(p[i].microseconds for p in profiles) for i in range(len(layers))])
             memory.append([max(layer.memory_bytes, 0) + max(p[i].activation_bytes for p in profiles)
                            for i, layer in enumerate(layers)])
-        log.debug("measured %d layers on %d shards: %s us per stage's shard", len(layers), len(shards),
-                  [sum(row) for row in costs])
+        log.debug("measured %d layers on %d of %d shards: %s us per stage's shard", len(layers), len(groups),
+                  len(shards), [sum(row) for row in costs])
         return costs, memory
 
     def _stage_shards(self, count: int, replicas: int, per_device: int = 1) -> list[list[ShardRecord]]:

@@ -27,6 +27,15 @@ def device_memory(device: str) -> int:
         return 0
 
 
+def compute_kind(settings) -> str:
+    """What timing a layer here depends on: the device's kind and model, and the threads the shard computes on.
+    Shards of one host that say the same measure a layer alike, so one measures for all."""
+    kind = settings.device.partition(":")[0]
+    model = torch.cuda.get_device_name(torch.device(settings.device)) if kind == "cuda" and \
+        torch.cuda.is_available() else "cpu"
+    return f"{kind}/{model}/{settings.threads or torch.get_num_threads()} threads/{settings.virtual_stages} stages"
+
+
 def stage_memory(settings) -> int:
     """Bytes a stage on this shard may use: --memory, or the device's, shared by the process's stages."""
     return (settings.memory_bytes or device_memory(settings.device)) // settings.virtual_stages

@@ -16,7 +16,7 @@ import time
 import grpc
 import torch
 
-from shard_service.device import Device, stage_memory
+from shard_service.device import Device, compute_kind, stage_memory
 from shard_service.servicer import ShardServicer
 from shardtrain import carrier, health, metrics, rpc, shm
 from shardtrain.lifecycle import (die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm,
@@ -82,7 +82,8 @@ async def register(settings: ShardSettings, address: str, instance: str = "", gr
             try:
                 request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
                                                                memory_bytes=stage_memory(settings), instance=instance,
-                                                               device_group=group, control_key=control_key)
+                                                               device_group=group, control_key=control_key,
+                                                               compute=compute_kind(settings))
                 return (await coordinator.call("RegisterShard", request)).shard_id
             except Unavailable:
                 if time.monotonic() > deadline:

@@ -26,7 +26,7 @@ from shardtrain.v1 import shard_pb2 as shardtrain_dot_v1_dot_shard__pb2
 from shardtrain.v1 import tensor_pb2 as shardtrain_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fshardtrain/v1/coordinator.proto\x12\rshardtrain.v1\x1a\x19shardtrain/v1/shard.proto\x1a\x1ashardtrain/v1/tensor.proto\"\x8a\x01\n\x14RegisterShardRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_group\x18\x05 \x01(\t\x12\x13\n\x0b\x63ontrol_key\x18\x06 \x01(\t\")\n\x15RegisterShardResponse\x12\x10\n\x08shard_id\x18\x01 \x01(\t\"j\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x64\x65vice_group\x18\x05 \x01(\t\"\x13\n\x11ListShardsRequest\">\n\x12ListShardsResponse\x12(\n\x06shards\x18\x01 \x03(\x0b\x32\x18.shardtrain.v1.ShardInfo\"\x84\x01\n\rPartitionSpec\x12\x12\n\nnum_stages\x18\x01 \x01(\x05\x12\x14\n\x0csplit_points\x18\x02 \x03(\x05\x12\x18\n\x10layers_per_stage\x18\x03 \x03(\x05\x12\x17\n\x0f\x62\x61lance_by_time\x18\x04 \x01(\x08\x12\x16\n\x0evirtual_stages\x18\x05 \x01(\x05\"\xd6\x02\n\rDeployRequest\x12,\n\x06layers\x18\x01 \x03(\x0b\x32\x1c.shardtrain.v1.CapturedLayer\x12/\n\toptimizer\x18\x02 \x01(\x0b\x32\x1c.shardtrain.v1.OptimizerSpec\x12/\n\tpartition\x18\x03 \x01(\x0b\x32\x1c.shardtrain.v1.PartitionSpec\x12/\n\tencodings\x18\x04 \x01(\x0b\x32\x1c.shardtrain.v1.WireEncodings\x12\x10\n\x08replicas\x18\x05 \x01(\x05\x12\x0e\n\x06inputs\x18\x06 \x03(\t\x12\x0f\n\x07outputs\x18\x07 \x03(\t\x12\x18\n\x10prefer_addresses\x18\x08 \x03(\t\x12\x11\n\ttake_over\x18\t \x01(\x08\x12\x11\n\trecompute\x18\n \x01(\t\x12\x11\n\tprecision\x18\x0b \x01(\t\"\xa5\x01\n\x0fStageAssignment\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x15\n\rshard_address\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x04 \x01(\x05\x12\x11\n\tend_layer\x18\x05 \x01(\x05\x12\x0f\n\x07replica\x18\x06 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x03\x12\x13\n\x0blayer_costs\x18\x08 \x03(\x03\"\x85\x01\n\x0e\x44\x65ployResponse\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12.\n\x06stages\x18\x02 \x03(\x0b\x32\x1e.shardtrain.v1.StageAssignment\x12\x19\n\x11\x64\x65ployment_secret\x18\x03 \x01(\t\x12\x11\n\tcost_unit\x18\x04 \x01(\t\"i\n\x13PlanScheduleRequest\x12\x12\n\nnum_stages\x18\x01 \x01(\x05\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x16\n\x0evirtual_stages\x18\x04 \x01(\x05\"M\n\x0cStageActions\x12\r\n\x05stage\x18\x01 \x01(\x05\x12.\n\x07\x61\x63tions\x18\x02 \x03(\x0b\x32\x1d.shardtrain.v1.PipelineAction\"C\n\x14PlanScheduleResponse\x12+\n\x06stages\x18\x01 \x03(\x0b\x32\x1b.shardtrain.v1.StageActions\"\x1b\n\x19\x44\x65scribeDeploymentRequest\"S\n\x0fNamedTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.shardtrain.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xea\x01\n\x1a\x44\x65scribeDeploymentResponse\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12.\n\x06stages\x18\x04 \x03(\x0b\x32\x1e.shardtrain.v1.StageAssignment\x12.\n\x06inputs\x18\x05 \x03(\x0b\x32\x1e.shardtrain.v1.NamedTensorSpec\x12/\n\x07outputs\x18\x06 \x03(\x0b\x32\x1e.shardtrain.v1.NamedTensorSpec2\xce\x03\n\x12\x43oordinatorService\x12Z\n\rRegisterShard\x12#.shardtrain.v1.RegisterShardRequest\x1a$.shardtrain.v1.RegisterShardResponse\x12Q\n\nListShards\x12 .shardtrain.v1.ListShardsRequest\x1a!.shardtrain.v1.ListShardsResponse\x12\x45\n\x06\x44\x65ploy\x12\x1c.shardtrain.v1.DeployRequest\x1a\x1d.shardtrain.v1.DeployResponse\x12W\n\x0cPlanSchedule\x12\".shardtrain.v1.PlanScheduleRequest\x1a#.shardtrain.v1.PlanScheduleResponse\x12i\n\x12\x44\x65scribeDeployment\x12(.shardtrain.v1.DescribeDeploymentRequest\x1a).shardtrain.v1.DescribeDeploymentResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fshardtrain/v1/coordinator.proto\x12\rshardtrain.v1\x1a\x19shardtrain/v1/shard.proto\x1a\x1ashardtrain/v1/tensor.proto\"\x9b\x01\n\x14RegisterShardRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_group\x18\x05 \x01(\t\x12\x13\n\x0b\x63ontrol_key\x18\x06 \x01(\t\x12\x0f\n\x07\x63ompute\x18\x07 \x01(\t\")\n\x15RegisterShardResponse\x12\x10\n\x08shard_id\x18\x01 \x01(\t\"j\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x64\x65vice_group\x18\x05 \x01(\t\"\x13\n\x11ListShardsRequest\">\n\x12ListShardsResponse\x12(\n\x06shards\x18\x01 \x03(\x0b\x32\x18.shardtrain.v1.ShardInfo\"\x84\x01\n\rPartitionSpec\x12\x12\n\nnum_stages\x18\x01 \x01(\x05\x12\x14\n\x0csplit_points\x18\x02 \x03(\x05\x12\x18\n\x10layers_per_stage\x18\x03 \x03(\x05\x12\x17\n\x0f\x62\x61lance_by_time\x18\x04 \x01(\x08\x12\x16\n\x0evirtual_stages\x18\x05 \x01(\x05\"\xd6\x02\n\rDeployRequest\x12,\n\x06layers\x18\x01 \x03(\x0b\x32\x1c.shardtrain.v1.CapturedLayer\x12/\n\toptimizer\x18\x02 \x01(\x0b\x32\x1c.shardtrain.v1.OptimizerSpec\x12/\n\tpartition\x18\x03 \x01(\x0b\x32\x1c.shardtrain.v1.PartitionSpec\x12/\n\tencodings\x18\x04 \x01(\x0b\x32\x1c.shardtrain.v1.WireEncodings\x12\x10\n\x08replicas\x18\x05 \x01(\x05\x12\x0e\n\x06inputs\x18\x06 \x03(\t\x12\x0f\n\x07outputs\x18\x07 \x03(\t\x12\x18\n\x10prefer_addresses\x18\x08 \x03(\t\x12\x11\n\ttake_over\x18\t \x01(\x08\x12\x11\n\trecompute\x18\n \x01(\t\x12\x11\n\tprecision\x18\x0b \x01(\t\"\xa5\x01\n\x0fStageAssignment\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x15\n\rshard_address\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x04 \x01(\x05\x12\x11\n\tend_layer\x18\x05 \x01(\x05\x12\x0f\n\x07replica\x18\x06 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x03\x12\x13\n\x0blayer_costs\x18\x08 \x03(\x03\"\x85\x01\n\x0e\x44\x65ployResponse\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12.\n\x06stages\x18\x02 \x03(\x0b\x32\x1e.shardtrain.v1.StageAssignment\x12\x19\n\x11\x64\x65ployment_secret\x18\x03 \x01(\t\x12\x11\n\tcost_unit\x18\x04 \x01(\t\"i\n\x13PlanScheduleRequest\x12\x12\n\nnum_stages\x18\x01 \x01(\x05\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x16\n\x0evirtual_stages\x18\x04 \x01(\x05\"M\n\x0cStageActions\x12\r\n\x05stage\x18\x01 \x01(\x05\x12.\n\x07\x61\x63tions\x18\x02 \x03(\x0b\x32\x1d.shardtrain.v1.PipelineAction\"C\n\x14PlanScheduleResponse\x12+\n\x06stages\x18\x01 \x03(\x0b\x32\x1b.shardtrain.v1.StageActions\"\x1b\n\x19\x44\x65scribeDeploymentRequest\"S\n\x0fNamedTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.shardtrain.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xea\x01\n\x1a\x44\x65scribeDeploymentResponse\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12.\n\x06stages\x18\x04 \x03(\x0b\x32\x1e.shardtrain.v1.StageAssignment\x12.\n\x06inputs\x18\x05 \x03(\x0b\x32\x1e.shardtrain.v1.NamedTensorSpec\x12/\n\x07outputs\x18\x06 \x03(\x0b\x32\x1e.shardtrain.v1.NamedTensorSpec2\xce\x03\n\x12\x43oordinatorService\x12Z\n\rRegisterShard\x12#.shardtrain.v1.RegisterShardRequest\x1a$.shardtrain.v1.RegisterShardResponse\x12Q\n\nListShards\x12 .shardtrain.v1.ListShardsRequest\x1a!.shardtrain.v1.ListShardsResponse\x12\x45\n\x06\x44\x65ploy\x12\x1c.shardtrain.v1.DeployRequest\x1a\x1d.shardtrain.v1.DeployResponse\x12W\n\x0cPlanSchedule\x12\".shardtrain.v1.PlanScheduleRequest\x1a#.shardtrain.v1.PlanScheduleResponse\x12i\n\x12\x44\x65scribeDeployment\x12(.shardtrain.v1.DescribeDeploymentRequest\x1a).shardtrain.v1.DescribeDeploymentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardtrain.v1.coordinator_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERSHARDREQUEST']._serialized_start=106
-  _globals['_REGISTERSHARDREQUEST']._serialized_end=244
-  _globals['_REGISTERSHARDRESPONSE']._serialized_start=246
-  _globals['_REGISTERSHARDRESPONSE']._serialized_end=287
-  _globals['_SHARDINFO']._serialized_start=289
-  _globals['_SHARDINFO']._serialized_end=395
-  _globals['_LISTSHARDSREQUEST']._serialized_start=397
-  _globals['_LISTSHARDSREQUEST']._serialized_end=416
-  _globals['_LISTSHARDSRESPONSE']._serialized_start=418
-  _globals['_LISTSHARDSRESPONSE']._serialized_end=480
-  _globals['_PARTITIONSPEC']._serialized_start=483
-  _globals['_PARTITIONSPEC']._serialized_end=615
-  _globals['_DEPLOYREQUEST']._serialized_start=618
-  _globals['_DEPLOYREQUEST']._serialized_end=960
-  _globals['_STAGEASSIGNMENT']._serialized_start=963
-  _globals['_STAGEASSIGNMENT']._serialized_end=1128
-  _globals['_DEPLOYRESPONSE']._serialized_start=1131
-  _globals['_DEPLOYRESPONSE']._serialized_end=1264
-  _globals['_PLANSCHEDULEREQUEST']._serialized_start=1266
-  _globals['_PLANSCHEDULEREQUEST']._serialized_end=1371
-  _globals['_STAGEACTIONS']._serialized_start=1373
-  _globals['_STAGEACTIONS']._serialized_end=1450
-  _globals['_PLANSCHEDULERESPONSE']._serialized_start=1452
-  _globals['_PLANSCHEDULERESPONSE']._serialized_end=1519
-  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_start=1521
-  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_end=1548
-  _globals['_NAMEDTENSORSPEC']._serialized_start=1550
-  _globals['_NAMEDTENSORSPEC']._serialized_end=1633
-  _globals['_DESCRIBEDEPLOYMENTRESPONSE']._serialized_start=1636
-  _globals['_DESCRIBEDEPLOYMENTRESPONSE']._serialized_end=1870
-  _globals['_COORDINATORSERVICE']._serialized_start=1873
-  _globals['_COORDINATORSERVICE']._serialized_end=2335
+  _globals['_REGISTERSHARDREQUEST']._serialized_end=261
+  _globals['_REGISTERSHARDRESPONSE']._serialized_start=263
+  _globals['_REGISTERSHARDRESPONSE']._serialized_end=304
+  _globals['_SHARDINFO']._serialized_start=306
+  _globals['_SHARDINFO']._serialized_end=412
+  _globals['_LISTSHARDSREQUEST']._serialized_start=414
+  _globals['_LISTSHARDSREQUEST']._serialized_end=433
+  _globals['_LISTSHARDSRESPONSE']._serialized_start=435
+  _globals['_LISTSHARDSRESPONSE']._serialized_end=497
+  _globals['_PARTITIONSPEC']._serialized_start=500
+  _globals['_PARTITIONSPEC']._serialized_end=632
+  _globals['_DEPLOYREQUEST']._serialized_start=635
+  _globals['_DEPLOYREQUEST']._serialized_end=977
+  _globals['_STAGEASSIGNMENT']._serialized_start=980
+  _globals['_STAGEASSIGNMENT']._serialized_end=1145
+  _globals['_DEPLOYRESPONSE']._serialized_start=1148
+  _globals['_DEPLOYRESPONSE']._serialized_end=1281
+  _globals['_PLANSCHEDULEREQUEST']._serialized_start=1283
+  _globals['_PLANSCHEDULEREQUEST']._serialized_end=1388
+  _globals['_STAGEACTIONS']._serialized_start=1390
+  _globals['_STAGEACTIONS']._serialized_end=1467
+  _globals['_PLANSCHEDULERESPONSE']._serialized_start=1469
+  _globals['_PLANSCHEDULERESPONSE']._serialized_end=1536
+  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_start=1538
+  _globals['_DESCRIBEDEPLOYMENTREQUEST']._serialized_end=1565
+  _globals['_NAMEDTENSORSPEC']._serialized_start=1567
+  _globals['_NAMEDTENSORSPEC']._serialized_end=1650
+  _globals['_DESCRIBEDEPLOYMENTRESPONSE']._serialized_start=1653
+  _globals['_DESCRIBEDEPLOYMENTRESPONSE']._serialized_end=1887
+  _globals['_COORDINATORSERVICE']._serialized_start=1890
+  _globals['_COORDINATORSERVICE']._serialized_end=2352
 # @@protoc_insertion_point(module_scope)

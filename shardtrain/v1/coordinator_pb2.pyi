@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterShardRequest(_message.Message):
-    __slots__ = ("address", "device", "memory_bytes", "instance", "device_group", "control_key")
+    __slots__ = ("address", "device", "memory_bytes", "instance", "device_group", "control_key", "compute")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_GROUP_FIELD_NUMBER: _ClassVar[int]
     CONTROL_KEY_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
     address: str
     device: str
     memory_bytes: int
     instance: str
     device_group: str
     control_key: str
-    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., device_group: _Optional[str] = ..., control_key: _Optional[str] = ...) -> None: ...
+    compute: str
+    def __init__(self, address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., instance: _Optional[str] = ..., device_group: _Optional[str] = ..., control_key: _Optional[str] = ..., compute: _Optional[str] = ...) -> None: ...
 
 class RegisterShardResponse(_message.Message):
     __slots__ = ("shard_id",)

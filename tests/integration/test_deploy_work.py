@@ -1,5 +1,6 @@
-"""A deploy's deadlines grow with its size: a stage of many layers loads under a control-plane deadline far shorter
-than its work, and the coordinator answers (and keeps its shards) while it runs."""
+"""A deploy's work, bounded and not repeated: its deadlines grow with its size (a stage of many layers loads under a
+control-plane deadline far shorter than its work, and the coordinator answers and keeps its shards meanwhile), and
+shards that compute alike measure the layers once for all."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from torch import nn
 
 from client_sdk import Cluster
 from client_sdk import deploy_steps as steps
+from coordinator.servicer import MEASURED
 from shardtrain import deploy_deadlines, rpc
 from shardtrain.settings import Timeouts
 from shardtrain.v1 import coordinator_pb2
+from tests.integration.test_metrics import scrape, total
 
 LAYERS = 300
 CONTROL = 2.0  # seconds: shorter than loading LAYERS layers on any machine, so a fixed deadline fails
@@ -83,3 +86,14 @@ def test_deadlines_grow_with_layers_program_bytes_and_measuring_shards():
         deploy_deadlines.deploy(5.0, large.layers, 2, measured=False)
     bigger = large.layers[0].program + b" " * (1 << 20)
     assert deploy_deadlines.program_bytes([type(large.layers[0])(program=bigger)]) == len(bigger)
+
+
+def test_shards_of_one_host_that_compute_alike_measure_the_layers_once():
+    torch.manual_seed(0)
+    with Cluster.local(3, metrics=True) as cluster:
+        model = cluster.deploy(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 1)),
+                               example_input=torch.randn(4, 8), balance="time")
+        assert len(model.placements) == 3 and {p.cost_unit for p in model.placements} == {MEASURED}
+        calls = [total(scrape(url), "shardtrain_requests_total", method="ProfileLayers", code="OK")
+                 for url in cluster.metrics_urls.values()]
+        assert sorted(calls) == [0, 0, 0, 1], calls  # the coordinator's, and one shard's
