@@ -5,7 +5,9 @@ snapshot_every, the model goes back to its last snapshots and the steps since ar
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -17,7 +19,7 @@ from torch import nn
 from client_sdk import Cluster
 from shardtrain import auth, errors
 from shardtrain.rpc import SHARD_SERVICE, Peer
-from shardtrain.settings import Security
+from shardtrain.settings import Security, Timeouts
 from shardtrain.v1 import shard_pb2
 from tests.integration.test_errors import kill_shard
 from tests.integration.training import largest_difference, regression_batches
@@ -298,3 +300,33 @@ def test_a_shard_reads_snapshots_only_from_shards_of_its_deployment_and_only_for
         assert [stage.address for stage in again[0].stages] == [second.address, first.address]
         with pytest.raises(BlockingIOError):
             bait.accept()  # nothing called it
+
+
+def test_a_shard_stopped_before_the_last_step_settled_is_replaced_by_the_next_train_step_not_waited_for():
+    """SIGSTOP on a shard right after train_step returned (its loss comes before the step's backward and
+    optimizer step are over): that step never settles on the stopped shard's replica. The next train_step waits
+    for it no longer than the deadline, finds the stopped shard and goes on without it."""
+    batches = regression_batches(steps=STEPS, batch=20, features=4)
+    timeouts = Timeouts(rpc=4.0, peer_wait=4.0, probe=1.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SHARDTRAIN_SIMULATE_COMPUTE_MS", str(SIMULATED_MS))
+        cluster = Cluster.local(num_shards=4, spares=1, timeouts=timeouts)
+    logs = cluster._services.log_dir
+    try:
+        model = cluster.deploy(reference_model(), optimizer=ADAM, num_stages=2, replicas=2)
+        rates = schedule(model.optimizer)
+        victim = next(s for s in cluster._services.services
+                      if s.address == model._trainer.replicas[0].stages[0].address)
+        for index, (x, y) in enumerate(batches):
+            model.train_step(x, y, "MSELoss", microbatches=2)
+            rates.step()
+            if index == KILLED_IN:
+                os.kill(victim.process.pid, signal.SIGSTOP)
+        assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
+        [record] = model.recoveries
+        assert record.dead == (victim.address,)
+    finally:
+        victim.process.kill()
+        victim.process.wait()
+        cluster.close()
+        shutil.rmtree(logs, ignore_errors=True)
