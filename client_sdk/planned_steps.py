@@ -198,12 +198,14 @@ class PlannedSteps:
 
     async def _adopt(self, other) -> None:
         """Takes over `other`'s deployment (a redeploy of the same model with the same split): the handle, its
-        optimizer and its hyperparameters stay the user's."""
+        optimizer and its hyperparameters stay the user's, and the next step sends them all (the stages restored
+        snapshots, with the hyperparameters of their time)."""
         model = self.model
         old = model._trainer.replicas
         model._call_order.inflight.abandon()  # the old deployment's calls: failed, or never to finish
         for name in DEPLOYMENT_ATTRIBUTES:
             setattr(model, name, getattr(other, name))
+        model._hyperparameters.restored()
         other._closed = True
         await asyncio.gather(*(clients.close() for clients in old), return_exceptions=True)
 

@@ -227,6 +227,26 @@ def test_without_replicas_a_dead_shard_sends_the_model_back_to_its_last_snapshot
     assert largest_difference(model.state_dict(), plain_reference(batches)) <= 1e-6
 
 
+def test_a_call_made_again_after_a_roll_back_applies_the_learning_rate_of_its_time(cluster_with_a_spare):
+    """The shard dies just after the snapshot of call 4, so call 4 fails and is the first made again: the rate the
+    script set for it was sent with the failed call, but the stages went back to the snapshot, which holds call 3's."""
+    batches = regression_batches(steps=6, batch=20, features=4)
+    model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=2)
+    index, rolled_back = 0, []
+    while index < len(batches):
+        if index == 4 and not rolled_back:
+            kill_shard(cluster_with_a_spare, model._clients.stages[1].address)
+        model.optimizer.param_groups[0]["lr"] = 0.01 / (1 + index)
+        try:
+            model.train_step(*batches[index], "MSELoss", microbatches=2)
+            index += 1
+        except errors.RolledBack as error:
+            rolled_back.append(error)
+            index = error.resume_step
+    assert [error.resume_step for error in rolled_back] == [4]
+    assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
+
+
 def test_fit_trains_again_on_the_batches_a_roll_back_undid(cluster_with_a_spare):
     batches = regression_batches(steps=7, batch=20, features=4)
     model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=3)
