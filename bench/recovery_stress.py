@@ -255,6 +255,7 @@ def main() -> None:
                         help="2: replicas of two stages; 1: three stages that roll back to snapshots")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    log.setLevel(logging.WARNING)  # each call lost and made again, with why
     outcomes = stress(args.kills, args.seed, args.replicas)
     different = [outcome for outcome in outcomes if not outcome.exact]
     print(f"{len(outcomes) - len(different)} of {len(outcomes)} runs exact (within {TOLERANCE:g})")
