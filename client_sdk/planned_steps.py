@@ -131,10 +131,30 @@ class PlannedSteps:
             pending.pop(0)
             model.steps_done += 1
             if model.snapshot_every and self._periodic is not None and model.steps_done % model.snapshot_every == 0:
-                await model._synchronize()  # every stage at the same step
-                self._periodic = await recovery.take_snapshots(model._clients, model.steps_done)
+                await self._snapshot()
             if not pending:
                 return loss
+
+    async def _snapshot(self) -> None:
+        """Every stage snapshots itself once the steps settled. A shard that died after this call's loss came (its
+        step never settles there) sends the model back to the last snapshots, as a death during the call does:
+        RolledBack. One that dies while the stages snapshot leaves no whole set (the others replaced theirs): its
+        failure is raised, and no later roll-back goes back to a mix of two steps."""
+        model = self.model
+        try:
+            await model._synchronize()  # every stage at the same step
+        except ShardtrainError as error:
+            if model._redeploy is None:
+                raise
+            await self._roll_back(error)
+        try:
+            self._periodic = await recovery.take_snapshots(model._clients, model.steps_done)
+        except ShardtrainError as error:
+            self._periodic = None
+            log.error("deployment %s: the snapshots after train_step call %d were taken only in part (%s): no "
+                      "snapshot of the whole model is left to go back to", model.deployment_id, model.steps_done,
+                      error)
+            raise
 
     async def _replace_dead_shard(self, error: ShardtrainError, number: int,
                                   recoveries: int) -> tuple[int, recovery.Recovery]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from client_sdk import Cluster
+from client_sdk import Cluster, recovery
 from shardtrain import auth, errors
 from shardtrain.rpc import SHARD_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts
@@ -245,6 +245,28 @@ def test_a_call_made_again_after_a_roll_back_applies_the_learning_rate_of_its_ti
             index = error.resume_step
     assert [error.resume_step for error in rolled_back] == [4]
     assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
+
+
+def test_a_shard_that_dies_while_the_stages_snapshot_fails_the_call_and_no_roll_back_mixes_two_steps(
+        cluster_with_a_spare, monkeypatch):
+    """Stage 1's shard dies as the stages take the snapshots due after call 4: stages 0 and 2 replace theirs with
+    step 4's, while stage 1's state survives only in the copy of step 2's. No whole snapshot is left, so the call
+    fails, and so does the next, rather than a roll-back to that mix."""
+    batches = regression_batches(steps=6, batch=20, features=4)
+    model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=2)
+    victim, take = model._clients.stages[1].address, recovery.take_snapshots
+
+    async def shard_dies_first(clients, steps_done):
+        if steps_done == 4:
+            kill_shard(cluster_with_a_spare, victim)
+        return await take(clients, steps_done)
+    monkeypatch.setattr(recovery, "take_snapshots", shard_dies_first)
+    for x, y in batches[:3]:
+        model.train_step(x, y, "MSELoss", microbatches=2)
+    for attempt in range(2):
+        with pytest.raises(errors.ShardtrainError) as raised:
+            model.train_step(*batches[3], "MSELoss", microbatches=2)
+        assert not isinstance(raised.value, errors.RolledBack) and not model.recoveries
 
 
 def test_fit_trains_again_on_the_batches_a_roll_back_undid(cluster_with_a_spare):
