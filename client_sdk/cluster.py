@@ -20,7 +20,7 @@ from client_sdk.model import DistributedModel
 from client_sdk.processes import LocalServices
 from client_sdk.reports import DeploymentReport, ShardInfo, Table
 from client_sdk.transport import StageClients
-from shardtrain import auth
+from shardtrain import auth, deploy_deadlines
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env, timeouts_env
@@ -214,9 +214,13 @@ class Cluster:
         clock.done("partition and load stages")
         shipped = Shipped.of(request, captured)
         distributed = self._take_over(response, shipped, options)
-        steps.load(distributed, captured, request, options)
-        clock.done("send weights")
-        steps.ready(distributed, captured, request, options, clock)
+        try:
+            steps.load(distributed, captured, request, options)
+            clock.done("send weights")
+            steps.ready(distributed, captured, request, options, clock)
+        except BaseException:
+            distributed.close()  # never handed out: its open links would hold the shards for nobody
+            raise
         distributed._redeploy = functools.partial(self._redeploy, shipped)
         self._models.append(distributed)
         return distributed
@@ -268,8 +272,11 @@ class Cluster:
     async def _deploy_call(self, request: coordinator_pb2.DeployRequest) -> coordinator_pb2.DeployResponse:
         """Deploy, carrying the secret of this client's last deployment, which the new one may replace."""
         metadata = auth.with_deployment(self._coordinator.metadata, self._secret)
-        # A data-plane deadline: the coordinator has the shards measure the layers and load their stages.
-        response = await self._coordinator.call("Deploy", request, timeout=self.timeouts.rpc, metadata=metadata)
+        # The coordinator has the shards measure the layers and load their stages: the deadline grows with both.
+        listed = await self._coordinator.call("ListShards", coordinator_pb2.ListShardsRequest())
+        deadline = deploy_deadlines.deploy(self.timeouts.rpc, request.layers, len(listed.shards),
+                                           request.partition.balance_by_time)
+        response = await self._coordinator.call("Deploy", request, timeout=deadline, metadata=metadata)
         self._secret = response.deployment_secret
         return response
 

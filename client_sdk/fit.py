@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from client_sdk import charts
+from client_sdk.ctrl_c import CtrlC
 from client_sdk.data import RowBatch
 from shardtrain.errors import InvalidArgument, RolledBack
 
@@ -65,6 +66,17 @@ class History:
         return charts.finished(figure, path)
 
 
+class StopAfterStep(CtrlC):
+    """While fit runs on a script's main thread, a first Ctrl-C asks it to stop once the step under way is done,
+    so the interrupt never lands between two calls of one step, wherever Python is; a second Ctrl-C raises
+    KeyboardInterrupt at once. Calls outside fit are the SDK loop's, which cancels them at an await."""
+
+    def check(self) -> None:
+        """KeyboardInterrupt if Ctrl-C asked to stop: called between steps."""
+        if self.fired:
+            raise KeyboardInterrupt
+
+
 class Fit:
     """One fit call's loop; see DistributedModel.fit for the arguments."""
 
@@ -82,6 +94,7 @@ class Fit:
         self.history = History()
         self._client_loss = None  # the loss computed here: the loop's, and validation's
         self._since_snapshot: list = []  # with model.snapshot_every: the batches trained on since the last snapshot
+        self._interrupt = StopAfterStep()
 
     def run(self, data: Iterable, epochs: int, validation: Iterable | None, progress) -> History:
         if not isinstance(epochs, int) or epochs < 1:
@@ -90,11 +103,13 @@ class Fit:
         bar = _progress(progress, total * epochs if total is not None else None)
         started = time.perf_counter()
         try:
-            for epoch in range(1, epochs + 1):
-                if self._epoch(data, epoch, bar, started):
-                    break
-                val_loss = self.validate(validation) if validation is not None else None
-                self._end_epoch(epoch, val_loss, bar)
+            with self._interrupt:
+                for epoch in range(1, epochs + 1):
+                    if self._epoch(data, epoch, bar, started):
+                        break
+                    val_loss = self.validate(validation) if validation is not None else None
+                    self._interrupt.check()
+                    self._end_epoch(epoch, val_loss, bar)
         except KeyboardInterrupt:
             self.history.interrupted = True
             self.model.synchronize()  # the step under way settles (applied everywhere or nowhere)
@@ -121,6 +136,7 @@ class Fit:
                 bar.update(1)
             if any(callback(self.history, record) is True for callback in self.callbacks):
                 return True
+            self._interrupt.check()
         return False
 
     def _step_surviving(self, batch) -> tuple[float, int]:

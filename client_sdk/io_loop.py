@@ -18,11 +18,12 @@ model.step() would find the backward's deadline expired before the loop read the
 from __future__ import annotations
 
 import asyncio
-import signal
 import threading
 import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
+
+from client_sdk.ctrl_c import CtrlC
 
 T = TypeVar("T")
 
@@ -108,7 +109,7 @@ class IoLoop:
                 self._thread.start()
 
 
-class _InterruptAtAnAwait:
+class _InterruptAtAnAwait(CtrlC):
     """While a script's main thread runs the loop, Ctrl-C cancels the call's task, as asyncio.run does.
 
     Python raises KeyboardInterrupt wherever the main thread is, and here that may be the middle of a
@@ -122,32 +123,15 @@ class _InterruptAtAnAwait:
     one by trying Handlers(handler), whose ValueError formats repr(handler). Runner's handler is a partial
     holding the call's task, so every call formatted the finished task, its result tensor included, which
     cost far more than the call's own work. The handler here is a bound method of an object with a
-    constant repr.
+    constant repr (CtrlC).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task):
+        super().__init__()
         self._loop, self._task = loop, task
-        self.fired = False
-        self._installed = False
 
-    def __repr__(self) -> str:  # what signal.getsignal() formats: kept cheap (see above)
-        return "<shardtrain Ctrl-C handler>"
-
-    def __enter__(self) -> _InterruptAtAnAwait:
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, self._on_interrupt)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._installed and signal.getsignal(signal.SIGINT) == self._on_interrupt:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _on_interrupt(self, signum, frame) -> None:
-        if self.fired:
-            raise KeyboardInterrupt
-        self.fired = True
+    def on_interrupt(self, signum, frame) -> None:
+        super().on_interrupt(signum, frame)
         # A call whose task is done may still be running the loop's other callbacks (a send it started): raised
         # in one of those, the interrupt would be stored in that task and raised again by whatever awaits it.
         self._task.cancel()

@@ -282,7 +282,7 @@ class DistributedModel:
         save_checkpoint into `checkpoint_dir`/step-N. `callbacks`: functions of (history, step record) called
         after each step; one returning True stops the fit there. `progress`: a tqdm bar with the loss and samples
         per second (a widget in Jupyter), False for none, or a text stream to write it to. Ctrl-C stops after the
-        step under way, with the model and its optimizer state intact; the history says it was interrupted."""
+        step under way, the model intact (a second Ctrl-C at once); the history says it was interrupted."""
         self._check_open()
         run = Fit(self, loss_fn, loss_output, microbatches, schedule, loop, checkpoint_every, checkpoint_dir,
                   list(callbacks))

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain import auth, logs, metrics, optim, partition, precision, recompute, schedule, wire
+from shardtrain import auth, deploy_deadlines, logs, metrics, optim, partition, precision, recompute, schedule, wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                ShardtrainError)
@@ -166,9 +166,10 @@ class CoordinatorServicer:
         for shard in shards:
             by_host.setdefault(shard.address.rpartition(":")[0], []).append(shard)
 
+        deadline = deploy_deadlines.profile(self.settings.timeouts.rpc, layers)
+
         async def measure_host(host_shards) -> dict[str, list]:
-            return {shard.address: list((await self._call(shard, "ProfileLayers", request,
-                                                          self.settings.timeouts.rpc)).layers)
+            return {shard.address: list((await self._call(shard, "ProfileLayers", request, deadline)).layers)
                     for shard in host_shards}
         measured = {}
         for answers in await asyncio.gather(*(measure_host(host_shards) for host_shards in by_host.values())):
@@ -277,7 +278,8 @@ class CoordinatorServicer:
                                              layers=layers[placement.first_layer:placement.end_layer],
                                              encodings=deploy.encodings, recompute=deploy.recompute,
                                              precision=deploy.precision)
-        return await self._call(placement.shard, "LoadStage", request)
+        return await self._call(placement.shard, "LoadStage", request,
+                                deploy_deadlines.load(self.settings.timeouts.control, request.layers))
 
     async def _call(self, shard: ShardRecord, method: str, request, timeout: float = 0.0):
         peer = Peer(f"shard {shard.shard_id} at {shard.address}", shard.address, SHARD_SERVICE,

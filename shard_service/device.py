@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from shard_service.mailbox import Mailbox
 from shardtrain import errors
 
 Key = tuple[int, str, int]  # (stage, op, micro-batch)
@@ -66,39 +67,33 @@ class Device:
 
 
 class _Turns:
-    """One step's order on a device and how far it got."""
+    """One step's order on a device and how far it got: the action whose turn comes finds its key in the mailbox."""
 
     def __init__(self, order: list[Key]):
         self.order = order
         self.position = 0
-        self._waiting: dict[Key, asyncio.Future] = {}
+        self._turns = Mailbox()
 
     async def wait(self, key: Key, timeout: float) -> None:
         if key not in self.order:
             raise errors.InternalError(f"action {key} is not in this device's order of the step")
         if self.position < len(self.order) and self.order[self.position] == key:
+            self._turns.discard(key)
             return
-        future = self._waiting[key] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(future, timeout)
-        except TimeoutError:
+            await self._turns.take(key, timeout, f"the turn of action {key}")
+        except errors.DeadlineExceeded:
             expected = self.order[self.position] if self.position < len(self.order) else None
             raise errors.DeadlineExceeded(f"action {key} waited {timeout:g} s for its turn on the device; "
                                           f"the device waits for {expected}") from None
-        finally:
-            self._waiting.pop(key, None)
 
     def advance(self) -> bool:
         """Moves on to the next action; whether the order is over."""
         self.position += 1
         if self.position >= len(self.order):
             return True
-        waiting = self._waiting.get(self.order[self.position])
-        if waiting is not None and not waiting.done():
-            waiting.set_result(None)
+        self._turns.put(self.order[self.position], None)
         return False
 
-    def cancel(self, error: BaseException) -> None:
-        for future in self._waiting.values():
-            if not future.done():
-                future.set_exception(error)
+    def cancel(self, error: errors.ShardtrainError) -> None:
+        self._turns.discard_where(lambda key: True, error)

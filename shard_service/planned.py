@@ -3,9 +3,10 @@ the schedule gives this stage, on the same Links and with the same items as the 
 
 The micro-batches' forward items (activations) and backward items (gradients) come over the stage's links
 and wait in the run's inbox until their action's turn; results leave as soon as they exist, so stage i works on
-micro-batch k+1 while stage i+1 works on k. The last stage computes each micro-batch's loss against the target
-the SDK sent it and starts that micro-batch's backward itself. The run's end is the step's backward on this stage:
-the optimizer step item that follows (loop.py) is applied once it is over, on every stage or on none.
+micro-batch k+1 while stage i+1 works on k. Each action's forward or backward is the stage executor's, the one
+the loop's items run too (executor.py). The last stage computes each micro-batch's loss against the target the
+SDK sent it and starts that micro-batch's backward itself. The run's end is the step's backward on this stage:
+the optimizer step item that follows (optimizer_steps.py) is applied once it is over, on every stage or on none.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-import torch
-
+from shard_service.executor import StageExecutor
+from shard_service.held import tensor_bytes
+from shard_service.mailbox import Mailbox
 from shardtrain import errors, schedule
 from shardtrain.v1 import shard_pb2
 
@@ -48,20 +50,26 @@ class Figures:
 
 
 class PlannedRun:
-    """The actions of one stage in one planned step. `ports` is what the run needs of its shard (StagePorts)."""
+    """The actions of one stage in one planned step, run by the stage's executor (executor.py); the last stage's
+    loss targets wait in `targets`, by (step, micro-batch)."""
 
-    def __init__(self, ports: StagePorts, step: int, plan: shard_pb2.StepPlan):
-        self.ports = ports
+    def __init__(self, executor: StageExecutor, step: int, plan: shard_pb2.StepPlan, targets: Mailbox | None = None):
+        self.executor, self.runtime = executor, executor.runtime
         self.step = step
         self.plan = plan
-        self.actions = _actions(plan, ports.index, ports.num_stages, ports.virtual_stages)
+        where = self.runtime.plan
+        self.index, self.num_stages = where.stage, where.num_stages
+        self.is_last = self.index == self.num_stages - 1
+        self.virtual_stages = max(where.virtual_stages, 1)
+        self.actions = _actions(plan, self.index, self.num_stages, self.virtual_stages)
         self.split = plan.schedule in schedule.SPLIT_BACKWARD  # backward as B (input gradient), then W
         # Several stages on this device: their actions take turns in the device's order.
-        self.turns = plan.schedule in schedule.INTERLEAVED and ports.device is not None
+        self.turns = plan.schedule in schedule.INTERLEAVED and self.runtime.device is not None
         self.final_backward = self.actions[-1].microbatch if self.actions else -1
         self.figures = Figures()
-        self._inbox: dict[tuple[int, str], asyncio.Future] = {}
-        self._held = 0  # bytes of the items that wait in the inbox
+        # The micro-batches' items until their action's turn; their bytes count against the shard's budget.
+        self._inbox = Mailbox(held=executor.held)
+        self._targets = targets if targets is not None else Mailbox()
         self.task: asyncio.Task | None = None  # what runs execute(), once started
         self.began = 0.0  # when the last piece of work started (time.time()), for its span
         self.done = False     # every action ran
@@ -69,43 +77,27 @@ class PlannedRun:
 
     # --- what arrives ------------------------------------------------------------------------------
     def deliver(self, microbatch: int, kind: str, value) -> None:
-        """A micro-batch's forward (header, activation) or backward (header, gradient) item, for its turn."""
+        """A micro-batch's forward (header, activation) or backward (header, gradient) item, for its turn.
+        ResourceExhausted if its tensor does not fit what the shard may hold waiting."""
         if not 0 <= microbatch < self.plan.microbatches:
             raise errors.InvalidArgument(f"step {self.step} is planned over {self.plan.microbatches} micro-batches; "
                                          f"got a {kind} item for micro-batch {microbatch}")
-        slot = self._slot(microbatch, kind)
-        if slot.done():
+        if self._inbox.has((microbatch, kind)):
             raise errors.InvalidArgument(f"a second {kind} item for step {self.step} micro-batch {microbatch}")
-        slot.set_result(value)
-        self._held += tensor_bytes(value[1])
-
-    def _slot(self, microbatch: int, kind: str) -> asyncio.Future:
-        key = (microbatch, kind)
-        if key not in self._inbox:
-            self._inbox[key] = asyncio.get_running_loop().create_future()
-        return self._inbox[key]
+        self._inbox.put((microbatch, kind), value, tensor_bytes(value[1]))
 
     async def _take(self, microbatch: int, kind: str):
-        slot = self._slot(microbatch, kind)
-        try:
-            value = await asyncio.wait_for(asyncio.shield(slot), self.ports.timeout)
-            self._held -= tensor_bytes(value[1])
-            return value
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"the {kind} of step {self.step} micro-batch {microbatch} did not arrive "
-                                          f"within {self.ports.timeout:g} s") from None
-        finally:
-            self._inbox.pop((microbatch, kind), None)
+        what = f"the {kind} of step {self.step} micro-batch {microbatch}"
+        return await self._inbox.take((microbatch, kind), self.executor.timeout, what)
 
     def held_bytes(self) -> int:
         """Bytes of the items that wait in the inbox."""
-        return self._held
+        return self._inbox.held_bytes()
 
     # --- running -----------------------------------------------------------------------------------
     async def execute(self) -> None:
         """Runs every action in order, then the replicas' all-reduce; raises what failed."""
-        ports = self.ports
-        self.figures.allreduce_backend = await ports.averager("connect") or ""
+        self.figures.allreduce_backend = await self.runtime.averager_call("connect") or ""
         for action in self.actions:
             if action.op == schedule.FORWARD:
                 await self._forward(action.microbatch)
@@ -113,87 +105,91 @@ class PlannedRun:
                 await self._backward(action.microbatch)
             else:
                 await self._weight(action.microbatch)
-            self.figures.peak_in_flight = max(self.figures.peak_in_flight, ports.in_flight())
+            in_flight = len(self.executor.stage.in_flight_steps)
+            self.figures.peak_in_flight = max(self.figures.peak_in_flight, in_flight)
         start, wall = time.perf_counter(), time.time()
-        await ports.averager("finish")
+        await self.runtime.averager_call("finish")
         self.figures.allreduce_seconds = time.perf_counter() - start
         if self.figures.allreduce_backend:
             self.figures.span(shard_pb2.WORK_KIND_ALLREDUCE, wall)
 
-    async def _timed(self, function, *args, simulated: float = 1.0, action: tuple[str, int] | None = None):
-        """Runs stage work (action `action`'s, in its turn on a shared device); with simulated compute (benchmarks),
-        then waits `simulated` times its device time. `began` says when it started (time.time())."""
-        if self.turns and action is not None:
-            await self.ports.device.turn(self.step, self._device_order, (self.ports.index, *action), self.ports.timeout)
-        try:
-            start, self.began = time.perf_counter(), time.time()
-            result = await self.ports.run(function, *args)
-            if simulated and self.ports.simulate_compute:
-                await asyncio.sleep(self.ports.simulate_compute * simulated)
-            return result, time.perf_counter() - start
-        finally:
-            if self.turns and action is not None:
-                self.ports.device.turn_done(self.step)
+    def _compute(self, op: str, k: int, simulated: float = 1.0, turn: bool = True) -> Callable[..., Awaitable[tuple]]:
+        """How action (op, k) runs its stage work: in its turn on a shared device (unless `turn` is False: work
+        within an action's turn, as the last stage's loss); with simulated compute (benchmarks), then waits
+        `simulated` times its device time. `began` says when it started (time.time())."""
+        turns = self.turns and turn
+
+        async def compute(function, *args) -> tuple:
+            device = self.runtime.device
+            if turns:
+                await device.turn(self.step, self._device_order, (self.index, op, k), self.executor.timeout)
+            try:
+                start, self.began = time.perf_counter(), time.time()
+                result = await self.runtime.run(function, *args)
+                simulate = self.runtime.settings.simulate_compute
+                if simulated and simulate:
+                    await asyncio.sleep(simulate * simulated)
+                return result, time.perf_counter() - start
+            finally:
+                if turns:
+                    device.turn_done(self.step)
+        return compute
 
     def _device_order(self) -> list[tuple[int, str, int]]:
         """Every action of this step on this stage's device, its other stages' included, in the device's order."""
-        ports = self.ports
-        devices = ports.num_stages // ports.virtual_stages
+        devices = self.num_stages // self.virtual_stages
         return [(stage, action.op, action.microbatch) for stage, action in schedule.device_actions(
-            self.plan.schedule, ports.index % devices, ports.num_stages, self.plan.microbatches, ports.virtual_stages)]
+            self.plan.schedule, self.index % devices, self.num_stages, self.plan.microbatches, self.virtual_stages)]
 
     async def _forward(self, k: int) -> None:
-        ports = self.ports
+        executor, sends = self.executor, self.executor.sends
         header, x = await self._take(k, schedule.FORWARD)
-        incoming = await ports.incoming_residuals(header.key)
-        await ports.after_optimizer_step(header.after_optimizer_step)
-        if header.zero_grad:
-            await ports.run(ports.stage.zero_grad)
-        (output, outgoing), seconds = await self._timed(ports.stage.forward, (self.step, k), x, incoming, True,
-                                                        False, not header.eval_mode, self.plan.microbatches,
-                                                        action=(schedule.FORWARD, k))
+        output, outgoing, seconds = await executor.forward(header, x, microbatches=self.plan.microbatches,
+                                                           compute=self._compute(schedule.FORWARD, k))
         wall = self.began
-        ports.forwarded(x, seconds)
         self.figures.forward_seconds += seconds
-        self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, ports.stage.in_flight_bytes)
-        if ports.is_last:
-            target, y = await ports.target(header.key)
-            loss_fn, sums = ports.loss(target.loss) if not target.loss.model_output else (None, False)
-            loss, seconds = await self._timed(ports.stage.attach_loss, (self.step, k), loss_fn, y,
-                                              _weight(target, sums), target.loss.model_output,
-                                              target.loss_scale or 1.0, simulated=0)  # within the simulated time
-            self.figures.forward_seconds += seconds
+        self.figures.peak_activation_bytes = max(self.figures.peak_activation_bytes, executor.stage.in_flight_bytes)
+        if self.is_last:
+            loss = await self._loss(header.key, k)
             self.figures.span(shard_pb2.WORK_KIND_FORWARD, wall, k)
-            await ports.send_loss(header.key, loss)
+            await sends.loss(header.key, loss)
         else:
             self.figures.span(shard_pb2.WORK_KIND_FORWARD, wall, k)
-            await ports.send_activation(header, output)
-        await ports.send_residuals(header.key, outgoing)
-        await ports.no_client_gradients(header.key)
+            await sends.activation(header, output)
+        await sends.residuals(header.key, outgoing, to_client=False)
+        await executor.no_client_gradients(header.key)
+
+    async def _loss(self, key: shard_pb2.StepKey, k: int) -> float:
+        """The last stage's loss of micro-batch k against the target the SDK sent, within the forward's time."""
+        what = f"the target of step {key.step} micro-batch {key.microbatch}"
+        target, y = await self._targets.take((key.step, key.microbatch), self.executor.timeout, what)
+        loss_fn, sums = self.runtime.loss(target.loss) if not target.loss.model_output else (None, False)
+        loss, seconds = await self._compute(schedule.FORWARD, k, simulated=0, turn=False)(
+            self.executor.stage.attach_loss, (self.step, k), loss_fn, y, _weight(target, sums),
+            target.loss.model_output, target.loss_scale or 1.0)
+        self.figures.forward_seconds += seconds
+        return loss
 
     async def _backward(self, k: int) -> None:
-        ports = self.ports
-        key = shard_pb2.StepKey(deployment_id=ports.deployment_id, step=self.step, microbatch=k)
+        key = shard_pb2.StepKey(deployment_id=self.runtime.deployment_id, step=self.step, microbatch=k)
         # The last stage starts from its loss (Stage.backward seeds it with ones); the others from the next stage.
-        grad = None if ports.is_last else (await self._take(k, schedule.BACKWARD))[1]
-        residual_grads = await ports.residual_gradients((self.step, k))
+        grad = None if self.is_last else (await self._take(k, schedule.BACKWARD))[1]
         if not self.split:
-            ports.averager_arm(k == self.final_backward)
-        work = ports.stage.backward_input if self.split else ports.stage.backward
-        (grad_input, incoming_grads), seconds = await self._timed(work, (self.step, k), grad, residual_grads,
-                                                                  simulated=0.5 if self.split else 1.0,
-                                                                  action=(schedule.BACKWARD, k))
+            self.runtime.averager_arm(k == self.final_backward)
+        compute = self._compute(schedule.BACKWARD, k, simulated=0.5 if self.split else 1.0)
+        grad_input, incoming_grads, seconds = await self.executor.backward((self.step, k), grad,
+                                                                           input_half=self.split, compute=compute)
         self.figures.backward_seconds += seconds
         self.figures.span(shard_pb2.WORK_KIND_BACKWARD, self.began, k)
-        if ports.index > 0:  # None when the loss does not depend on this stage's input (the stage before skips it)
-            await ports.send_input_gradient(key, grad_input)
-        await ports.send_residual_gradients(key, incoming_grads)
+        # None when the loss does not depend on this stage's input (the stage before skips it).
+        await self.executor.sends.input_gradient(key, grad_input, planned=True)
+        await self.executor.sends.residual_gradients(key, incoming_grads)
 
     async def _weight(self, k: int) -> None:
         """The weight-gradient half of a split backward: nothing waits for it, so it fills the stage's idle time."""
-        self.ports.averager_arm(k == self.final_backward)
-        _, seconds = await self._timed(self.ports.stage.backward_weight, (self.step, k), simulated=0.5,
-                                       action=(schedule.WEIGHT, k))
+        self.runtime.averager_arm(k == self.final_backward)
+        _, seconds = await self._compute(schedule.WEIGHT, k, simulated=0.5)(self.executor.stage.backward_weight,
+                                                                            (self.step, k))
         self.figures.backward_seconds += seconds
         self.figures.span(shard_pb2.WORK_KIND_WEIGHT, self.began, k)
 
@@ -201,38 +197,8 @@ class PlannedRun:
         """Drops what waits in the inbox and fails every wait for an item that will not come now."""
         self.aborted = True
         if self.turns:
-            self.ports.device.give_up(self.step)
-        for slot in self._inbox.values():
-            if not slot.done():
-                slot.set_exception(errors.Cancelled(f"step {self.step} failed on another stage"))
-                slot.exception()
-        self._inbox.clear()
-        self._held = 0
-
-
-class StagePorts:
-    """What a planned run uses of its shard: the stage and its compute thread, the links' sends, the waits.
-    A plain record of callables, so that the run can be driven without a server."""
-
-    def __init__(self, *, stage, index: int, num_stages: int, deployment_id: str, timeout: float,
-                 simulate_compute: float, run: Callable[..., Awaitable], in_flight: Callable[[], int],
-                 averager: Callable[[str], Awaitable], averager_arm: Callable[[bool], None],
-                 incoming_residuals, after_optimizer_step, target, loss, send_loss, send_activation,
-                 send_residuals, no_client_gradients, residual_gradients, send_input_gradient,
-                 send_residual_gradients, device=None, virtual_stages: int = 1,
-                 forwarded: Callable[[torch.Tensor | None, float], None] = lambda x, seconds: None):
-        self.stage, self.index, self.num_stages = stage, index, num_stages
-        self.is_last = index == num_stages - 1
-        self.deployment_id, self.timeout, self.simulate_compute = deployment_id, timeout, simulate_compute
-        self.run, self.in_flight, self.averager, self.averager_arm = run, in_flight, averager, averager_arm
-        self.incoming_residuals, self.after_optimizer_step = incoming_residuals, after_optimizer_step
-        self.target, self.loss, self.send_loss = target, loss, send_loss
-        self.send_activation, self.send_residuals = send_activation, send_residuals
-        self.no_client_gradients = no_client_gradients
-        self.residual_gradients = residual_gradients
-        self.send_input_gradient, self.send_residual_gradients = send_input_gradient, send_residual_gradients
-        self.device, self.virtual_stages = device, virtual_stages  # shard_service.device.Device, stages on it
-        self.forwarded = forwarded  # a training forward ran on this input (for metrics: step time, samples)
+            self.runtime.device.give_up(self.step)
+        self._inbox.discard_where(lambda key: True, errors.Cancelled(f"step {self.step} failed on another stage"))
 
 
 def check_plan(plan: shard_pb2.StepPlan) -> None:
@@ -259,8 +225,3 @@ def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:
     if not (math.isfinite(target.loss_scale) and target.loss_scale >= 0):
         raise errors.InvalidArgument(f"a target's loss_scale must be a finite number >= 0, got {target.loss_scale}")
     return 1.0 if sums else target.rows / target.batch_rows
-
-
-def tensor_bytes(tensor: torch.Tensor | None) -> int:
-    """A tensor's bytes (0 for none)."""
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()

@@ -304,9 +304,9 @@ class ShardServicer:
         if len(tensors) != 1:
             raise InvalidArgument(f"Forward carries exactly one activation tensor, got {len(tensors)}")
         if header.HasField("step_first"):
-            await self.loop.step_call(header.step_first)
+            await self.loop.per_call.step_call(header.step_first)
             header.ClearField("step_first")
-        await self.loop.forward_call(header, next(iter(tensors.values())))
+        await self.loop.per_call.forward_call(header, next(iter(tensors.values())))
         return shard_pb2.ForwardResponse()
 
     @boundary
@@ -314,19 +314,19 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         self._owned(context, header.key.deployment_id)
-        await self.loop.backward_call(header, (await reader.tensors(expect=self.runtime.fits)).get("gradient"))
+        await self.loop.per_call.backward_call(header, (await reader.tensors(expect=self.runtime.fits)).get("gradient"))
         return shard_pb2.BackwardResponse()
 
     @boundary
     async def Step(self, request, context):
         self._owned(context, request.deployment_id)
-        await self.loop.step_call(request)
+        await self.loop.per_call.step_call(request)
         return shard_pb2.StepResponse()
 
     @boundary
     async def GradientNorm(self, request, context):
         self._owned(context, request.deployment_id)
-        norm, parameter_norms = await self.loop.gradient_norm_call(request)
+        norm, parameter_norms = await self.loop.per_call.gradient_norm_call(request)
         return shard_pb2.GradientNormResponse(norm=norm, parameter_norms=parameter_norms)
 
     @boundary

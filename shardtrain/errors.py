@@ -115,6 +115,15 @@ def error_for_code(code: str, message: str) -> ShardtrainError:
     return _BY_CODE.get(code, InternalError)(message)
 
 
+def located_message(error: Exception, where: str) -> str:
+    """An exception's message fit to leave the server, naming `where` unless it already names a place (a peer's
+    error names the peer; do not wrap it in our own name again, nor our own twice)."""
+    if isinstance(error, ShardtrainError):
+        named = getattr(error, "from_peer", False) or str(error).startswith(where)
+        return public_message(str(error) if named else f"{where}: {error}")
+    return public_message(f"{where}: unexpected {type(error).__name__}: {error}")
+
+
 def public_message(text: str) -> str:
     """`text` fit to leave the server: no traceback, no source path of the server, at most MAX_MESSAGE long."""
     text = _TRACEBACK.sub("(traceback withheld)", text)

@@ -200,12 +200,9 @@ def status_message(error: Exception, where: str) -> tuple[grpc.StatusCode, str]:
     The message is fit to leave the server (errors.public_message): a layer's error can carry torch's traceback.
     """
     if isinstance(error, errors.ShardtrainError):
-        code = grpc.StatusCode[error.code]
-        # A peer's error already names the peer; do not wrap it in our own name again (nor our own, twice).
-        named = getattr(error, "from_peer", False) or str(error).startswith(where)
-        return code, errors.public_message(str(error) if named else f"{where}: {error}")
+        return grpc.StatusCode[error.code], errors.located_message(error, where)
     log.exception("unexpected error in %s", where)
-    return grpc.StatusCode.INTERNAL, errors.public_message(f"{where}: unexpected {type(error).__name__}: {error}")
+    return grpc.StatusCode.INTERNAL, errors.located_message(error, where)
 
 
 def boundary(method: Callable) -> Callable:

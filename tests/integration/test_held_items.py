@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from shard_service import loop
+from shard_service import held
 from shardtrain import errors
 from shardtrain.v1 import shard_pb2
 from tests.integration.training import trains_like_one_process
@@ -20,7 +20,7 @@ def test_forwards_that_wait_for_a_step_that_never_comes_are_bounded(own_cluster)
     cluster = own_cluster
     model = cluster.deploy(nn.Sequential(nn.Linear(8, 8)), num_stages=1)
     links = model._clients._links
-    count = loop.MAX_HELD_ITEMS + 20
+    count = held.MAX_HELD_ITEMS + 20
 
     async def flood() -> list:
         """Forwards that follow an optimizer step that never comes: each waits on the shard, holding its input."""
@@ -36,5 +36,5 @@ def test_forwards_that_wait_for_a_step_that_never_comes_are_bounded(own_cluster)
     failures = model._io.run(flood())
     exhausted = [f for f in failures if isinstance(f, errors.ResourceExhausted)]
     assert len(exhausted) >= 20, failures[:3]
-    assert f"at most {loop.MAX_HELD_ITEMS}" in str(exhausted[0])
+    assert f"at most {held.MAX_HELD_ITEMS}" in str(exhausted[0])
     assert trains_like_one_process(cluster, num_stages=1) <= 1e-5  # a new deployment trains as before

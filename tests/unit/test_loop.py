@@ -72,11 +72,7 @@ class LastStage:
 
     async def settle(self) -> None:
         """Waits (up to 10 s) until the work the loop started has ended."""
-        for _ in range(2000):
-            await asyncio.sleep(0.005)
-            if not self.loop._tasks:
-                return
-        raise AssertionError("the loop's work did not finish")
+        await self.loop.settled(10.0)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {key: value.clone() for key, value in self.runtime.stage.state().items()}
@@ -179,9 +175,9 @@ def test_a_step_a_call_started_keeps_its_output_for_fetching_and_a_backward_call
         await stage.start()
         await stage.feed(stage.up, forward(0, keep_output=True), h)
         kept = await stage.loop.calls.fetch(key(0), "@output", timeout=1)
-        await stage.loop.backward_call(shard_pb2.BackwardHeader(key=key(0)), grad)
+        await stage.loop.per_call.backward_call(shard_pb2.BackwardHeader(key=key(0)), grad)
         with pytest.raises(errors.FailedPrecondition, match=r"Forward goes to the first stage \(stage 0\)"):
-            await stage.loop.forward_call(shard_pb2.ForwardHeader(key=key(1)), h)
+            await stage.loop.per_call.forward_call(shard_pb2.ForwardHeader(key=key(1)), h)
         await stage.feed(stage.up, forward(1), h)
         await stage.close()
         return stage, kept
@@ -227,8 +223,7 @@ def test_a_planned_step_on_the_last_stage_sends_each_loss_to_the_sdk_and_gradien
         for k, h in enumerate(hs):  # the run waits for its items in turn: nothing to wait for after each
             header = shard_pb2.ForwardHeader(key=key(0, k), requires_grad=True, zero_grad=k == 0, plan=plan)
             stage.loop.on_item(stage.up, shard_pb2.LinkMessage(forward=header), h)
-        await asyncio.wait_for(stage.loop._runs[0].task, 10)
-        assert stage.loop._runs[0].done
+        await stage.settle()
         await stage.close()
         return stage
     stage = asyncio.run(sequence())

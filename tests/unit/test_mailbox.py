@@ -145,3 +145,47 @@ def test_tensors_beyond_the_byte_bound_evict_the_oldest_and_their_readers_are_to
         assert len(box.delivered()) == 3
 
     run(scenario())
+
+
+def test_take_reads_a_value_once_and_has_says_whether_one_waits():
+    async def scenario():
+        mailbox = Mailbox()
+        mailbox.put("k", 1)
+        assert mailbox.has("k")
+        assert await mailbox.take("k", LONG, "k") == 1
+        assert not mailbox.has("k")
+        with pytest.raises(DeadlineExceeded):
+            await mailbox.take("k", SHORT, "k")
+    run(scenario())
+
+
+def test_a_discard_with_an_error_hands_the_waiting_reader_that_error():
+    from shardtrain.errors import Cancelled
+
+    async def scenario():
+        mailbox = Mailbox()
+        reader = asyncio.create_task(mailbox.take("k", LONG, "k"))
+        await asyncio.sleep(0)
+        mailbox.discard_where(lambda key: True, Cancelled("step 3 failed on another stage"))
+        with pytest.raises(Cancelled, match="step 3 failed on another stage"):
+            await reader
+    run(scenario())
+
+
+def test_values_count_against_a_shared_budget_until_taken_or_discarded():
+    from shard_service.held import HeldItems
+    from shardtrain.errors import ResourceExhausted
+
+    async def scenario():
+        held = HeldItems(max_items=1, max_bytes=10)
+        first, second = Mailbox(held=held), Mailbox(held=held)
+        first.put("a", "x", size=6)
+        with pytest.raises(ResourceExhausted, match="at most 1 and 0 MiB"):
+            second.put("b", "y", size=5)
+        assert not second.has("b") and held.bytes == 6
+        second.put("b", "y", size=4)
+        assert held.bytes == 10 and first.held_bytes() == 6
+        await first.take("a", LONG, "a")
+        second.discard("b")
+        assert held.bytes == 0
+    run(scenario())

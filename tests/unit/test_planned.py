@@ -1,15 +1,21 @@
-"""shard_service.planned: three stages' planned runs wired to each other in one process, no server: each runs its
-actions in the schedule's order, sends exactly what it should, and together they compute one process's gradients."""
+"""shard_service.planned over shard_service.executor: three stages' planned runs wired to each other in one process,
+no server: each runs its actions in the schedule's order, sends exactly what it should, and together they compute
+one process's gradients."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from shard_service.planned import PlannedRun, StagePorts
+from shard_service.executor import StageExecutor
+from shard_service.mailbox import Mailbox
+from shard_service.ordering import StepOrder
+from shard_service.planned import PlannedRun
 from shard_service.stage import Stage
+from shard_service.step_meter import StepMeter
 from shardtrain import errors, losses, schedule
 from shardtrain.residuals import StageResiduals
 from shardtrain.v1 import shard_pb2
@@ -33,8 +39,66 @@ def stages(programs, model: torch.nn.Sequential) -> list[Stage]:
     return built
 
 
+class FakeRuntime:
+    """What a stage's executor uses of its shard: the stage's place, a compute thread that records what ran, the
+    settled steps, the loss; no replicas, residuals or shared device."""
+
+    def __init__(self, index: int, count: int, ran: list, loss_fn):
+        self.plan = shard_pb2.StagePlan(stage=index, num_stages=count)
+        self.settings = SimpleNamespace(timeouts=SimpleNamespace(peer_wait=5.0), simulate_compute=0.0)
+        self.order, self.steps, self.device, self.deployment_id = StepOrder(), StepMeter(), None, "d"
+        self._ran, self._loss_fn = ran, loss_fn
+
+    async def run(self, function, *args):
+        names = {"forward": "forward", "backward": "backward", "backward_input": "backward",
+                 "backward_weight": "weight"}
+        if function.__name__ in names:
+            self._ran.append((names[function.__name__], args[0][1]))
+        return function(*args)
+
+    async def residual_gradients(self, stage, key) -> dict:
+        return {}
+
+    async def averager_call(self, name: str) -> None:
+        return None
+
+    def averager_arm(self, last_microbatch: bool) -> None:
+        pass
+
+    def loss(self, spec):
+        return self._loss_fn
+
+
+class PipelineSends:
+    """A stage's sends, handed straight to the neighbouring run and logged."""
+
+    def __init__(self, pipeline: Pipeline, index: int):
+        self.pipeline, self.index = pipeline, index
+        self.links = SimpleNamespace(by_call=set())
+
+    async def loss(self, key, value) -> None:
+        self.pipeline.sent.append((self.index, "loss", key.microbatch))
+        self.pipeline.losses.append(value)
+
+    async def activation(self, header, output) -> None:
+        self.pipeline.sent.append((self.index, "activation", header.key.microbatch))
+        self.pipeline.runs[self.index + 1].deliver(header.key.microbatch, "forward", (header, output))
+
+    async def input_gradient(self, key, grad, zero_grad: bool = False, planned: bool = False) -> None:
+        if self.index > 0:
+            self.pipeline.sent.append((self.index, "gradient", key.microbatch))
+            self.pipeline.runs[self.index - 1].deliver(key.microbatch, "backward",
+                                                       (shard_pb2.BackwardHeader(key=key), grad))
+
+    async def residuals(self, key, outgoing, to_client: bool = True) -> None:
+        pass
+
+    async def residual_gradients(self, key, grads) -> None:
+        pass
+
+
 class Pipeline:
-    """Three runs of one planned step whose ports hand items straight to the neighbouring run, logging each send."""
+    """Three runs of one planned step whose sends hand items straight to the neighbouring run, logging each send."""
 
     def __init__(self, built: list[Stage], plan: shard_pb2.StepPlan, targets: list[torch.Tensor],
                  loss: str = "MSELoss"):
@@ -42,46 +106,21 @@ class Pipeline:
         self.ran: dict[int, list[tuple[str, int]]] = {i: [] for i in range(len(built))}
         self.losses: list[float] = []
         self.runs: list[PlannedRun] = []
+        self.targets = targets
         loss_fn = losses.build(loss, "{}")
-        rows = sum(len(t) for t in targets)
         for index, stage in enumerate(built):
-            self.runs.append(PlannedRun(self._ports(index, stage, len(built), targets, rows, loss_fn), 0, plan))
+            runtime = FakeRuntime(index, len(built), self.ran[index], loss_fn)
+            executor = StageExecutor(runtime, stage, PipelineSends(self, index))
+            self.runs.append(PlannedRun(executor, 0, plan, Mailbox()))
 
-    def _ports(self, index: int, stage: Stage, count: int, targets, rows: int, loss_fn) -> StagePorts:
-        async def run(function, *args):
-            names = {"forward": "forward", "backward": "backward", "backward_input": "backward",
-                     "backward_weight": "weight"}
-            if function.__name__ in names:
-                self.ran[index].append((names[function.__name__], args[0][1]))
-            return function(*args)
-
-        async def nothing(*_):
-            return {}
-
-        async def target(key):
-            y = targets[key.microbatch]
-            return shard_pb2.LossTarget(key=key, rows=len(y), batch_rows=rows), y
-
-        async def send_loss(key, value):
-            self.sent.append((index, "loss", key.microbatch))
-            self.losses.append(value)
-
-        async def send_activation(header, output):
-            self.sent.append((index, "activation", header.key.microbatch))
-            self.runs[index + 1].deliver(header.key.microbatch, "forward", (header, output))
-
-        async def send_input_gradient(key, grad):
-            self.sent.append((index, "gradient", key.microbatch))
-            self.runs[index - 1].deliver(key.microbatch, "backward", (shard_pb2.BackwardHeader(key=key), grad))
-
-        return StagePorts(
-            stage=stage, index=index, num_stages=count, deployment_id="d", timeout=5.0, simulate_compute=0.0,
-            run=run, in_flight=lambda: len(stage.in_flight_steps), averager=nothing, averager_arm=lambda last: None,
-            incoming_residuals=nothing, after_optimizer_step=nothing, target=target, loss=lambda spec: loss_fn,
-            send_loss=send_loss, send_activation=send_activation, send_residuals=nothing, no_client_gradients=nothing,
-            residual_gradients=nothing, send_input_gradient=send_input_gradient, send_residual_gradients=nothing)
+    def put_targets(self) -> None:
+        rows = sum(len(t) for t in self.targets)
+        for k, y in enumerate(self.targets):
+            key = shard_pb2.StepKey(deployment_id="d", step=0, microbatch=k)
+            self.runs[-1]._targets.put((0, k), (shard_pb2.LossTarget(key=key, rows=len(y), batch_rows=rows), y))
 
     async def execute(self, inputs: list[torch.Tensor]) -> list:
+        self.put_targets()
         for k, x in enumerate(inputs):
             header = shard_pb2.ForwardHeader(key=shard_pb2.StepKey(deployment_id="d", step=0, microbatch=k),
                                              requires_grad=True, zero_grad=k == 0)
@@ -134,6 +173,7 @@ def test_a_loss_that_fails_on_one_micro_batch_fails_the_last_stage_after_what_it
     pipeline = Pipeline(stages(programs, model), shard_pb2.StepPlan(microbatches=2, schedule="1f1b"), targets)
 
     async def scenario():
+        pipeline.put_targets()
         tasks = [asyncio.ensure_future(run.execute()) for run in pipeline.runs]
         for k, xk in enumerate(x.chunk(2)):
             header = shard_pb2.ForwardHeader(key=shard_pb2.StepKey(deployment_id="d", step=0, microbatch=k),
@@ -168,6 +208,6 @@ def test_items_outside_the_plan_are_refused(programs):
         assert run.held_bytes() == 4
     asyncio.run(scenario())
     with pytest.raises(errors.InvalidArgument, match="unknown schedule"):
-        PlannedRun(pipeline.runs[0].ports, 0, shard_pb2.StepPlan(microbatches=2, schedule="zigzag"))
+        PlannedRun(pipeline.runs[0].executor, 0, shard_pb2.StepPlan(microbatches=2, schedule="zigzag"))
     with pytest.raises(errors.InvalidArgument, match="1 to 4096 micro-batches"):
-        PlannedRun(pipeline.runs[0].ports, 0, shard_pb2.StepPlan(microbatches=0, schedule="gpipe"))
+        PlannedRun(pipeline.runs[0].executor, 0, shard_pb2.StepPlan(microbatches=0, schedule="gpipe"))
