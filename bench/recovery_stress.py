@@ -156,7 +156,9 @@ class Stress:
     def _victim(self, model, kill: Kill) -> Victim:
         clients = model._trainer.replicas[kill.replica] if self.replicas > 1 else model._clients
         address = clients.stages[kill.stage].address
-        return Victim(next(s for s in self.cluster._services.services if s.address == address), kill)
+        # The live one: a shard started later may have the address of one that died.
+        services = self.cluster._services.services
+        return Victim(next(s for s in services if s.address == address and s.process.poll() is None), kill)
 
     def _train(self, model, victim: Victim) -> tuple[int, int]:
         """Trains every batch once, through the kill; returns (calls lost and made again, roll-backs)."""
