@@ -157,6 +157,11 @@ class Hyperparameters:
         except (TypeError, ValueError):
             return ""
 
+    def restored(self) -> None:
+        """The shards went back to snapshots, which hold the hyperparameters of their own time: the next changes()
+        sends them all, though the last ones sent may equal them (a call made again after a roll-back)."""
+        self._sent = [{} for _ in self._sent]
+
     def loaded(self, groups: list[dict]) -> None:
         """The shards took these groups' hyperparameters from a loaded optimizer state: the client's follow."""
         for group, state in zip(self._optimizer.param_groups, groups):

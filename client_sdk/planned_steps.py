@@ -131,10 +131,30 @@ class PlannedSteps:
             pending.pop(0)
             model.steps_done += 1
             if model.snapshot_every and self._periodic is not None and model.steps_done % model.snapshot_every == 0:
-                await model._synchronize()  # every stage at the same step
-                self._periodic = await recovery.take_snapshots(model._clients, model.steps_done)
+                await self._snapshot()
             if not pending:
                 return loss
+
+    async def _snapshot(self) -> None:
+        """Every stage snapshots itself once the steps settled. A shard that died after this call's loss came (its
+        step never settles there) sends the model back to the last snapshots, as a death during the call does:
+        RolledBack. One that dies while the stages snapshot leaves no whole set (the others replaced theirs): its
+        failure is raised, and no later roll-back goes back to a mix of two steps."""
+        model = self.model
+        try:
+            await model._synchronize()  # every stage at the same step
+        except ShardtrainError as error:
+            if model._redeploy is None:
+                raise
+            await self._roll_back(error)
+        try:
+            self._periodic = await recovery.take_snapshots(model._clients, model.steps_done)
+        except ShardtrainError as error:
+            self._periodic = None
+            log.error("deployment %s: the snapshots after train_step call %d were taken only in part (%s): no "
+                      "snapshot of the whole model is left to go back to", model.deployment_id, model.steps_done,
+                      error)
+            raise
 
     async def _replace_dead_shard(self, error: ShardtrainError, number: int,
                                   recoveries: int) -> tuple[int, recovery.Recovery]:
@@ -198,12 +218,14 @@ class PlannedSteps:
 
     async def _adopt(self, other) -> None:
         """Takes over `other`'s deployment (a redeploy of the same model with the same split): the handle, its
-        optimizer and its hyperparameters stay the user's."""
+        optimizer and its hyperparameters stay the user's, and the next step sends them all (the stages restored
+        snapshots, with the hyperparameters of their time)."""
         model = self.model
         old = model._trainer.replicas
         model._call_order.inflight.abandon()  # the old deployment's calls: failed, or never to finish
         for name in DEPLOYMENT_ATTRIBUTES:
             setattr(model, name, getattr(other, name))
+        model._hyperparameters.restored()
         other._closed = True
         await asyncio.gather(*(clients.close() for clients in old), return_exceptions=True)
 
@@ -218,8 +240,9 @@ class PlannedSteps:
             spec = shard_pb2.LossSpec(model_output=model._interface.output_name(loss_output))
         else:
             spec = await self._loss_specs(loss_fn, batch)
-        # One step ahead of the shards at most, as the loop. No output confirms a loop step before this one: ask.
-        await model._clients.flush(wait=False)
+        # One step ahead of the shards at most, as the loop. No output confirms a loop step before this one: ask,
+        # every replica, and wait up to the deadline: a stopped shard never confirms, and recovery replaces it.
+        await model._flush()
         await calls.inflight.drain_previous()
         # A planned step starts from zero gradients: a pending zero_grad, and edits of the old ones, are moot.
         calls.zero_grad_pending = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from shard_service.ordering import StepOrder
 from shard_service.sends import StageSends
 from shard_service.tied import TiedGradients
 from shard_service.verdicts import Verdicts
@@ -28,23 +29,25 @@ class OptimizerSteps:
 
     async def step(self, item: shard_pb2.LinkStep) -> str:
         """Passes an optimizer step on once this stage's share of its backwards is over, then applies it
-        unless one of them failed here or on a stage before; returns why it was refused ("" if it was not)."""
-        request = item.request
-        stage, failure = await self._verdict(request, item.failure)
+        unless one of them failed here or on a stage before; returns why it was refused ("" if it was not).
+        The step keeps its deployment's StepOrder: a LoadStage puts in a new one, then ends this step mid-way."""
+        request, order = item.request, self._runtime.order
+        stage, failure = await self._verdict(request, item.failure, order)
         if self._runtime.plan.next_address:
             verdict = shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
             self._verdicts.passed_down(verdict)
             await self._sends.pass_down(verdict)
-        await self._apply(stage, request, failure)
+        await self._apply(stage, request, failure, order)
         return failure
 
-    async def _verdict(self, request: shard_pb2.StepRequest, failure: str) -> tuple[object | None, str]:
+    async def _verdict(self, request: shard_pb2.StepRequest, failure: str,
+                       order: StepOrder) -> tuple[object | None, str]:
         """Once this stage's backwards of the step are over: the stage, and why the step is refused ("" if it is
         not; a reason from a stage before wins)."""
         shard = self._runtime
         try:
             stage = shard.stage_for(request.deployment_id)
-            failures = await shard.order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
+            failures = await order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
         except Exception as error:  # noqa: BLE001 - the step is refused on this stage and those after it
             return None, failure or errors.located_message(error, shard.location)
         if failures and not failure:
@@ -52,8 +55,10 @@ class OptimizerSteps:
             failure = f"the backward of step {step} failed: {reason}"
         return stage, failure
 
-    async def _apply(self, stage, request: shard_pb2.StepRequest, failure: str) -> None:
-        """Applies the step unless it was refused; either way it counts as settled here, and the step's state goes."""
+    async def _apply(self, stage, request: shard_pb2.StepRequest, failure: str, order: StepOrder) -> None:
+        """Applies the step unless it was refused; either way it counts as settled in `order` (its deployment's),
+        and the step's state goes. Settled in a later deployment's order, it would let that deployment's forwards
+        run before their own optimizer steps of the same numbers."""
         shard = self._runtime
         try:
             if stage is not None and request.hyperparameters_json:  # in force from this step on, applied or not
@@ -66,7 +71,7 @@ class OptimizerSteps:
             await self._sends.tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
                                    up=False)
         finally:
-            await shard.order.optimizer_step_settled(request.optimizer_step)
+            await order.optimizer_step_settled(request.optimizer_step)
             if stage is not None:
                 await shard.forget(stage, request.step)
 

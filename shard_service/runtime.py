@@ -197,6 +197,8 @@ class ShardRuntime:
 
     async def forget(self, stage: Stage, up_to_step: int) -> None:
         """Drops every leftover of steps up to `up_to_step` (forwards whose backward never came, failed steps)."""
+        if stage is not self._stage:
+            return  # a previous deployment's work, ended by a LoadStage: the step numbers here are the new one's
         await self.run(stage.forget, up_to_step)
         stale = lambda key: key[0] <= up_to_step  # noqa: E731 - a one-line predicate
         self._gradients.discard_where(stale)

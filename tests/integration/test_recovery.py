@@ -5,7 +5,9 @@ snapshot_every, the model goes back to its last snapshots and the steps since ar
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -14,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from client_sdk import Cluster
+from client_sdk import Cluster, recovery
 from shardtrain import auth, errors
 from shardtrain.rpc import SHARD_SERVICE, Peer
-from shardtrain.settings import Security
+from shardtrain.settings import Security, Timeouts
 from shardtrain.v1 import shard_pb2
 from tests.integration.test_errors import kill_shard
 from tests.integration.training import largest_difference, regression_batches
@@ -225,6 +227,48 @@ def test_without_replicas_a_dead_shard_sends_the_model_back_to_its_last_snapshot
     assert largest_difference(model.state_dict(), plain_reference(batches)) <= 1e-6
 
 
+def test_a_call_made_again_after_a_roll_back_applies_the_learning_rate_of_its_time(cluster_with_a_spare):
+    """The shard dies just after the snapshot of call 4, so call 4 fails and is the first made again: the rate the
+    script set for it was sent with the failed call, but the stages went back to the snapshot, which holds call 3's."""
+    batches = regression_batches(steps=6, batch=20, features=4)
+    model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=2)
+    index, rolled_back = 0, []
+    while index < len(batches):
+        if index == 4 and not rolled_back:
+            kill_shard(cluster_with_a_spare, model._clients.stages[1].address)
+        model.optimizer.param_groups[0]["lr"] = 0.01 / (1 + index)
+        try:
+            model.train_step(*batches[index], "MSELoss", microbatches=2)
+            index += 1
+        except errors.RolledBack as error:
+            rolled_back.append(error)
+            index = error.resume_step
+    assert [error.resume_step for error in rolled_back] == [4]
+    assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
+
+
+def test_a_shard_that_dies_while_the_stages_snapshot_fails_the_call_and_no_roll_back_mixes_two_steps(
+        cluster_with_a_spare, monkeypatch):
+    """Stage 1's shard dies as the stages take the snapshots due after call 4: stages 0 and 2 replace theirs with
+    step 4's, while stage 1's state survives only in the copy of step 2's. No whole snapshot is left, so the call
+    fails, and so does the next, rather than a roll-back to that mix."""
+    batches = regression_batches(steps=6, batch=20, features=4)
+    model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=2)
+    victim, take = model._clients.stages[1].address, recovery.take_snapshots
+
+    async def shard_dies_first(clients, steps_done):
+        if steps_done == 4:
+            kill_shard(cluster_with_a_spare, victim)
+        return await take(clients, steps_done)
+    monkeypatch.setattr(recovery, "take_snapshots", shard_dies_first)
+    for x, y in batches[:3]:
+        model.train_step(x, y, "MSELoss", microbatches=2)
+    for attempt in range(2):
+        with pytest.raises(errors.ShardtrainError) as raised:
+            model.train_step(*batches[3], "MSELoss", microbatches=2)
+        assert not isinstance(raised.value, errors.RolledBack) and not model.recoveries
+
+
 def test_fit_trains_again_on_the_batches_a_roll_back_undid(cluster_with_a_spare):
     batches = regression_batches(steps=7, batch=20, features=4)
     model = cluster_with_a_spare.deploy(reference_model(), optimizer=ADAM, num_stages=3, snapshot_every=3)
@@ -298,3 +342,33 @@ def test_a_shard_reads_snapshots_only_from_shards_of_its_deployment_and_only_for
         assert [stage.address for stage in again[0].stages] == [second.address, first.address]
         with pytest.raises(BlockingIOError):
             bait.accept()  # nothing called it
+
+
+def test_a_shard_stopped_before_the_last_step_settled_is_replaced_by_the_next_train_step_not_waited_for():
+    """SIGSTOP on a shard right after train_step returned (its loss comes before the step's backward and
+    optimizer step are over): that step never settles on the stopped shard's replica. The next train_step waits
+    for it no longer than the deadline, finds the stopped shard and goes on without it."""
+    batches = regression_batches(steps=STEPS, batch=20, features=4)
+    timeouts = Timeouts(rpc=4.0, peer_wait=4.0, probe=1.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SHARDTRAIN_SIMULATE_COMPUTE_MS", str(SIMULATED_MS))
+        cluster = Cluster.local(num_shards=4, spares=1, timeouts=timeouts)
+    logs = cluster._services.log_dir
+    try:
+        model = cluster.deploy(reference_model(), optimizer=ADAM, num_stages=2, replicas=2)
+        rates = schedule(model.optimizer)
+        victim = next(s for s in cluster._services.services
+                      if s.address == model._trainer.replicas[0].stages[0].address)
+        for index, (x, y) in enumerate(batches):
+            model.train_step(x, y, "MSELoss", microbatches=2)
+            rates.step()
+            if index == KILLED_IN:
+                os.kill(victim.process.pid, signal.SIGSTOP)
+        assert largest_difference(model.state_dict(), trained_locally(batches)) <= 1e-6
+        [record] = model.recoveries
+        assert record.dead == (victim.address,)
+    finally:
+        victim.process.kill()
+        victim.process.wait()
+        cluster.close()
+        shutil.rmtree(logs, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 
 import pytest
 import torch
@@ -250,3 +251,47 @@ def test_a_forward_that_failed_before_this_stage_settles_its_step_here_at_once(m
     stage, before, after = asyncio.run(sequence())
     assert stage.out.kinds() == ["error", "flush"]
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+async def until(condition, what: str) -> None:
+    """Lets the loop run until `condition()` holds (up to 10 s)."""
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{what} did not happen")
+
+
+def test_a_step_of_the_previous_deployment_ended_by_a_new_load_settles_nothing_of_the_new_one(model):
+    """A recovery loads a new deployment on a surviving shard while its old deployment's optimizer step still runs
+    (queued behind the new stage's build, then on the compute thread). The LoadStage ends that old work; what it
+    settles on its way out must stay with the old deployment: the new one's forwards still wait for their own
+    optimizer steps, else a forward runs (and clears gradients) before the step it follows."""
+    h, grad = torch.randn(5, 4), torch.randn(5, 2)
+    release = threading.Event()
+
+    async def sequence():
+        stage = LastStage(model)
+        await stage.start()
+        await stage.feed(stage.up, forward(0), h)
+        await stage.feed(stage.out, shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key(0))), grad)
+        old, lock = stage.runtime.stage, stage.runtime.device.lock
+        old.step = lambda *args: release.wait(10)  # the old step, slow on the compute thread
+        stage.runtime._durations["step"] = 1.0
+        await lock.acquire()  # the device busy: the new stage's build and the old step queue for it, in that order
+        request = shard_pb2.LoadStageRequest()
+        request.CopyFrom(stage.request)
+        request.deployment_id = "new"
+        load = asyncio.ensure_future(stage.runtime.load(request))
+        await until(lambda: len(lock._waiters or ()) == 1, "the load's wait for the device")
+        stage.loop.on_item(stage.up, step_item(7, [0]), None)
+        await until(lambda: len(lock._waiters or ()) == 2, "the old step's wait for the device")
+        lock.release()
+        await load
+        await stage.loop.reset("new")  # as LoadStage does next: the old step is ended mid-way
+        release.set()
+        await until(lambda: not stage.loop._tasks, "the old step's end")
+        with pytest.raises(errors.DeadlineExceeded):
+            await stage.runtime.order.after_optimizer_step(1, 0.05)
+        await stage.close()
+    asyncio.run(sequence())
