@@ -362,17 +362,8 @@ class DistributedModel:
     # -- lifecycle ---------------------------------------------------------------------------
     async def _synchronize(self) -> None:
         """Waits until every shard has finished everything sent so far (on the IoLoop)."""
-        await self._flush()
+        await self._trainer.flush()
         await self._call_order.inflight.drain()
-
-    async def _flush(self) -> None:
-        """Waits, up to the deadline, until every replica's stages confirmed the optimizer steps sent so far:
-        DeadlineExceeded naming a stage that does not answer, where an unbounded wait would hang on it."""
-        outcomes = await asyncio.gather(*(clients.flush() for clients in self._trainer.replicas),
-                                        return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
 
     def _settle(self) -> None:
         """Waits for the calls still in flight; a failure among them is logged, not raised (a deploy is next)."""

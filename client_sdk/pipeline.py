@@ -29,6 +29,14 @@ class PipelineTrainer:
         self.scaler: LossScaler | None = None  # fp16's loss scaling
         self._clipping: asyncio.Future | None = None
 
+    async def flush(self) -> None:
+        """Waits, up to the deadline, until every replica's stages confirmed the optimizer steps sent so far:
+        DeadlineExceeded naming a stage that does not answer, where an unbounded wait would hang on it."""
+        outcomes = await asyncio.gather(*(clients.flush() for clients in self.replicas), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
     async def run(self, step: int, batch: Batch, loss: shard_pb2.LossSpec, microbatches: int,
                   schedule: str, after_optimizer_step: int, optimizer_step: int,
                   eval_mode: bool = False, hyperparameters: str = "",

@@ -242,7 +242,7 @@ class PlannedSteps:
             spec = await self._loss_specs(loss_fn, batch)
         # One step ahead of the shards at most, as the loop. No output confirms a loop step before this one: ask,
         # every replica, and wait up to the deadline: a stopped shard never confirms, and recovery replaces it.
-        await model._flush()
+        await model._trainer.flush()
         await calls.inflight.drain_previous()
         # A planned step starts from zero gradients: a pending zero_grad, and edits of the old ones, are moot.
         calls.zero_grad_pending = False
