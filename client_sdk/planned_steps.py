@@ -221,10 +221,11 @@ class PlannedSteps:
         optimizer and its hyperparameters stay the user's, and the next step sends them all (the stages restored
         snapshots, with the hyperparameters of their time)."""
         model = self.model
-        old = model._trainer.replicas
+        old, scaler = model._trainer.replicas, model._trainer.scaler
         model._call_order.inflight.abandon()  # the old deployment's calls: failed, or never to finish
         for name in DEPLOYMENT_ATTRIBUTES:
             setattr(model, name, getattr(other, name))
+        model._trainer.scaler = scaler  # fp16's loss scale is the training's, not the deployment's
         model._hyperparameters.restored()
         other._closed = True
         await asyncio.gather(*(clients.close() for clients in old), return_exceptions=True)

@@ -104,6 +104,18 @@ def test_a_dead_shard_is_replaced_from_a_live_replica_and_training_ends_as_if_it
     assert record.steps_run_again <= 2 and record.bytes_moved > 0 and record.seconds > 0
 
 
+def test_fp16_training_keeps_its_loss_scaler_across_a_replaced_shard(spared_cluster):
+    batches = regression_batches(steps=4, batch=20, features=4)
+    model = spared_cluster.deploy(reference_model(), optimizer=ADAM, num_stages=2, replicas=2, precision="fp16")
+    scaler = model.loss_scaler
+    for index, (x, y) in enumerate(batches):
+        if index == 2:
+            kill_shard(spared_cluster, model._trainer.replicas[1].stages[0].address)
+        loss = model.train_step(x, y, "MSELoss", microbatches=2)
+        assert torch.isfinite(torch.tensor(loss))
+    assert len(model.recoveries) == 1 and model.loss_scaler is scaler and scaler.scale > 1
+
+
 def test_without_a_spare_the_step_fails_naming_the_dead_shard_and_a_shard_started_later_takes_its_place(
         own_cluster):
     own_cluster.wait_for_shards(2)
