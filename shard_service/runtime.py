@@ -1,5 +1,5 @@
 """What a shard is, apart from how calls reach it: the loaded stage and its plan, its compute thread, what it has
-settled, its replicas' averager and losses, and the residual gradients it gathers. The Link loop (loop.py) and the
+settled, its replicas' averager and losses, and the residual gradients it gathers. The Link loop (link_dispatch.py) and the
 gRPC servicer (servicer.py) both work through one ShardRuntime; it knows neither, nor gRPC: its peers' channels
 are theirs (peers.py)."""
 

@@ -1,5 +1,5 @@
 """ShardService over gRPC: decodes requests and hands them to the shard's runtime (runtime.py) and Link loop
-(loop.py). The per-call Forward, Backward, Step and FetchTensor RPCs start the same work as the SDK's Link items."""
+(link_dispatch.py). The per-call Forward, Backward, Step and FetchTensor RPCs start the same work as the SDK's Link items."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import secrets
 import torch
 
 from shard_service import snapshots
-from shard_service.loop import LinkedLoop
+from shard_service.link_dispatch import LinkedLoop
 from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime

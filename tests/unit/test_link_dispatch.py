@@ -1,4 +1,4 @@
-"""shard_service.loop over a real runtime, no server: the last of two stages, its links to stage 0 and to the SDK
+"""shard_service.link_dispatch over a real runtime, no server: the last of two stages, its links to stage 0 and to the SDK
 recorded, is fed written-out item sequences and must send exactly what one process computes, in order."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from client_sdk.layers import capture_model, layers_of
-from shard_service.loop import LinkedLoop
+from shard_service.link_dispatch import LinkedLoop
 from shard_service.peers import Peers
 from shard_service.runtime import ShardRuntime
 from shardtrain import errors, link
