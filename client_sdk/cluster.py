@@ -15,7 +15,7 @@ import torch
 from client_sdk import deploy_steps as steps
 from client_sdk import layers as layer_tools
 from client_sdk.deploy_steps import DeployOptions, PhaseClock, Shipped
-from client_sdk.io_loop import shared_loop
+from client_sdk.event_loop import shared_loop
 from client_sdk.model import DistributedModel
 from client_sdk.processes import LocalServices
 from client_sdk.reports import DeploymentReport, ShardInfo, Table

@@ -15,8 +15,8 @@ import torch
 from client_sdk import layers as layer_tools
 from client_sdk import materialize, modes
 from client_sdk import optimizer as optimizer_tools
+from client_sdk.event_loop import IoLoop
 from client_sdk.interface import Interface
-from client_sdk.io_loop import IoLoop
 from client_sdk.loss_scaling import LossScaler
 from client_sdk.model import DistributedModel, Placement, RemoteParameter
 from client_sdk.pipeline import PipelineTrainer

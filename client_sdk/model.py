@@ -13,10 +13,10 @@ import torch
 
 from client_sdk import recovery
 from client_sdk.call_order import CallOrder
+from client_sdk.event_loop import IoLoop
 from client_sdk.fit import Fit, History
 from client_sdk.gradients import RemoteGradient, RemoteGradients
 from client_sdk.interface import Interface
-from client_sdk.io_loop import IoLoop
 from client_sdk.loss_scaling import LossScaler
 from client_sdk.model_state import ModelState
 from client_sdk.optimizer import Hyperparameters, client_optimizer

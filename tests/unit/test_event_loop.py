@@ -1,4 +1,4 @@
-"""client_sdk.io_loop: coroutines run in a script's own thread, or on the SDK's thread for callers' event loops."""
+"""client_sdk.event_loop: coroutines run in a script's own thread, or on the SDK's thread for callers' event loops."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from client_sdk.io_loop import IoLoop
+from client_sdk.event_loop import IoLoop
 from shardtrain.waiting import settled_within
 
 
