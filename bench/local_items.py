@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from bench.rpc_overhead import _cpu_seconds  # noqa: E402
 from bench.transport import _size, parse_size  # noqa: E402
 from client_sdk.processes import reap  # noqa: E402
-from shardtrain import carrier, link, shm, wire  # noqa: E402
+from shardtrain import carrier, link_streams, shm, wire  # noqa: E402
 from shardtrain.v1 import shard_pb2  # noqa: E402
 
 WAYS = ("inline", "segment")
@@ -49,7 +49,7 @@ def _options(way: str, pool: shm.SegmentPool) -> wire.SendOptions:
 
 async def _items(local: carrier.Carrier):
     """The Link items that arrive on `local`, one at a time."""
-    reader = link.ItemReader()
+    reader = link_streams.ItemReader()
     while (frame := await local.read()) is not None:
         item = reader.feed(frame)
         if item is not None:
@@ -62,7 +62,7 @@ async def _echo(fd: int) -> None:
     pool = shm.SegmentPool()
     try:
         async for message, tensor in _items(local):
-            for frame in link.frames(message, tensor, _options(WAYS[message.forward.key.step], pool)):
+            for frame in link_streams.frames(message, tensor, _options(WAYS[message.forward.key.step], pool)):
                 await local.write(frame)
     finally:
         pool.close()
@@ -93,7 +93,7 @@ async def _measure(fd: int, echo_pid: int, sizes: list[int], exchanges: int,
                     cpu = _cpu_seconds(os.getpid()) + _cpu_seconds(echo_pid)
                     for _ in range(exchanges):
                         start = time.perf_counter()
-                        for frame in link.frames(message, tensor, options):
+                        for frame in link_streams.frames(message, tensor, options):
                             await local.write(frame)
                         _, back = await anext(items)
                         times.append(time.perf_counter() - start)

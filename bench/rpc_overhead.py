@@ -7,7 +7,7 @@ a unary call, a client-streaming call of one message (what Forward, Backward and
 AccumulateGradient are), a ping-pong on one open bidirectional stream (what a Link is),
 messages streamed on it without waiting, and a ping-pong of Link frames on a Unix socket
 (shardtrain.carrier, what a same-host Link uses). It prints the median round trip and the CPU each
-side spent per exchange, and the ratios to the open stream. shardtrain.link and carrier cite these.
+side spent per exchange, and the ratios to the open stream. shardtrain.link_streams and carrier cite these.
 """
 
 from __future__ import annotations

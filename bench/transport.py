@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from bench.transport_baselines import (TransferResult, default_repeats, peak_rss, reset_peak_rss,  # noqa: E402
                                        run_gloo, run_torch_rpc)
-from shardtrain import carrier, channels, link, rpc, shm, wire  # noqa: E402
+from shardtrain import carrier, channels, link_streams, rpc, shm, wire  # noqa: E402
 from shardtrain.lifecycle import keep_freed_memory  # noqa: E402
 from shardtrain.codec import Codec, Frame  # noqa: E402
 from shardtrain.settings import Security  # noqa: E402
@@ -78,7 +78,7 @@ def _plain_deserialize(raw: bytes) -> Frame:
 async def _echo_link(offered: asyncio.Future) -> None:
     """The receiver's end of a TCP link: acknowledges each complete item with a flush naming when it arrived."""
     local = await offered
-    items = link.ItemReader()
+    items = link_streams.ItemReader()
     while (frame := await local.read()) is not None:
         item = items.feed(frame)
         if item is not None:
@@ -186,7 +186,7 @@ class Sender:
                                                      else None)
         local = self._links[tls]
         start = time.monotonic_ns()
-        for frame in link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader()), tensor, options):
+        for frame in link_streams.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader()), tensor, options):
             await local.write(frame)
         arrived = (await local.read()).message.flush.optimizer_step
         return (arrived - start) / 1e9, (time.monotonic_ns() - start) / 1e9

@@ -1,6 +1,6 @@
 """The SDK's two Links of a deployment: into the first stage (inputs, optimizer steps) and into the last
 (output gradients). Outputs, finished backwards, flushes and failures come back on them and resolve
-the futures the loop waits on. See shardtrain/link.py for why streams and not calls.
+the futures the loop waits on. See shardtrain/link_streams.py for why streams and not calls.
 
 An optimizer step is settled on every stage once an output comes back whose forward was sent after
 it (every stage waits for the step before running a later forward), or once a Flush comes back.
@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from shardtrain import errors, link, wire
+from shardtrain import errors, link_streams, wire
 from shardtrain.rpc import Peer
 from shardtrain.v1 import shard_pb2
 from shardtrain.waiting import settled_within
@@ -36,7 +36,7 @@ class SdkLinks:
         self._options = options
         self._timeout = timeout
         self._diagnose = diagnose or _nothing  # what a wait that ran out adds to its message: the silent stages
-        self._links: dict[int, link.ClientLink] = {}
+        self._links: dict[int, link_streams.ClientLink] = {}
         self._outputs: dict[int, asyncio.Future] = {}    # step -> (the model's output, its other outputs by name)
         self._extras: dict[int, dict] = {}               # step -> the other outputs come so far, ahead of the output
         self._backwards: dict[int, asyncio.Future] = {}  # step -> the input's gradient (or None) once done
@@ -51,14 +51,14 @@ class SdkLinks:
         self._stats: dict[int, list] = {}                # optimizer step -> the StageStats its Flush brought back
         self._later: set[asyncio.Task] = set()           # optimizer steps sent once their gradient scale is known
 
-    def _link(self, role: int) -> link.ClientLink:
+    def _link(self, role: int) -> link_streams.ClientLink:
         client = self._links.get(role)
         if client is None or client.broken is not None:
             peer = self._first if role == _ROLES.LINK_ROLE_INPUT else self._last
             opening = shard_pb2.LinkOpen(deployment_id=self._deployment_id, role=role, from_stage=-1,
                                          shared_memory=peer.same_host, local_carrier=peer.same_host,
                                          tcp_carrier=not peer.same_host)  # TLS when the channel is
-            client = link.ClientLink(peer, opening, self._on_item, self._broke)
+            client = link_streams.ClientLink(peer, opening, self._on_item, self._broke)
             self._links[role] = client
         return client
 
@@ -249,7 +249,7 @@ class SdkLinks:
             _resolve(self._backwards.get(step), None, error)
 
     # --- what comes back ------------------------------------------------------------------------------
-    def _on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
+    def _on_item(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
         kind = message.WhichOneof("item")
         if kind == "output":
             step = message.output.key.step
@@ -279,7 +279,7 @@ class SdkLinks:
             _resolve(self._losses.get(loss.key.step), parts[0])
 
     def _failed(self, error: shard_pb2.LinkError) -> None:
-        exception = link.raised(error)
+        exception = link_streams.raised(error)
         if error.optimizer_step:
             _resolve(self._settles.pop(error.optimizer_step, None), None, exception)
             self._end_backwards(error.optimizer_step, exception)
@@ -310,7 +310,7 @@ class SdkLinks:
                 _resolve(future, None, exception)
                 self._end_backwards(number, exception)
 
-    def _broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
+    def _broke(self, client: link_streams.ClientLink, error: errors.ShardtrainError) -> None:
         self._failed(shard_pb2.LinkError(code=error.code, message=str(error)))
 
     async def close(self) -> None:

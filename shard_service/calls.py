@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from shard_service.mailbox import Mailbox
-from shardtrain import errors, link, wire
+from shardtrain import errors, link_streams, wire
 from shardtrain.residuals import INPUT_GRADIENT, OUTPUT
 from shardtrain.v1 import shard_pb2
 
@@ -38,7 +38,7 @@ class CallOutbox:
             self._kept.put(self._slot(message.backward_done.key, INPUT_GRADIENT), tensor)
         elif kind == "error" and message.error.HasField("key"):
             name = INPUT_GRADIENT if message.error.backward else OUTPUT
-            self._kept.put(self._slot(message.error.key, name), link.raised(message.error))
+            self._kept.put(self._slot(message.error.key, name), link_streams.raised(message.error))
         # Anything else (a flush, a failure of no one step) answers a Link's own items: no call waits for it.
 
     @staticmethod

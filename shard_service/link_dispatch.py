@@ -1,4 +1,4 @@
-"""A shard's side of the Link streams (shardtrain/link.py): every item a link brings starts its work here.
+"""A shard's side of the Link streams (shardtrain/link_streams.py): every item a link brings starts its work here.
 
 A forward runs the stage and sends the activation on to the next stage (the last stage sends the output to the
 SDK), a backward runs the stage's backward and sends the input gradient to the previous stage (the first stage
@@ -41,7 +41,7 @@ from shard_service.sends import StageSends
 from shard_service.stage_links import StageLinks
 from shard_service.tied import TiedGradients
 from shard_service.verdicts import Verdicts
-from shardtrain import errors, link, wire
+from shardtrain import errors, link_streams, wire
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard.loop")
@@ -64,7 +64,8 @@ class _Deployment:
         self.tied = TiedGradients(runtime, self.links)
         self.steps = OptimizerSteps(runtime, self.sends, self.tied, self.verdicts, self.runs.run_of)
         self.per_call = PerCallRPCs(self.executor, self.steps, self.tied, self.verdicts)
-        self.reopening: dict[link.ClientLink, int] = {}  # a link to the next stage opened again -> which attempt
+        # a link to the next stage opened again -> which attempt
+        self.reopening: dict[link_streams.ClientLink, int] = {}
         self.unread: set[int] = set()  # steps whose data rows could not be read here: their other items are dropped
 
 
@@ -117,12 +118,12 @@ class LinkedLoop:
         return self._now.links.input is not None or self._now.links.output is not None
 
     # --- links ---------------------------------------------------------------------------------------
-    def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
+    def opened(self, opening: shard_pb2.LinkOpen, end: link_streams.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
         self.runtime.stage_for(opening.deployment_id)
         self._now.links.opened(opening, end)
 
-    def closed(self, end: link.LinkEnd) -> None:
+    def closed(self, end: link_streams.LinkEnd) -> None:
         """A Link opened here ended; if it came from a stage of this deployment, that stage went away or its link
         broke, and the SDK hears of it. (Whether the stage closed the link or died, this end cannot tell reliably:
         link.serve.)"""
@@ -134,9 +135,9 @@ class LinkedLoop:
         """The SDK hears that a link of this stage broke: it fails the steps this stage ran a forward for, whose items
         may have been on it, and no later one. A later step opens the link again (or fails by itself if the stage
         is gone); without the bound, a report the SDK read after the failure it caused failed the next step too."""
-        return link.error_item(None, error, self.runtime.location, through_step=self._now.executor.forwarded)
+        return link_streams.error_item(None, error, self.runtime.location, through_step=self._now.executor.forwarded)
 
-    def broke(self, client: link.ClientLink, error: errors.ShardtrainError) -> None:
+    def broke(self, client: link_streams.ClientLink, error: errors.ShardtrainError) -> None:
         """A link this stage opened broke: the backwards and residual gradients it would bring back for the steps
         sent on it will not come, so those steps' optimizer steps are refused here; the SDK hears why."""
         now, address, next_address = self._now, client.peer.address, self.runtime.plan.next_address
@@ -226,7 +227,7 @@ class LinkedLoop:
             log.error("%s: link work failed: %r", self.runtime.location, error, extra=self.runtime.fields())
 
     # --- items -----------------------------------------------------------------------------------------
-    def on_item(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
+    def on_item(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
         """Starts the work an item asks for, as a task: the reader goes on reading meanwhile."""
         now = self._now
         if end.deployment_id != now.id:
@@ -238,7 +239,7 @@ class LinkedLoop:
             return
         self._dispatch(end, message, tensor, now.verdicts.last)
 
-    def _dispatch(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None,
+    def _dispatch(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None,
                   verdict: int) -> None:
         """on_item's work for an item with its tensor; `verdict`: the last step verdict taken when it came."""
         now, kind = self._now, message.WhichOneof("item")
@@ -276,7 +277,7 @@ class LinkedLoop:
         else:
             raise errors.InvalidArgument(f"a shard takes no {kind} item on a Link")
 
-    def _step_item(self, end: link.LinkEnd, item: shard_pb2.LinkStep) -> None:
+    def _step_item(self, end: link_streams.LinkEnd, item: shard_pb2.LinkStep) -> None:
         """An optimizer step's verdict: taken once (one sent again over a new link may come twice)."""
         now, request = self._now, item.request
         from_sdk = end is now.links.input
@@ -288,7 +289,7 @@ class LinkedLoop:
             now.sends.ended_by_step.update(request.backward_steps)
         self.spawn(now.steps.step(item))
 
-    async def _read_then(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, rows: shard_pb2.DataRows,
+    async def _read_then(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage, rows: shard_pb2.DataRows,
                          tensor: torch.Tensor | None, verdict: int) -> None:
         """An item naming rows of training data: the rows read from storage, then the item handled as if it had
         brought them. A read that fails fails the item's step here, as its forward failing would."""
@@ -322,7 +323,7 @@ class LinkedLoop:
                 await self.runtime.order.backward_finished(key.step, str(error))  # no backward will run here
             await now.sends.report(key, error, backward=False)
 
-    async def _pass_error(self, end: link.LinkEnd, message: shard_pb2.LinkMessage) -> None:
+    async def _pass_error(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage) -> None:
         """Passes a failure on the way it travels. A failed backward coming up counts as failed here, and so does
         a failed forward coming down: this stage will run no backward for that step (a planned step's optimizer
         step waits for one, even where no item of the step ever arrived)."""

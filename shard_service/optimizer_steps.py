@@ -11,7 +11,7 @@ from shard_service.ordering import StepOrder
 from shard_service.sends import StageSends
 from shard_service.tied import TiedGradients
 from shard_service.verdicts import Verdicts
-from shardtrain import errors, link
+from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
 
 STATS_KEPT = 8  # the StageStats of the last planned steps, for a Flush that asks for them
@@ -68,8 +68,8 @@ class OptimizerSteps:
             else:
                 shard.steps.clear()
         except Exception as error:  # noqa: BLE001 - this stage's optimizer failed: the SDK hears of it
-            await self._sends.tell(link.error_item(None, error, shard.location, optimizer_step=request.optimizer_step),
-                                   up=False)
+            item = link_streams.error_item(None, error, shard.location, optimizer_step=request.optimizer_step)
+            await self._sends.tell(item, up=False)
         finally:
             await order.optimizer_step_settled(request.optimizer_step)
             if stage is not None:
@@ -103,7 +103,7 @@ class OptimizerSteps:
             await self._runtime.order.after_optimizer_step(flush.optimizer_step,
                                                            self._runtime.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
-            item = link.error_item(None, error, self._runtime.location, optimizer_step=flush.optimizer_step)
+            item = link_streams.error_item(None, error, self._runtime.location, optimizer_step=flush.optimizer_step)
             await self._sends.tell(item, up=False)
             return
         if flush.stats and flush.optimizer_step in self._stats:

@@ -13,7 +13,7 @@ from shard_service.executor import StageExecutor
 from shard_service.held import tensor_bytes
 from shard_service.mailbox import Mailbox
 from shard_service.planned import MAX_RUNS, PlannedRun
-from shardtrain import errors, link
+from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
 
 
@@ -64,7 +64,7 @@ class PlannedRuns:
         run.task = self._spawn(self._execute(run))
         return run
 
-    def target(self, end: link.LinkEnd, target: shard_pb2.LossTarget, tensor: torch.Tensor | None) -> None:
+    def target(self, end: link_streams.LinkEnd, target: shard_pb2.LossTarget, tensor: torch.Tensor | None) -> None:
         """A micro-batch's loss target, from the SDK to the last stage."""
         key = target.key
         try:
@@ -102,8 +102,8 @@ class PlannedRuns:
         run.abort()
         key = shard_pb2.StepKey(deployment_id=self._links.deployment_id, step=run.step)
         location = self._runtime.location
-        await self._sends.tell(link.error_item(key, error, location, backward=True), up=True, either_way=False)
-        await self._sends.tell(link.error_item(key, error, location), up=False, either_way=False)
+        await self._sends.tell(link_streams.error_item(key, error, location, backward=True), up=True, either_way=False)
+        await self._sends.tell(link_streams.error_item(key, error, location), up=False, either_way=False)
         await self._runtime.order.backward_finished(run.step, errors.located_message(error, location))
 
     def after_run(self, step: int, failure: str) -> None:

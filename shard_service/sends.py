@@ -9,7 +9,7 @@ import logging
 import torch
 
 from shard_service.stage_links import StageLinks
-from shardtrain import errors, link
+from shardtrain import errors, link_streams
 from shardtrain.residuals import CLIENT
 from shardtrain.v1 import shard_pb2
 
@@ -89,7 +89,7 @@ class StageSends:
 
     async def report(self, key: shard_pb2.StepKey, error: BaseException, backward: bool) -> None:
         """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
-        await self.tell(link.error_item(key, error, self._runtime.location, backward), up=backward)
+        await self.tell(link_streams.error_item(key, error, self._runtime.location, backward), up=backward)
 
     async def tell(self, item: shard_pb2.LinkMessage, up: bool, either_way: bool = True) -> None:
         """Sends an error item up or down the stages; one that starts here goes the other way if that way is gone

@@ -18,7 +18,8 @@ from shard_service.peers import Peers
 from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import auth, carrier, checkpoint, checkpoint_store, checksums, data, link, metrics, optim, rpc, shm, weights, wire
+from shardtrain import (auth, carrier, checkpoint, checkpoint_store, checksums, data, link_streams, metrics, optim, rpc,
+                        shm, weights, wire)
 from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
@@ -353,15 +354,15 @@ class ShardServicer:
     async def Link(self, request_iterator, context):
         roles = auth.caller_roles(context, self.settings.security)
 
-        def opened(opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
+        def opened(opening: shard_pb2.LinkOpen, end: link_streams.LinkEnd) -> None:
             needed = auth.SHARD if opening.role in _STAGE_LINKS else auth.CLIENT
             if needed not in roles:
                 raise PermissionDenied(f"a {shard_pb2.LinkRole.Name(opening.role)} link takes the {needed} role's "
                                        f"token; this caller has the {' or '.join(sorted(roles))} role")
             self._owned(context, opening.deployment_id)
             self.loop.opened(opening, end)
-        await link.serve(request_iterator, context, f"link to {self.runtime.location}", opened,
-                         self.loop.on_item, self.loop.closed, self.local_links)
+        await link_streams.serve(request_iterator, context, f"link to {self.runtime.location}", opened,
+                                 self.loop.on_item, self.loop.closed, self.local_links)
 
     @boundary
     async def Describe(self, request, context):

@@ -10,7 +10,7 @@ import torch
 
 from shard_service.calls import CallOutbox
 from shard_service.peers import Peers
-from shardtrain import errors, link
+from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
 
 _ROLES = shard_pb2.LinkRole
@@ -25,15 +25,15 @@ class StageLinks:
                  first_items: Callable[[], list]):
         self._runtime, self._peers, self.deployment_id = runtime, peers, deployment_id
         self._on_item, self._on_broken, self._first_items = on_item, on_broken, first_items
-        self.input: link.LinkEnd | None = None    # the SDK's input link (first stage)
-        self.output: link.LinkEnd | None = None   # the SDK's output link (last stage)
+        self.input: link_streams.LinkEnd | None = None    # the SDK's input link (first stage)
+        self.output: link_streams.LinkEnd | None = None   # the SDK's output link (last stage)
         self._output_opened = asyncio.Event()     # the SDK opens it with the input link; it may arrive later
-        self.from_stage: dict[int, link.LinkEnd] = {}  # links other stages opened to this one
-        self.opened_here: dict[str, link.ClientLink] = {}  # links this stage opened, by address
+        self.from_stage: dict[int, link_streams.LinkEnd] = {}  # links other stages opened to this one
+        self.opened_here: dict[str, link_streams.ClientLink] = {}  # links this stage opened, by address
         self.calls = CallOutbox()  # the SDK's part for steps a Forward call started, ...
         self.by_call: set[int] = set()  # ... which are these
 
-    def opened(self, opening: shard_pb2.LinkOpen, end: link.LinkEnd) -> None:
+    def opened(self, opening: shard_pb2.LinkOpen, end: link_streams.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
         plan = self._runtime.plan
         end.expect = self._expect
@@ -67,7 +67,7 @@ class StageLinks:
         checks come with the item's work: a refusal here ends the link)."""
         self._runtime.fits(header)
 
-    def closed(self, end: link.LinkEnd) -> list[int]:
+    def closed(self, end: link_streams.LinkEnd) -> list[int]:
         """Forgets a Link opened here that ended; the stages of this deployment it came from."""
         stages = [stage for stage, known in self.from_stage.items() if known is end]
         for stage in stages:
@@ -79,7 +79,7 @@ class StageLinks:
             self._output_opened.clear()
         return stages if end.deployment_id == self.deployment_id else []
 
-    def client(self, address: str, role: int) -> link.ClientLink:
+    def client(self, address: str, role: int) -> link_streams.ClientLink:
         """The Link this stage opened to `address`, opened again if it broke."""
         client = self.opened_here.get(address)
         if client is None or client.broken is not None:
@@ -92,34 +92,34 @@ class StageLinks:
             # A link to the next stage starts with the last verdicts passed down: one may have been lost with the
             # link before (the next stage takes each verdict once).
             first = self._first_items() if address == self._runtime.plan.next_address else ()
-            client = link.ClientLink(peer, opening, self._on_item, self._on_broken, first_items=first)
+            client = link_streams.ClientLink(peer, opening, self._on_item, self._on_broken, first_items=first)
             client.expect = self._expect
             client.toward_first = False
             self.opened_here[address] = client
         return client
 
-    def down(self, step: int | None = None) -> link.LinkEnd | CallOutbox | None:
+    def down(self, step: int | None = None) -> link_streams.LinkEnd | CallOutbox | None:
         """The way toward the last stage and on to the SDK (or, for a step a call started, to the call outbox)."""
         plan = self._runtime.plan
         if plan.next_address:
             return self.client(plan.next_address, _ROLES.LINK_ROLE_NEXT)
         return self.calls if step in self.by_call else self.output
 
-    def up(self, step: int | None = None) -> link.LinkEnd | CallOutbox | None:
+    def up(self, step: int | None = None) -> link_streams.LinkEnd | CallOutbox | None:
         """The way toward the first stage and on to the SDK (or the call outbox)."""
         plan = self._runtime.plan
         if plan.stage > 0:
             return self.from_stage.get(plan.stage - 1)
         return self.calls if step in self.by_call else self.input
 
-    async def send(self, end: link.LinkEnd | CallOutbox | None, message: shard_pb2.LinkMessage,
+    async def send(self, end: link_streams.LinkEnd | CallOutbox | None, message: shard_pb2.LinkMessage,
                    tensor: torch.Tensor | None = None, kind: str = "activations") -> None:
         """Sends one item on `end`; Unavailable if there is no such link."""
         if end is None:
             raise errors.Unavailable(f"{self._runtime.location}: no link to send a {message.WhichOneof('item')} on")
         await end.send(message, tensor, self._peers.options(end.same_host, kind))
 
-    async def to_sdk(self, step: int | None = None) -> link.LinkEnd | CallOutbox:
+    async def to_sdk(self, step: int | None = None) -> link_streams.LinkEnd | CallOutbox:
         """The last stage's way to the SDK, once the SDK opened its output link (up to the peer-wait deadline)."""
         end = self.down(step)
         if end is not None:

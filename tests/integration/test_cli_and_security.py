@@ -21,7 +21,7 @@ from torch import nn
 
 from client_sdk import Cluster
 from client_sdk.processes import LocalServices
-from shardtrain import auth, errors, link, rpc, wire
+from shardtrain import auth, errors, link_streams, rpc, wire
 from shardtrain.settings import Security, security_env
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 from tests.certificates import tls_security
@@ -449,8 +449,8 @@ async def open_stage_link(address: str, deployment_id: str, security: Security,
     ended = asyncio.get_running_loop().create_future()
     opening = shard_pb2.LinkOpen(deployment_id=deployment_id, role=role,
                                  from_stage=0 if role == shard_pb2.LINK_ROLE_NEXT else -1)
-    client = link.ClientLink(peer, opening, lambda *item: None,
-                             lambda _, error: ended.done() or ended.set_result(error))
+    client = link_streams.ClientLink(peer, opening, lambda *item: None,
+                                     lambda _, error: ended.done() or ended.set_result(error))
     try:
         return await asyncio.wait_for(ended, 10)
     finally:

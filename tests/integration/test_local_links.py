@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from client_sdk import Cluster
-from shardtrain import carrier, errors, link, rpc
+from shardtrain import carrier, errors, link_streams, rpc
 from shardtrain.codec import Frame
 from shardtrain.settings import Security
 from shardtrain.v1 import shard_pb2
@@ -29,7 +29,7 @@ class EchoShard:
 
     def __init__(self, listener: carrier.Listener | None):
         self.listener = listener
-        self.ends: list[link.LinkEnd] = []
+        self.ends: list[link_streams.LinkEnd] = []
 
     @rpc.boundary
     async def Link(self, requests, context):  # noqa: N802 - the RPC's name
@@ -38,8 +38,8 @@ class EchoShard:
                 end.close_carrier()  # the test's way to make this end's socket go away
                 return
             asyncio.ensure_future(end.send(message, tensor))
-        await link.serve(requests, context, "echo shard", lambda opening, end: self.ends.append(end), on_item,
-                         lambda end: None, self.listener)
+        await link_streams.serve(requests, context, "echo shard", lambda opening, end: self.ends.append(end), on_item,
+                                 lambda end: None, self.listener)
 
 
 async def echo_server(listener: carrier.Listener | None):
@@ -58,9 +58,9 @@ async def echoed(client_ask: bool, listener: carrier.Listener | None, before=Non
     try:
         if before is not None:
             await before()
-        client = link.ClientLink(peer, opening or shard_pb2.LinkOpen(local_carrier=client_ask),
-                                 lambda end, message, tensor: received.put_nowait((message, tensor)),
-                                 lambda end, error: received.put_nowait(error))
+        client = link_streams.ClientLink(peer, opening or shard_pb2.LinkOpen(local_carrier=client_ask),
+                                         lambda end, message, tensor: received.put_nowait((message, tensor)),
+                                         lambda end, error: received.put_nowait(error))
         activation = torch.randn(300, 20)
         await client.send(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation)
         await client.send(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)))
@@ -143,8 +143,8 @@ def test_the_opener_hears_when_the_socket_closes():
         server, peer, _ = await echo_server(listener)
         broken: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            client = link.ClientLink(peer, shard_pb2.LinkOpen(local_carrier=True), lambda *item: None,
-                                     lambda end, error: broken.set_result(error))
+            client = link_streams.ClientLink(peer, shard_pb2.LinkOpen(local_carrier=True), lambda *item: None,
+                                             lambda end, error: broken.set_result(error))
             await client.send(shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=-1)))
             error = await asyncio.wait_for(broken, 10)
             with pytest.raises(errors.Unavailable):

@@ -14,7 +14,7 @@ import tempfile
 import pytest
 import torch
 
-from shardtrain import carrier, errors, link, wire
+from shardtrain import carrier, errors, link_streams, wire
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 KEY = shard_pb2.StepKey(deployment_id="d", step=3)
@@ -30,13 +30,13 @@ def test_frames_cross_whole_and_in_order():
     async def run():
         sender, receiver = await connected_pair()
         activation = torch.randn(64, 33)
-        frames = [*link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation,
-                               wire.SendOptions(chunk_bytes=1000)),
-                  *link.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)))]
+        frames = [*link_streams.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation,
+                                       wire.SendOptions(chunk_bytes=1000)),
+                  *link_streams.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)))]
         for frame in frames:
             await sender.write(frame)
         sender.close()
-        reader, items = link.ItemReader(), []
+        reader, items = link_streams.ItemReader(), []
         while (frame := await receiver.read()) is not None:
             items.append(reader.feed(frame))
         receiver.close()
@@ -66,10 +66,10 @@ def test_a_cut_or_oversized_frame_is_data_loss(raw, match):
 def item_frames() -> tuple[torch.Tensor, list]:
     """Three items' frames: a forward with a 64x33 activation in 1000-byte chunks, a backward, a flush."""
     activation = torch.randn(64, 33)
-    return activation, [*link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation,
-                                     wire.SendOptions(chunk_bytes=1000)),
-                        *link.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY))),
-                        *link.frames(shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=2)))]
+    forward = shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY))
+    return activation, [*link_streams.frames(forward, activation, wire.SendOptions(chunk_bytes=1000)),
+                        *link_streams.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY))),
+                        *link_streams.frames(shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=2)))]
 
 
 def feed(receiver: carrier.Carrier, data: bytes) -> None:
@@ -93,7 +93,7 @@ def test_frames_are_cut_whole_however_the_reads_split_or_join_them(piece):
         for start in range(0, len(raw), piece):
             feed(receiver, raw[start:start + piece])
         receiver.connection_lost(None)
-        reader, items = link.ItemReader(), []
+        reader, items = link_streams.ItemReader(), []
         while (frame := await receiver.read()) is not None:
             items.append(reader.feed(frame))
         return activation, [item for item in items if item is not None], len(frames)
@@ -112,7 +112,7 @@ def test_a_delivered_tensor_chunk_is_received_straight_into_its_tensor(piece, pl
     async def run():
         activation, frames = item_frames()
         raw = b"".join(bytes(part) for frame in frames for part in carrier.encode(frame))
-        receiver, reader, items, placed = carrier.Carrier(), link.ItemReader(), [], []
+        receiver, reader, items, placed = carrier.Carrier(), link_streams.ItemReader(), [], []
 
         def place(message, nbytes):
             target = reader.place(message, nbytes)
@@ -200,7 +200,8 @@ def test_the_listener_hands_a_connection_to_the_offer_whose_token_it_presents():
             mode = stat.S_IMODE(os.stat(os.path.dirname(address)).st_mode)
             opener = await carrier.connect(address, token)
             answering = await asyncio.wait_for(offered, 5)
-            await opener.write(next(link.frames(shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=4)))))
+            flush = shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=4))
+            await opener.write(next(link_streams.frames(flush)))
             received = await answering.read()
             opener.close()
             answering.close()

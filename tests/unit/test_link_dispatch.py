@@ -15,7 +15,7 @@ from client_sdk.layers import capture_model, layers_of
 from shard_service.link_dispatch import LinkedLoop
 from shard_service.peers import Peers
 from shard_service.runtime import ShardRuntime
-from shardtrain import errors, link
+from shardtrain import errors, link_streams
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2
 
@@ -23,12 +23,12 @@ DEPLOYMENT = "d"
 ROLES = shard_pb2.LinkRole
 
 
-class RecordingEnd(link.LinkEnd):
+class RecordingEnd(link_streams.LinkEnd):
     """A link end whose sends are kept as items (message, tensor) instead of going anywhere."""
 
     def __init__(self, opening: shard_pb2.LinkOpen):
         self.items: list[tuple] = []
-        self._reader = link.ItemReader()
+        self._reader = link_streams.ItemReader()
         super().__init__(f"recorded {ROLES.Name(opening.role)}", self._record, opening)
 
     async def _record(self, frame) -> None:
@@ -65,7 +65,7 @@ class LastStage:
         for end, role, source in ((self.up, ROLES.LINK_ROLE_NEXT, 0), (self.out, ROLES.LINK_ROLE_OUTPUT, -1)):
             self.loop.opened(shard_pb2.LinkOpen(deployment_id=DEPLOYMENT, role=role, from_stage=source), end)
 
-    async def feed(self, end: link.LinkEnd, message: shard_pb2.LinkMessage, tensor=None) -> None:
+    async def feed(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage, tensor=None) -> None:
         """Hands one item to the loop, as a link's reader would, and lets the work it started run to its end."""
         self.loop.on_item(end, message, tensor)
         await self.settle()
@@ -241,7 +241,7 @@ def test_a_forward_that_failed_before_this_stage_settles_its_step_here_at_once(m
         stage = LastStage(model)
         await stage.start()
         before = stage.weights()
-        error = link.error_item(key(0), errors.InvalidArgument("refused on stage 0"), "stage 0")
+        error = link_streams.error_item(key(0), errors.InvalidArgument("refused on stage 0"), "stage 0")
         await stage.feed(stage.up, error)
         await stage.feed(stage.up, step_item(1, [0]))
         await stage.feed(stage.up, shard_pb2.LinkMessage(flush=shard_pb2.Flush(optimizer_step=1)))

@@ -1,6 +1,6 @@
 """client_sdk.links: what a failure item that comes back fails among the steps the SDK waits for.
 
-The items are built as a shard builds them (shardtrain.link.error_item) and handed to SdkLinks as its
+The items are built as a shard builds them (shardtrain.link_streams.error_item) and handed to SdkLinks as its
 links hand them over; nothing is sent, so no peer is needed.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from client_sdk.links import SdkLinks, _expect
-from shardtrain import errors, link
+from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
 
 BROKE = errors.Unavailable("shard at 127.0.0.1:1 (stage 1) is unavailable: its link to this shard ended")
@@ -39,18 +39,18 @@ def after_item(item: shard_pb2.LinkMessage, **waiting) -> set:
 
 
 def test_a_broken_link_between_stages_fails_the_steps_it_may_have_cost_and_no_later_one():
-    item = link.error_item(None, BROKE, "shard 127.0.0.1:2 (stage 2)", through_step=3)
+    item = link_streams.error_item(None, BROKE, "shard 127.0.0.1:2 (stage 2)", through_step=3)
     assert after_item(item, outputs=[3, 4], backwards=[2, 3], optimizer_steps=[(3, 3), (4, 4)]) == {
         ("output", 3), ("backward", 2), ("backward", 3), ("optimizer step", 3)}
 
 
 def test_a_report_from_before_any_forward_fails_nothing_that_follows():
-    item = link.error_item(None, BROKE, "shard 127.0.0.1:2 (stage 2)", through_step=-1)
+    item = link_streams.error_item(None, BROKE, "shard 127.0.0.1:2 (stage 2)", through_step=-1)
     assert after_item(item, outputs=[0], optimizer_steps=[(1, 0)]) == set()
 
 
 def test_a_broken_link_that_names_no_step_fails_everything_in_flight():
-    item = link.error_item(None, BROKE, "the SDK")
+    item = link_streams.error_item(None, BROKE, "the SDK")
     assert after_item(item, outputs=[3, 4], backwards=[3], optimizer_steps=[(3, 3), (4, 4)]) == {
         ("output", 3), ("output", 4), ("backward", 3), ("optimizer step", 3), ("optimizer step", 4)}
 
@@ -59,7 +59,7 @@ def test_the_failure_raised_is_the_reported_one():
     async def run() -> BaseException:
         links = SdkLinks("d", None, None, None, timeout=1.0)
         output = waits(links, outputs=[5])["output", 5]
-        links._on_item(None, link.error_item(None, BROKE, "shard 127.0.0.1:2 (stage 2)", through_step=5), None)
+        links._on_item(None, link_streams.error_item(None, BROKE, "shard 127.0.0.1:2 (stage 2)", through_step=5), None)
         return output.exception()
     raised = asyncio.run(run())
     assert isinstance(raised, errors.Unavailable) and "its link to this shard ended" in str(raised)

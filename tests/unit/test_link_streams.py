@@ -1,11 +1,11 @@
-"""shardtrain.link: a Link's items survive the wire whole, in order, and a broken sequence is refused."""
+"""shardtrain.link_streams: a Link's items survive the wire whole, in order, and a broken sequence is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardtrain import errors, link, wire
+from shardtrain import errors, link_streams, wire
 from shardtrain.codec import Codec
 from shardtrain.v1 import shard_pb2
 
@@ -18,8 +18,8 @@ def over_the_wire(frames):
     return [CODEC.deserialize(CODEC.serialize(frame)) for frame in frames]
 
 
-def read_all(frames) -> list[link.Item]:
-    reader = link.ItemReader()
+def read_all(frames) -> list[link_streams.Item]:
+    reader = link_streams.ItemReader()
     return [item for item in (reader.feed(frame) for frame in over_the_wire(frames)) if item is not None]
 
 
@@ -27,9 +27,10 @@ def test_items_with_and_without_tensors_arrive_in_order_and_whole():
     activation = torch.randn(64, 33)  # 8448 bytes: nine chunks of 1000 bytes
     options = wire.SendOptions(chunk_bytes=1000)
     step = shard_pb2.LinkStep(request=shard_pb2.StepRequest(optimizer_step=2))
-    frames = [*link.frames(shard_pb2.LinkMessage(step=step)),
-              *link.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation, options),
-              *link.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)))]
+    frames = [*link_streams.frames(shard_pb2.LinkMessage(step=step)),
+              *link_streams.frames(shard_pb2.LinkMessage(forward=shard_pb2.ForwardHeader(key=KEY)), activation,
+                                   options),
+              *link_streams.frames(shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=KEY)))]
     assert len(frames) == 11
     items = read_all(frames)
     assert [message.WhichOneof("item") for message, _ in items] == ["step", "forward", "backward"]
@@ -39,9 +40,9 @@ def test_items_with_and_without_tensors_arrive_in_order_and_whole():
 
 
 def test_a_tensor_item_is_not_complete_until_its_last_chunk():
-    frames = list(link.frames(shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=KEY, name="r")),
-                              torch.arange(600, dtype=torch.int32), wire.SendOptions(chunk_bytes=1024)))
-    reader = link.ItemReader()
+    frames = list(link_streams.frames(shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=KEY, name="r")),
+                                      torch.arange(600, dtype=torch.int32), wire.SendOptions(chunk_bytes=1024)))
+    reader = link_streams.ItemReader()
     received = over_the_wire(frames)
     assert [reader.feed(frame) for frame in received[:-1]] == [None, None]
     message, tensor = reader.feed(received[-1])
@@ -49,31 +50,32 @@ def test_a_tensor_item_is_not_complete_until_its_last_chunk():
 
 
 def test_a_new_item_inside_an_unfinished_tensor_is_data_loss():
-    frames = list(link.frames(shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=KEY)), torch.zeros(1000),
-                              wire.SendOptions(chunk_bytes=1024)))
-    intruder = next(link.frames(shard_pb2.LinkMessage(step=shard_pb2.LinkStep())))
+    frames = list(link_streams.frames(shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=KEY)), torch.zeros(1000),
+                                      wire.SendOptions(chunk_bytes=1024)))
+    intruder = next(link_streams.frames(shard_pb2.LinkMessage(step=shard_pb2.LinkStep())))
     with pytest.raises(errors.DataLoss, match="a step item arrived before the tensor of the previous output item"):
         read_all([frames[0], intruder])
 
 
 def test_a_chunk_outside_any_item_is_refused():
-    stray = list(link.frames(shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=KEY)), torch.zeros(1000),
-                             wire.SendOptions(chunk_bytes=1024)))[1]
+    stray = list(link_streams.frames(shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=KEY)), torch.zeros(1000),
+                                     wire.SendOptions(chunk_bytes=1024)))[1]
     with pytest.raises(errors.InvalidArgument, match="tensor chunk arrived outside any item"):
         read_all([stray])
 
 
 def test_error_items_keep_code_and_place_and_raise_as_the_same_error():
-    item = link.error_item(KEY, errors.InvalidArgument("bad shape"), "shard 127.0.0.1:1 (stage 2)", backward=True)
+    item = link_streams.error_item(KEY, errors.InvalidArgument("bad shape"), "shard 127.0.0.1:1 (stage 2)",
+                                   backward=True)
     assert item.error.key == KEY and item.error.backward
-    raised = link.raised(item.error)
+    raised = link_streams.raised(item.error)
     assert isinstance(raised, errors.InvalidArgument)
     assert str(raised) == "shard 127.0.0.1:1 (stage 2): bad shape"
-    passed_on = link.error_item(None, raised, "shard 127.0.0.1:2 (stage 1)")
+    passed_on = link_streams.error_item(None, raised, "shard 127.0.0.1:2 (stage 1)")
     assert passed_on.error.message == "shard 127.0.0.1:1 (stage 2): bad shape", "a peer's error keeps its place"
     assert not passed_on.error.HasField("key")
 
 
 def test_unexpected_exceptions_become_internal_errors_naming_the_place():
-    item = link.error_item(KEY, KeyError("x"), "shard a (stage 0)")
+    item = link_streams.error_item(KEY, KeyError("x"), "shard a (stage 0)")
     assert item.error.code == "INTERNAL" and item.error.message == "shard a (stage 0): unexpected KeyError: 'x'"
