@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from client_sdk.batch import MAIN, TARGET, Batch
-from client_sdk.links import SdkLinks
+from client_sdk.sdk_links import SdkLinks
 from shardtrain import auth, errors, optim, shm, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.rpc import SHARD_SERVICE, Peer

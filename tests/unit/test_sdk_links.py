@@ -1,4 +1,4 @@
-"""client_sdk.links: what a failure item that comes back fails among the steps the SDK waits for.
+"""client_sdk.sdk_links: what a failure item that comes back fails among the steps the SDK waits for.
 
 The items are built as a shard builds them (shardtrain.link_streams.error_item) and handed to SdkLinks as its
 links hand them over; nothing is sent, so no peer is needed.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from client_sdk.links import SdkLinks, _expect
+from client_sdk.sdk_links import SdkLinks, _expect
 from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
 
