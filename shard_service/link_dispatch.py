@@ -29,7 +29,7 @@ import logging
 import torch
 
 from shard_service import reads
-from shard_service.calls import CallOutbox
+from shard_service.call_outbox import CallOutbox
 from shard_service.executor import StageExecutor
 from shard_service.held import tensor_bytes
 from shard_service.optimizer_steps import OptimizerSteps

@@ -1,6 +1,6 @@
 """The per-call RPCs (Forward, Backward, Step, GradientNorm) for clients without Links: adapters onto the loop's own
 work, never a second implementation. What the loop would send the SDK for their steps waits in the call outbox
-(calls.py) for FetchTensor."""
+(call_outbox.py) for FetchTensor."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from shard_service.calls import CallOutbox
+from shard_service.call_outbox import CallOutbox
 from shard_service.peers import Peers
 from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
