@@ -34,7 +34,7 @@ from shard_service.executor import StageExecutor
 from shard_service.held import tensor_bytes
 from shard_service.optimizer_steps import OptimizerSteps
 from shard_service.peers import Peers
-from shard_service.per_call import PerCallRPCs
+from shard_service.per_call_rpcs import PerCallRPCs
 from shard_service.planned_runs import PlannedRuns
 from shard_service.runtime import ShardRuntime
 from shard_service.sends import StageSends
