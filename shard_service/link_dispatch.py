@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from shard_service import reads
+from shard_service import data_reads
 from shard_service.call_outbox import CallOutbox
 from shard_service.executor import StageExecutor
 from shard_service.held import tensor_bytes
@@ -77,7 +77,7 @@ class LinkedLoop:
         self.peers = peers  # the channels to other shards that this stage's links are opened on
         runtime.forgetters.append(self.forget)
         self._tasks: set[asyncio.Task] = set()
-        self._reads = reads.DataReads(runtime.settings.data_roots)  # items naming rows of data: read here
+        self._reads = data_reads.DataReads(runtime.settings.data_roots)  # items naming rows of data: read here
         self._now = _Deployment(self, "")
 
     async def reset(self, deployment_id: str) -> None:
@@ -233,7 +233,7 @@ class LinkedLoop:
         if end.deployment_id != now.id:
             raise errors.FailedPrecondition(f"this link was opened for deployment {end.deployment_id!r}; this shard "
                                             f"holds {now.id!r} now")
-        rows = reads.rows_of(message)
+        rows = data_reads.rows_of(message)
         if rows is not None:
             self.spawn(self._read_then(end, message, rows, tensor, now.verdicts.last))
             return
