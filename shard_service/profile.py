@@ -13,7 +13,7 @@ import torch
 from shardtrain import wire
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import InvalidArgument
-from shardtrain.saved import SavedBytes
+from shardtrain.saved_bytes import SavedBytes
 from shardtrain.v1 import shard_pb2
 
 REPEATS = 3       # timed runs per layer after one warm-up (the run that counts saved bytes); the median is kept

@@ -16,7 +16,7 @@ from shardtrain import logs, optim, precision, wire
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
-from shardtrain.saved import SavedBytes
+from shardtrain.saved_bytes import SavedBytes
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard.stage")
