@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from client_sdk import frozen, profile, units
+from client_sdk import frozen, profile, whole_model_cuts
 from client_sdk.interface import Interface
 from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
@@ -70,7 +70,7 @@ def layers_of(module: torch.nn.Module) -> list[Layer]:
 def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
                        dynamic_shapes=None) -> tuple[list[Layer], Interface]:
     """Any other module: its forward captured whole in both modes from the example arguments and cut into units
-    (client_sdk/units.py); with the interface the deployment is called through."""
+    (client_sdk/whole_model_cuts.py); with the interface the deployment is called through."""
     if not args and not kwargs:
         raise InvalidArgument(f"a {type(module).__name__} is captured whole, from an example: pass "
                               "example_input=<a tensor shaped like one batch> (or example_inputs=(...), "
@@ -103,7 +103,7 @@ def whole_model_layers(module: torch.nn.Module, args: tuple, kwargs: dict,
                              train.out_spec, train.limits)
 
 
-def _check_names(train: units.CutGraph, evaluation: units.CutGraph) -> None:
+def _check_names(train: whole_model_cuts.CutGraph, evaluation: whole_model_cuts.CutGraph) -> None:
     """Both modes' graphs of a unit name each weight alike: the stages look weights up by the training graph's
     names."""
     for name, trained, evaluated in zip(train.names, train.keys, evaluation.keys):
@@ -113,15 +113,15 @@ def _check_names(train: units.CutGraph, evaluation: units.CutGraph) -> None:
                                   "and eval mode; deploy it as an nn.Sequential")
 
 
-def _cut(module: torch.nn.Module, args: tuple, kwargs: dict, spec: dict) -> units.CutGraph:
+def _cut(module: torch.nn.Module, args: tuple, kwargs: dict, spec: dict) -> whole_model_cuts.CutGraph:
     """The module, in the mode it is in, captured whole and cut into units."""
     try:
-        program = units.export_model(module, args, kwargs, spec, warn=module.training)
+        program = whole_model_cuts.export_model(module, args, kwargs, spec, warn=module.training)
     except Exception as error:  # export reports unsupported code in many exception types
         mode = "training" if module.training else "eval"
         raise InvalidArgument(f"{type(module).__name__} cannot be captured with torch.export in {mode} "
                               f"mode{_user_line(error)}: {_why(error)}") from None
-    return units.cut(program, module)
+    return whole_model_cuts.cut(program, module)
 
 
 def _rows(x):
@@ -239,7 +239,7 @@ def weight_bytes(layer: Layer, state_tensors: int) -> int:
 def warn_frozen(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Warns, naming them, of the Python values the model's forward reads that a capture fixes (one forward on the
     example, leaving the model as it was)."""
-    with untouched(module), torch.no_grad(), units.shapes_only(module, (args, kwargs)):
+    with untouched(module), torch.no_grad(), whole_model_cuts.shapes_only(module, (args, kwargs)):
         module.train()
         reads = frozen.frozen_reads(module, lambda: module(*(_rows(a) for a in args),
                                                            **{k: _rows(v) for k, v in kwargs.items()}))
@@ -264,7 +264,7 @@ def held_beyond_state_dict(module: torch.nn.Module, layers: Sequence[Layer],
 def tied_keys(module: torch.nn.Module) -> dict[str, str]:
     """Every state-dict key of a tensor that more than one key holds (tied weights), mapped to the first of them in
     the model's order (the one net.named_parameters() keeps)."""
-    return {key: group[0] for group in units.shared_keys(module) for key in group}
+    return {key: group[0] for group in whole_model_cuts.shared_keys(module) for key in group}
 
 
 def mark_state(captured: Sequence[shard_pb2.CapturedLayer], module: torch.nn.Module) -> None:
@@ -321,9 +321,9 @@ def _export_modes(index: int, layer: Layer, adapter: LayerAdapter, args: tuple[t
 
 
 def _capture_key(layer: Layer, args: tuple[torch.Tensor, ...]) -> tuple | None:
-    """What a unit's programs depend on besides its weights' values: both modes' graphs (units.structure) and its
-    inputs' shapes, dtypes and varying dims. None for a layer that is not a unit graph: captured on its own."""
-    train, evaluation = units.structure(layer.module), units.structure(layer.eval_module)
+    """What a unit's programs depend on besides its weights' values: both modes' graphs (whole_model_cuts.structure)
+    and its inputs' shapes, dtypes and varying dims. None for a layer that is not a unit graph: captured on its own."""
+    train, evaluation = whole_model_cuts.structure(layer.module), whole_model_cuts.structure(layer.eval_module)
     if train is None or evaluation is None:
         return None
     inputs = tuple((tuple(a.shape), a.dtype, a.stride()) for a in args)

@@ -1,4 +1,4 @@
-"""client_sdk.units: a whole-model graph cut between submodules, each part running as the model's own slice."""
+"""client_sdk.whole_model_cuts: the whole graph cut between submodules, each part running as the model's own slice."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from client_sdk import units
+from client_sdk import whole_model_cuts
 from client_sdk.layers import capture_model, whole_model_layers
 from shardtrain.capture import LayerAdapter
 from shardtrain.errors import InvalidArgument
@@ -37,7 +37,7 @@ def run_parts(layers, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_unit_names_look_through_containers_at_any_depth():
-    assert units.unit_names(Tokens()) == ["embed", "body.0.0", "body.0.1", "body.1.0", "body.1.1", "head"]
+    assert whole_model_cuts.unit_names(Tokens()) == ["embed", "body.0.0", "body.0.1", "body.1.0", "body.1.1", "head"]
 
 
 def test_values_a_later_part_reads_travel_by_name_with_their_dtypes():
@@ -45,7 +45,7 @@ def test_values_a_later_part_reads_travel_by_name_with_their_dtypes():
     model = Tokens()
     tokens = torch.tensor([[1, 0, 3], [4, 5, 0]])
     layers, _ = whole_model_layers(model, (tokens,), {}, {"tokens": {1: torch.export.Dim("seq", max=8)}})
-    assert [layer.name for layer in layers] == units.unit_names(model)
+    assert [layer.name for layer in layers] == whole_model_cuts.unit_names(model)
     # the first part saves the ids' mask for the head; the head reads it after the main input
     assert layers[0].wiring.out_variables == ("ne",)
     assert layers[-1].wiring.dependencies == ("ne",)
