@@ -59,7 +59,7 @@ class ShardRegistry:
                  device_group: str = "", control_key: str = "", compute: str = "") -> ShardRecord:
         """Adds or refreshes a shard; InvalidArgument for an address that is not host:port, ResourceExhausted
         once MAX_SHARDS have registered."""
-        if not is_host_port(address):  # what a stage plan will name it by (shard_service/stage_plan.py)
+        if not is_host_port(address):  # what a stage plan will name it by (shard_service/load_checks.py)
             raise InvalidArgument(f"shard address {address[:80]!r} must be host:port")
         if not _DEVICE.fullmatch(device):
             raise InvalidArgument(f"shard device {device[:40]!r} must be cpu, cuda or cuda:N")

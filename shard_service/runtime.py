@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 
 from shard_service.device import Device, stage_memory
+from shard_service.load_checks import check_load
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
-from shard_service.stage_plan import check_load
 from shard_service.step_meter import StepMeter
 from shardtrain import logs, losses, metrics
 from shardtrain.capture import CapturedProgram
