@@ -13,9 +13,9 @@ import secrets
 import torch
 
 from shard_service import snapshots
+from shard_service.layer_profiling import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.link_dispatch import LinkedLoop
 from shard_service.peers import Peers
-from shard_service.profile import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
 from shardtrain import (auth, carrier, checkpoint, checkpoint_store, checksums, data, link_streams, metrics, optim, rpc,

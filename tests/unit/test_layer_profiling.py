@@ -1,5 +1,5 @@
-"""shard_service.profile: a shard measures captured layers on its own device, from their programs and the shapes
-of their example inputs, with zero weights, and refuses requests no coordinator would send."""
+"""shard_service.layer_profiling: a shard measures captured layers on its own device, from their programs and the
+shapes of their example inputs, with zero weights, and refuses requests no coordinator would send."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from client_sdk import layers as layer_tools
-from shard_service import profile
-from shard_service.profile import MAX_REPEATS, profile_layers
+from shard_service import layer_profiling
+from shard_service.layer_profiling import MAX_REPEATS, profile_layers
 from shardtrain.errors import InvalidArgument
 
 
@@ -38,8 +38,9 @@ def test_identical_layers_are_measured_once(monkeypatch):
     programs = layer_tools.capture_model(model, layers, example)
     layer_tools.describe_inputs(model, layers, programs, example)
     measured = []
-    real = profile._profile
-    monkeypatch.setattr(profile, "_profile", lambda layer, *rest: measured.append(layer.index) or real(layer, *rest))
+    real = layer_profiling._profile
+    monkeypatch.setattr(layer_profiling, "_profile",
+                        lambda layer, *rest: measured.append(layer.index) or real(layer, *rest))
     profiles = profile_layers(programs, 1, torch.device("cpu"))
     assert measured == [0, 3]  # the three 8x8 blocks share one program and one example shape; the head differs
     assert profiles[0] == profiles[1] == profiles[2] and profiles[3].activation_bytes == 3 * 8 * 4
@@ -64,12 +65,12 @@ def test_requests_no_coordinator_would_send_are_refused(captured):
 
 def test_a_layer_whose_warm_up_is_long_is_timed_once(captured, monkeypatch):
     runs = []
-    original = profile._forward_backward
-    monkeypatch.setattr(profile, "_forward_backward", lambda *args: runs.append(original(*args)) or runs[-1])
-    monkeypatch.setattr(profile, "LONG_RUN", 0.0)
+    original = layer_profiling._forward_backward
+    monkeypatch.setattr(layer_profiling, "_forward_backward", lambda *args: runs.append(original(*args)) or runs[-1])
+    monkeypatch.setattr(layer_profiling, "LONG_RUN", 0.0)
     profile_layers(captured[:1], 3, torch.device("cpu"))
     assert len(runs) == 2  # the warm-up, then one timed run
     runs.clear()
-    monkeypatch.setattr(profile, "LONG_RUN", 60.0)
+    monkeypatch.setattr(layer_profiling, "LONG_RUN", 60.0)
     profile_layers(captured[:1], 3, torch.device("cpu"))
     assert len(runs) == 4
