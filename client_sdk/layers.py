@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from client_sdk import frozen, profile, whole_model_cuts
+from client_sdk import frozen, profile_inputs, whole_model_cuts
 from client_sdk.interface import Interface
 from client_sdk.layer_list import LayerList
 from client_sdk.modes import ModeReads, untouched
@@ -215,7 +215,7 @@ def describe_inputs(module: torch.nn.Module, layers: Sequence[Layer], captured: 
     guessed input) and the model's other inputs, leaving the model as it was."""
     with untouched(module):
         x = example if example is not None else example_input(module, layers)
-        for entry, specs in zip(captured, profile.example_inputs(layers, x, inputs or {})):
+        for entry, specs in zip(captured, profile_inputs.example_inputs(layers, x, inputs or {})):
             entry.example_inputs.extend(specs)
 
 
