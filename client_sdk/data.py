@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardtrain import data as files
+from shardtrain import data_files as files
 from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
 

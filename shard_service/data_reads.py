@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shardtrain import data, metrics, wire
+from shardtrain import data_files, metrics, wire
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 READ_THREADS = 4  # reads at once: a step's micro-batches come together, and object storage answers in parallel
@@ -28,7 +28,7 @@ class DataReads:
     """Reads DataRows under the shard's --data-root directories and URL prefixes (none: every read is refused)."""
 
     def __init__(self, roots: Sequence[str]):
-        self._reader = data.Reader(roots)
+        self._reader = data_files.Reader(roots)
         self._pool: ThreadPoolExecutor | None = None
 
     async def read(self, rows: shard_pb2.DataRows, check: Callable[[tensor_pb2.TensorHeader], None]) -> torch.Tensor:

@@ -18,8 +18,8 @@ from shard_service.link_dispatch import LinkedLoop
 from shard_service.peers import Peers
 from shard_service.runtime import ShardRuntime
 from shard_service.stage import Stage
-from shardtrain import (auth, carrier, checkpoint, checkpoint_store, checksums, data, link_streams, metrics, optim, rpc,
-                        shm, weights, wire)
+from shardtrain import (auth, carrier, checkpoint, checkpoint_store, checksums, data_files, link_streams, metrics, optim,
+                        rpc, shm, weights, wire)
 from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
@@ -257,7 +257,7 @@ class ShardServicer:
             raise FailedPrecondition("this shard reads no weights itself: start it with --data-root DIR or URL "
                                      "prefix (or SHARDTRAIN_DATA_ROOTS) over the checkpoint, or send the weights "
                                      "from the client")
-        roots = [data.normalized_root(root) for root in self.settings.data_roots]
+        roots = [data_files.normalized_root(root) for root in self.settings.data_roots]
         provided = set(request.provided)
         names = {key: aliases for key, aliases in stage.tensor_names().items() if not provided & set(aliases)}
         held = stage.state()

@@ -404,7 +404,7 @@ def shard_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         _place_from_slurm(parser, args, os.environ if env is None else env)
     if not args.coordinator:
         parser.error("the coordinator's address is required: --coordinator HOST:PORT")
-    from shardtrain.data import normalized_root  # imports fsspec: only for the shard's own flags
+    from shardtrain.data_files import normalized_root  # imports fsspec: only for the shard's own flags
     for root in args.data_roots:
         try:
             normalized_root(root)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from shardtrain import data, tensor_files
+from shardtrain import data_files, tensor_files
 from shardtrain.errors import DataLoss, InvalidArgument, NotFound
 
 INDEX = "model.safetensors.index.json"
@@ -44,12 +44,12 @@ class Entry:
 
 
 def _url(protocol: str | None, path: str) -> str:
-    return path if protocol in data.LOCAL else f"{protocol}://{path}"
+    return path if protocol in data_files.LOCAL else f"{protocol}://{path}"
 
 
 def _files(source: str, roots) -> tuple[list[str], dict[str, str] | None]:
     """(the safetensors files of `source`, the index's map of tensor name to file, or None without an index)."""
-    fs, path = data.filesystem(source)
+    fs, path = data_files.filesystem(source)
     protocol = fsspec.core.split_protocol(source)[0]
     path = path.rstrip("/")
     if path.endswith(".safetensors"):
@@ -69,13 +69,13 @@ def _files(source: str, roots) -> tuple[list[str], dict[str, str] | None]:
 
 def _index(fs, protocol, index: str, roots) -> tuple[list[str], dict[str, str]]:
     """A sharded checkpoint's index: its files (plain names beside it) and its map of tensor name to file."""
-    data.check_allowed(_url(protocol, index), roots)
+    data_files.check_allowed(_url(protocol, index), roots)
     try:
         if fs.size(index) > MAX_INDEX_BYTES:
             raise DataLoss(f"weights index {index[:200]!r} is larger than {MAX_INDEX_BYTES} bytes")
         described = json.loads(fs.cat_file(index))
     except OSError as error:
-        raise data.storage_error(error, f"weights index {index[:200]!r}") from None
+        raise data_files.storage_error(error, f"weights index {index[:200]!r}") from None
     except ValueError as error:
         raise DataLoss(f"weights index {index[:200]!r} is not JSON: {error}") from None
     weight_map = described.get("weight_map") if isinstance(described, dict) else None
@@ -95,14 +95,14 @@ def locate(source: str, keys: Mapping[str, tuple[str, ...]], roots) -> dict[str,
     """Where each wanted tensor lies: `keys` maps each key the stage needs to the names it may have in the source
     (its own first, then a tied weight's other keys). Reads the headers of the files that may hold them only.
     Keys found under none of their names are left out (the caller names them)."""
-    data.check_allowed(source, roots)
+    data_files.check_allowed(source, roots)
     files, weight_map = _files(source, roots)
     if weight_map is not None:
         named = {name for names in keys.values() for name in names}
         files = sorted({weight_map[name] for name in named if name in weight_map})
     found: dict[str, Entry] = {}
     for url in files:
-        data.check_allowed(url, roots)
+        data_files.check_allowed(url, roots)
         for name, entry in _header(url).items():
             if name in found and found[name].url != url:
                 raise DataLoss(f"weights {source[:200]!r}: tensor {name!r} is in both {found[name].url!r} and "
@@ -117,17 +117,17 @@ def locate(source: str, keys: Mapping[str, tuple[str, ...]], roots) -> dict[str,
 
 
 def _header(url: str) -> dict[str, Entry]:
-    path = data.local_path(url)
+    path = data_files.local_path(url)
     try:
         if path is not None:
             return {name: Entry(url, name, dtype, tuple(shape), 0, math.prod(shape) * dtype.itemsize)
                     for name, (dtype, shape) in tensor_files.local_entries(path, "weights file").items()}
-        fs, path = data.filesystem(url)
+        fs, path = data_files.filesystem(url)
         size = fs.size(path)
         with fs.open(path, "rb", block_size=1 << 16) as file:
             entries = tensor_files.header_entries(file, size, url, "weights file")
     except OSError as error:
-        raise data.storage_error(error, f"weights file {url[:200]!r}") from None
+        raise data_files.storage_error(error, f"weights file {url[:200]!r}") from None
     return {name: Entry(url, name, dtype, tuple(shape), begin, end)
             for name, (dtype, shape, begin, end) in entries.items()}
 
@@ -177,17 +177,17 @@ def read(batch: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     local: dict[str, list[str]] = {}
     for key, entry in batch.items():
-        if data.local_path(entry.url) is not None:
+        if data_files.local_path(entry.url) is not None:
             local.setdefault(entry.url, []).append(key)
     for url, keys in local.items():
         try:
-            read_here = tensor_files.read_tensors(data.local_path(url), [batch[key].name for key in keys],
+            read_here = tensor_files.read_tensors(data_files.local_path(url), [batch[key].name for key in keys],
                                                   "weights file")
         except OSError as error:
-            raise data.storage_error(error, f"weights file {url[:200]!r}") from None
+            raise data_files.storage_error(error, f"weights file {url[:200]!r}") from None
         tensors.update(zip(keys, read_here))
     remote = {key: entry for key, entry in batch.items() if key not in tensors}
-    blobs = data.fetch([(entry.url, entry.begin, entry.end) for entry in remote.values()], "weights")
+    blobs = data_files.fetch([(entry.url, entry.begin, entry.end) for entry in remote.values()], "weights")
     for (key, entry), blob in zip(remote.items(), blobs):
         if len(blob) != entry.end - entry.begin:
             raise DataLoss(f"weights file {entry.url[:200]!r} ended inside tensor {key!r}")

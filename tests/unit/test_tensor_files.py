@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from shardtrain import data, tensor_files, weights
+from shardtrain import data_files, tensor_files, weights
 from shardtrain.errors import DataLoss, InvalidArgument
 from shardtrain.v1 import shard_pb2
 
@@ -64,11 +64,11 @@ def test_every_dtype_reads_through_the_ranged_reader_as_weights_and_as_data_rows
     tensors = {"layer.weight": sample(dtype), "rows": sample(dtype, (5, 2))}
     bucket.pipe("/bucket/model.safetensors", safetensors.torch.save(tensors))
     url = "memory:///bucket/model.safetensors"
-    located = weights.locate(url, {"w": ("layer.weight",)}, [data.normalized_root("memory:///bucket/")])
+    located = weights.locate(url, {"w": ("layer.weight",)}, [data_files.normalized_root("memory:///bucket/")])
     assert located["w"].dtype == dtype and located["w"].end - located["w"].begin == tensors["layer.weight"].nbytes
     assert torch.equal(raw(weights.read(located)["w"]), raw(tensors["layer.weight"]))
     rows = shard_pb2.DataRows(format="safetensors", field="rows", spans=[shard_pb2.DataSpan(url=url, rows=[4, 0, 1])])
-    assert torch.equal(raw(data.read(rows, data.HeaderCache())), raw(tensors["rows"][[4, 0, 1]]))
+    assert torch.equal(raw(data_files.read(rows, data_files.HeaderCache())), raw(tensors["rows"][[4, 0, 1]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.float8_e4m3fn])
@@ -76,10 +76,10 @@ def test_local_weights_and_data_rows_of_uint16_and_float8_read(tmp_path, dtype):
     tensors = {"layer.weight": sample(dtype), "rows": sample(dtype, (5, 2))}
     tensor_files.write(tmp_path / "model.safetensors", tensors)
     url = str(tmp_path / "model.safetensors")
-    located = weights.locate(url, {"w": ("layer.weight",)}, [data.normalized_root(str(tmp_path))])
+    located = weights.locate(url, {"w": ("layer.weight",)}, [data_files.normalized_root(str(tmp_path))])
     assert torch.equal(raw(weights.read(located)["w"]), raw(tensors["layer.weight"]))
     rows = shard_pb2.DataRows(format="safetensors", field="rows", spans=[shard_pb2.DataSpan(url=url, rows=[3, 4, 0])])
-    assert torch.equal(raw(data.read(rows, data.HeaderCache())), raw(tensors["rows"][[3, 4, 0]]))
+    assert torch.equal(raw(data_files.read(rows, data_files.HeaderCache())), raw(tensors["rows"][[3, 4, 0]]))
 
 
 def with_dtype(encoded: bytes, name: str) -> bytes:

@@ -1,5 +1,5 @@
-"""Data files read by rows (shardtrain.data) and the SDK's DataSource plan: headers, byte ranges, order, shuffling,
-the shard's data roots."""
+"""Data files read by rows (shardtrain.data_files) and the SDK's DataSource plan: headers, byte ranges, order,
+shuffling, the shard's data roots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from client_sdk.data import DataSource
-from shardtrain import data
+from shardtrain import data_files
 from shardtrain.checkpoint import write_safetensors
 from shardtrain.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from shardtrain.settings import shard_settings
@@ -33,9 +33,10 @@ def rows_message(path, field, rows, format="safetensors"):
 
 
 def test_rows_are_read_in_the_order_asked_repeats_included_from_byte_ranges(parts):
-    tensor = data.read(rows_message(parts / "part-1.safetensors", "x", [6, 0, 1, 2, 6, 4]), data.HeaderCache())
+    tensor = data_files.read(rows_message(parts / "part-1.safetensors", "x", [6, 0, 1, 2, 6, 4]),
+                             data_files.HeaderCache())
     assert tensor[:, 0].tolist() == [11, 5, 6, 7, 11, 9] and tensor.shape == (6, 3)
-    assert data._runs([0, 1, 2, 4, 6, 7]) == [(0, 2), (4, 4), (6, 7)]
+    assert data_files._runs([0, 1, 2, 4, 6, 7]) == [(0, 2), (4, 4), (6, 7)]
 
 
 def test_a_data_source_plans_the_same_rows_for_any_split_and_reads_them(parts):
@@ -69,7 +70,7 @@ def test_npy_files_are_one_field_each_named_by_the_url(tmp_path):
         DataSource(str(tmp_path / "tokens-*.npy"), batch_size=4)
     numpy.save(tmp_path / "bad.npy", numpy.asfortranarray(numpy.ones((3, 2))))
     with pytest.raises(DataLoss, match="C order"):
-        data.inspect(*data.filesystem(str(tmp_path / "bad.npy")), "npy")
+        data_files.inspect(*data_files.filesystem(str(tmp_path / "bad.npy")), "npy")
 
 
 def test_files_that_disagree_or_lie_are_refused(parts, tmp_path):
@@ -85,16 +86,16 @@ def test_files_that_disagree_or_lie_are_refused(parts, tmp_path):
     with pytest.raises(InvalidArgument, match="no safetensors files at"):
         DataSource(str(tmp_path / "nothing-*.safetensors"), batch_size=4)
     with pytest.raises(InvalidArgument, match="has rows 0..4; asked for \\[5\\]"):
-        data.read(rows_message(parts / "part-0.safetensors", "x", [1, 5]), data.HeaderCache())
+        data_files.read(rows_message(parts / "part-0.safetensors", "x", [1, 5]), data_files.HeaderCache())
     with pytest.raises(NotFound):
-        data.read(rows_message(parts / "gone.safetensors", "x", [0]), data.HeaderCache())
+        data_files.read(rows_message(parts / "gone.safetensors", "x", [0]), data_files.HeaderCache())
 
 
 def test_a_shard_reads_only_under_its_data_roots(parts, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     write_safetensors(outside / "secret.safetensors", {"x": torch.ones(2, 3)})
     os.symlink(outside / "secret.safetensors", parts / "link.safetensors")
-    reader = data.Reader([str(parts), "s3://bucket/train"])
+    reader = data_files.Reader([str(parts), "s3://bucket/train"])
     assert reader.read(rows_message(f"file://{parts}/part-0.safetensors", "x", [0])).shape == (1, 3)
     for url in (outside / "secret.safetensors", parts / "link.safetensors", f"{parts}/../outside/x.safetensors",
                 "s3://bucket/training/x.safetensors", "s3://bucket/train/../other/x.safetensors",
@@ -102,7 +103,7 @@ def test_a_shard_reads_only_under_its_data_roots(parts, tmp_path_factory):
         with pytest.raises(PermissionDenied, match="outside this shard's data roots"):
             reader.read(rows_message(url, "x", [0]))
     with pytest.raises(FailedPrecondition, match="--data-root"):
-        data.Reader([]).read(rows_message(parts / "part-0.safetensors", "x", [0]))
+        data_files.Reader([]).read(rows_message(parts / "part-0.safetensors", "x", [0]))
     with pytest.raises(InvalidArgument, match="chained"):
         reader.read(rows_message(f"simplecache::file://{parts}/part-0.safetensors", "x", [0]))
 
