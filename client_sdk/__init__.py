@@ -1,7 +1,7 @@
 """shardtrain's Python SDK: deploy a model over shard servers and train it with a plain PyTorch loop."""
 
 from client_sdk.cluster import Cluster
-from client_sdk.data import DataSource, RowBatch
+from client_sdk.data_source import DataSource, RowBatch
 from client_sdk.fit import History, StepRecord
 from client_sdk.layer_list import LayerList
 from client_sdk.gradients import RemoteGradient

@@ -40,7 +40,7 @@ class Batch:
     x: torch.Tensor
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     y: torch.Tensor | None = None
-    source: object = None  # client_sdk.data.DataSource
+    source: object = None  # client_sdk.data_source.DataSource
     fields: dict[str, str] = field(default_factory=dict)  # MAIN, an input's name or TARGET -> the source's field
 
     @property

@@ -15,7 +15,7 @@ import torch
 
 from client_sdk import charts
 from client_sdk.ctrl_c import CtrlC
-from client_sdk.data import RowBatch
+from client_sdk.data_source import RowBatch
 from shardtrain.errors import InvalidArgument, RolledBack
 
 log = logging.getLogger("shardtrain.sdk.fit")

@@ -9,7 +9,7 @@ import numpy
 import pytest
 import torch
 
-from client_sdk.data import DataSource
+from client_sdk.data_source import DataSource
 from shardtrain import data_files
 from shardtrain.checkpoint import write_safetensors
 from shardtrain.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
