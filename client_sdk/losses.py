@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from client_sdk.batch import Batch
-from shardtrain import losses
+from shardtrain import allowed_losses
 from shardtrain.capture import LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
@@ -46,10 +46,10 @@ class LossSpecs:
         of (prediction, target) such as F.mse_loss or a lambda (captured like a module)."""
         if callable(loss) and not isinstance(loss, (str, type, torch.nn.Module)):
             loss = self._module_of(loss)
-        if isinstance(loss, torch.nn.Module) and type(loss).__name__ not in losses.ALLOWED:
+        if isinstance(loss, torch.nn.Module) and type(loss).__name__ not in allowed_losses.ALLOWED:
             return await self._custom(loss, batch)
-        name, kwargs_json = losses.encode(loss)
-        losses.build(name, kwargs_json)  # refuse bad kwargs here, before any shard sees them
+        name, kwargs_json = allowed_losses.encode(loss)
+        allowed_losses.build(name, kwargs_json)  # refuse bad kwargs here, before any shard sees them
         return shard_pb2.LossSpec(name=name, kwargs_json=kwargs_json)
 
     def _module_of(self, function) -> FunctionLoss:

@@ -19,7 +19,7 @@ from shard_service.ordering import StepOrder
 from shard_service.replicas import GradientAverager
 from shard_service.stage import LayerSource, Stage
 from shard_service.step_meter import StepMeter
-from shardtrain import logs, losses, metrics
+from shardtrain import allowed_losses, logs, metrics
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shardtrain.residuals import StageResiduals, Wiring
@@ -220,7 +220,7 @@ class ShardRuntime:
         cache_key = spec.SerializeToString(deterministic=True)
         if cache_key not in self._losses:
             if spec.name:
-                self._losses[cache_key] = losses.build(spec.name, spec.kwargs_json)
+                self._losses[cache_key] = allowed_losses.build(spec.name, spec.kwargs_json)
             elif spec.program.program:
                 self._losses[cache_key] = (CapturedProgram(spec.program.program).load({}), spec.sums)
             else:

@@ -16,7 +16,7 @@ from shard_service.ordering import StepOrder
 from shard_service.planned import PlannedRun
 from shard_service.stage import Stage
 from shard_service.step_meter import StepMeter
-from shardtrain import errors, losses, schedule
+from shardtrain import allowed_losses, errors, schedule
 from shardtrain.residuals import StageResiduals
 from shardtrain.v1 import shard_pb2
 from tests.unit.test_stage import SGD, capture, model_state, source
@@ -107,7 +107,7 @@ class Pipeline:
         self.losses: list[float] = []
         self.runs: list[PlannedRun] = []
         self.targets = targets
-        loss_fn = losses.build(loss, "{}")
+        loss_fn = allowed_losses.build(loss, "{}")
         for index, stage in enumerate(built):
             runtime = FakeRuntime(index, len(built), self.ran[index], loss_fn)
             executor = StageExecutor(runtime, stage, PipelineSends(self, index))
