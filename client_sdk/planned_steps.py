@@ -13,7 +13,7 @@ from client_sdk import recovery
 from client_sdk.batch import MAIN, TARGET, Batch
 from client_sdk.call_order import MAX_AWAITING
 from client_sdk.data_source import RowBatch
-from client_sdk.losses import LossSpecs
+from client_sdk.loss_specs import LossSpecs
 from shardtrain import schedule as schedules
 from shardtrain.errors import FailedPrecondition, InvalidArgument, RolledBack, ShardtrainError
 from shardtrain.v1 import shard_pb2
