@@ -3,7 +3,7 @@
 A forward runs the stage and sends the activation on to the next stage (the last stage sends the output to the
 SDK), a backward runs the stage's backward and sends the input gradient to the previous stage (the first stage
 tells the SDK it is done); both go through the stage's executor (executor.py), which runs a planned step's
-actions (planned_runs.py) too. Residuals go straight from their producer to their consumers and their gradients
+actions (planned_dispatch.py) too. Residuals go straight from their producer to their consumers and their gradients
 straight back. An optimizer step is passed down the stages at once and each stage applies it after its own
 backwards (optimizer_steps.py).
 
@@ -35,7 +35,7 @@ from shard_service.held import tensor_bytes
 from shard_service.optimizer_steps import OptimizerSteps
 from shard_service.peers import Peers
 from shard_service.per_call_rpcs import PerCallRPCs
-from shard_service.planned_runs import PlannedRuns
+from shard_service.planned_dispatch import PlannedRuns
 from shard_service.runtime import ShardRuntime
 from shard_service.sends import StageSends
 from shard_service.stage_links import StageLinks
