@@ -1,4 +1,4 @@
-"""The planned steps (model.train_step) of one stage for one deployment: each step's run (planned.py) is started by
+"""The planned steps (model.train_step) of one stage for one deployment: each step's run (planned_run.py) is started by
 the step's first item; its micro-batches' items and the last stage's loss targets are delivered to it, and its end
 or failure is told to the stages around it and settles its backward here."""
 
@@ -12,7 +12,7 @@ import torch
 from shard_service.executor import StageExecutor
 from shard_service.held import tensor_bytes
 from shard_service.mailbox import Mailbox
-from shard_service.planned import MAX_RUNS, PlannedRun
+from shard_service.planned_run import MAX_RUNS, PlannedRun
 from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
 

@@ -173,6 +173,6 @@ def test_a_pin_follows_its_class_down():
 def test_a_stages_executor_and_planned_runs_load_no_grpc():
     """They are domain code (DESIGN.md: only servicers and the SDK's RPC layer import gRPC); their sends are I/O, and
     reach the links through an object they are handed."""
-    code = "import sys, shard_service.planned; print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
+    code = "import sys, shard_service.planned_run; print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", f"importing the executor loaded {loaded.stdout.strip()}"

@@ -1,4 +1,4 @@
-"""shard_service.planned over shard_service.executor: three stages' planned runs wired to each other in one process,
+"""shard_service.planned_run over shard_service.executor: three stages' planned runs wired to each other in one process,
 no server: each runs its actions in the schedule's order, sends exactly what it should, and together they compute
 one process's gradients."""
 
@@ -13,7 +13,7 @@ import torch
 from shard_service.executor import StageExecutor
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
-from shard_service.planned import PlannedRun
+from shard_service.planned_run import PlannedRun
 from shard_service.stage import Stage
 from shard_service.step_meter import StepMeter
 from shardtrain import allowed_losses, errors, schedule
