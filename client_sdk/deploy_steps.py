@@ -23,7 +23,7 @@ from client_sdk.pipeline import PipelineTrainer
 from client_sdk.transport import StageClients
 from shardtrain import optim, wire
 from shardtrain import precision as precision_mode
-from shardtrain import recompute as recompute_mode
+from shardtrain import recompute_modes
 from shardtrain.errors import InvalidArgument
 from shardtrain.settings import Security, Timeouts
 from shardtrain.v1 import coordinator_pb2
@@ -57,7 +57,7 @@ class DeployOptions:
         if options["replicas"] < 1:
             raise InvalidArgument(f"replicas must be at least 1, got {options['replicas']}")
         recomputed = [] if isinstance(recompute, str) else list(recompute)
-        mode = recompute_mode.check(recompute) if isinstance(recompute, str) else "never"
+        mode = recompute_modes.check(recompute) if isinstance(recompute, str) else "never"
         precision_mode.check(options["precision"])
         snapshot_every, virtual_stages = options["snapshot_every"], options["virtual_stages"]
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from coordinator.placement import StagePlacement, place, tied_stages
 from coordinator.registry import ShardRecord, ShardRegistry
-from shardtrain import auth, deploy_deadlines, logs, metrics, optim, partition, precision, recompute, schedule, wire
+from shardtrain import (auth, deploy_deadlines, logs, metrics, optim, partition, precision, recompute_modes, schedule,
+                        wire)
 from shardtrain.capture import CapturedProgram
 from shardtrain.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                ShardtrainError)
@@ -60,7 +61,7 @@ class CoordinatorServicer:
         _check_layers(layers)
         if request.optimizer.name not in optim.ALLOWED:
             raise InvalidArgument(f"optimizer {request.optimizer.name!r} is not allowed; choose one of {optim.ALLOWED}")
-        recompute.check(request.recompute)
+        recompute_modes.check(request.recompute)
         precision.check(request.precision)
         spec, replicas = request.partition, max(request.replicas, 1)
         per_device = max(spec.virtual_stages, 1)

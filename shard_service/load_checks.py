@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from shardtrain import precision, recompute
+from shardtrain import precision, recompute_modes
 from shardtrain.addresses import is_host_port
 from shardtrain.errors import InvalidArgument
 from shardtrain.residuals import CLIENT
@@ -20,7 +20,7 @@ def check_load(request) -> None:
     """InvalidArgument naming the first field of a LoadStageRequest that no coordinator would send."""
     if not _DEPLOYMENT_ID.fullmatch(request.deployment_id):
         raise InvalidArgument(f"deployment_id {request.deployment_id[:80]!r} must be 1-64 letters, digits, _ or -")
-    recompute.check(request.recompute)
+    recompute_modes.check(request.recompute)
     precision.check(request.precision)
     plan = request.plan
     _check_range("plan.num_stages", plan.num_stages, 1, MAX_STAGES)

@@ -62,7 +62,7 @@ class Stage:
                  optimizer: tuple, device: str, max_in_flight: int = 64, recompute: str = "never",
                  precision: str = "fp32"):
         self.index = index
-        self.recompute = recompute  # which micro-batches keep only their inputs until backward (recompute.py)
+        self.recompute = recompute  # which micro-batches keep only their inputs until backward (recompute_modes.py)
         self.precision = precision  # the dtype the layers compute in (precision.py)
         self.computes_loss = False  # the pipeline's last stage: a recomputed micro-batch keeps its output too
         self.applied_step = 0  # the last optimizer step applied (StepRequest numbering); 0: none
