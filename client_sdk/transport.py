@@ -12,8 +12,8 @@ from client_sdk.sdk_links import SdkLinks
 from shardtrain import auth, errors, optim, shm, wire
 from shardtrain.errors import InvalidArgument
 from shardtrain.rpc import SHARD_SERVICE, Peer
+from shardtrain.rpc_streams import RequestReader
 from shardtrain.settings import Security, Timeouts, checksums_from_env
-from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 

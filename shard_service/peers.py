@@ -14,8 +14,8 @@ from shard_service.snapshots import Snapshot
 from shardtrain import auth, optim, shm, wire
 from shardtrain.errors import PermissionDenied
 from shardtrain.rpc import SHARD_SERVICE, Peer
+from shardtrain.rpc_streams import RequestReader
 from shardtrain.settings import ShardSettings
-from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2, tensor_pb2
 
 

@@ -23,8 +23,8 @@ from shardtrain import (auth, carrier, checkpoint, checkpoint_store, checksums, 
 from shardtrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from shardtrain.residuals import OUTPUT
 from shardtrain.rpc import boundary
+from shardtrain.rpc_streams import RequestReader
 from shardtrain.settings import ShardSettings
-from shardtrain.streams import RequestReader
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard")

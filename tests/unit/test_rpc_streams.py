@@ -1,4 +1,4 @@
-"""shardtrain.streams: a request stream read header first, with a bound on how long it may stay quiet."""
+"""shardtrain.rpc_streams: a request stream read header first, with a bound on how long it may stay quiet."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from shardtrain import wire
 from shardtrain.errors import DeadlineExceeded, InvalidArgument
-from shardtrain.streams import RequestReader
+from shardtrain.rpc_streams import RequestReader
 from shardtrain.v1 import shard_pb2
 
 HEADER = shard_pb2.LoadStateHeader(deployment_id="d")
