@@ -1,5 +1,6 @@
 """The code's shape, read with ast: no import cycles among the packages, no class in client_sdk/ or shard_service/
-too big to read, and a stage's executor that loads no gRPC.
+too big to read, and a stage's executor that loads no gRPC; and its file names: each module listed in
+docs/architecture.md, none sharing a name with another package's module for a different job.
 
 An import counts where it stands at module level, under `if TYPE_CHECKING:` or in a try or class body included (the
 design allows no cycle, TYPE_CHECKING ones included); imports inside functions are checked on their own, since a
@@ -176,3 +177,41 @@ def test_a_stages_executor_and_planned_runs_load_no_grpc():
     code = "import sys, shard_service.planned_run; print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", f"importing the executor loaded {loaded.stdout.strip()}"
+
+
+def listed_in_architecture() -> dict[str, set[str]]:
+    """The module files docs/architecture.md's "Code layout" lists, by package: `  name.py  job` under `package/`."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Code layout", 1)[1].split("```")[1]
+    listed: dict[str, set[str]] = {}
+    package = None
+    for line in block.splitlines():
+        if line and not line.startswith(" "):
+            package = line.split("/")[0]
+        elif package and line.startswith("  ") and line.split()[0].endswith(".py"):
+            listed.setdefault(package, set()).add(line.split()[0])
+    return listed
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_architecture_lists_every_module_by_its_file_name(package):
+    """The layout in docs/architecture.md names every module file of the four packages, and only files that exist,
+    so the page cannot drift from the tree."""
+    on_disk = {path.name for path in (ROOT / package).glob("*.py") if path.name != "__init__.py"}
+    listed = listed_in_architecture().get(package, set())
+    assert not on_disk - listed, f"{package}/ modules missing from docs/architecture.md: {sorted(on_disk - listed)}"
+    assert not listed - on_disk, f"docs/architecture.md lists gone {package}/ modules: {sorted(listed - on_disk)}"
+
+
+def test_no_two_module_files_share_a_name_for_different_things():
+    """DESIGN.md: a reader finds any behaviour from the file names alone. The same name in two packages is allowed
+    only for the same job in each (a component's server.py, servicer.py, __main__.py)."""
+    same_job = {"__init__.py", "__main__.py", "server.py", "servicer.py"}
+    seen: dict[str, str] = {}
+    shared = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).glob("*.py")):
+            if path.name in seen and path.name not in same_job:
+                shared.append(f"{seen[path.name]}/{path.name} and {package}/{path.name}")
+            seen.setdefault(path.name, package)
+    assert not shared, f"module files that share a name: {shared}"
