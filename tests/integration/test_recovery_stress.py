@@ -3,8 +3,8 @@ a random moment of a train_step, and every run ends as one process trains, withi
 
 The suite runs a seeded subset: every (replica, stage) position of two replicas of two stages, and every stage of a
 three-stage pipeline without replicas (snapshot_every=2: a roll-back) once each, the two signals taking turns.
-For a change to recovery run more: SHARDTRAIN_STRESS_KILLS=50 runs 50 of each shape (several minutes each), and
-SHARDTRAIN_STRESS_SEED=S starts from seed S. A failure names the seed of its run, and
+For a change to recovery run more: RECOVERY_STRESS_KILLS=50 runs 50 of each shape (several minutes each), and
+RECOVERY_STRESS_SEED=S starts from seed S. A failure names the seed of its run, and
 `python -m bench.recovery_stress --kills 1 --seed S [--replicas 1]` runs that one again."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 from bench import recovery_stress
 
-KILLS = int(os.environ.get("SHARDTRAIN_STRESS_KILLS", "0"))
-SEED = int(os.environ.get("SHARDTRAIN_STRESS_SEED", "0"))
+KILLS = int(os.environ.get("RECOVERY_STRESS_KILLS", "0"))
+SEED = int(os.environ.get("RECOVERY_STRESS_SEED", "0"))
 
 
 @pytest.mark.timeout(0 if KILLS else 300)
