@@ -193,6 +193,7 @@ class _Mapped:
     def __init__(self, mapping: mmap.mmap):
         self.mapping = mapping
         self.views = 0               # tensors built on it that are still alive
+        self.of_generation: dict[int, int] = {}  # ... by the generation they were built on
         self.idle_since = time.monotonic()
 
 
@@ -230,14 +231,22 @@ class Mappings:
                                f"handle's {generation}: the sender reused or abandoned it")
             view = memoryview(mapping)[offset:offset + nbytes]
             mapped.views += 1
+            mapped.of_generation[generation] = mapped.of_generation.get(generation, 0) + 1
             weakref.finalize(view, self._hand_back, mapped, generation)
             self._trim()
         return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
     def _hand_back(self, mapped: _Mapped, generation: int) -> None:
-        """Marks the segment free for its sender, unless the sender has moved on since."""
+        """Marks the segment free for its sender once the last tensor built on this generation is gone, unless the
+        sender has moved on since. Once only: the sender may claim the segment as soon as it reads it free, and a
+        second hand-back of the same generation, reading before that claim and writing after it, would undo it."""
         with self._lock:
-            if not mapped.mapping.closed and _HEADER.unpack_from(mapped.mapping, 0)[1] == generation:
+            left = mapped.of_generation[generation] - 1
+            if left:
+                mapped.of_generation[generation] = left
+            else:
+                del mapped.of_generation[generation]
+            if not left and not mapped.mapping.closed and _HEADER.unpack_from(mapped.mapping, 0)[1] == generation:
                 _HEADER.pack_into(mapped.mapping, 0, _MAGIC, generation, _FREE)
             mapped.views -= 1
             mapped.idle_since = time.monotonic()

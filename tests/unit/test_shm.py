@@ -53,6 +53,20 @@ def test_a_busy_segment_is_not_reused_until_the_receiver_drops_its_tensor(pool):
     assert third[0] == first[0] and third[2] == first[2] + 1
 
 
+def test_a_handle_received_twice_frees_its_segment_once_both_tensors_are_gone(pool):
+    first, nbytes = put(pool, torch.ones(20_000))
+    once, twice = shm.open_segment(*first, nbytes), shm.open_segment(*first, nbytes)
+    del once
+    gc.collect()
+    second, _ = put(pool, torch.zeros(20_000))
+    assert second[0] != first[0]  # `twice` still reads the first segment: it is not handed back yet
+    assert torch.equal(twice.view(torch.float32), torch.ones(20_000))
+    del twice
+    gc.collect()
+    third, _ = put(pool, torch.full((20_000,), 2.0))
+    assert third[0] == first[0] and third[2] == first[2] + 1
+
+
 def test_when_every_segment_is_busy_put_says_so(pool):
     put(pool, torch.ones(20_000))
     put(pool, torch.ones(20_000))
