@@ -108,6 +108,8 @@ class PlannedRun:
         self._drop()
 
     def _queue(self, effects: list) -> None:
+        if any(isinstance(effect, machine.DropWaiting) for effect in effects):
+            self._effects.clear()  # the step ended here: what the machine said before no longer runs
         self._effects.extend(effects)
         if effects and self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
@@ -155,6 +157,7 @@ class PlannedRun:
             self.figures.allreduce_backend = await self.runtime.averager_call("connect") or ""
         elif isinstance(effect, machine.FinishAllReduce):
             await self._finish_allreduce()
+            return self.machine.all_reduced()
         elif isinstance(effect, machine.DropWaiting):
             self._drop()
         return []

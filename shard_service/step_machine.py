@@ -69,7 +69,7 @@ class Send:
 
 @dataclass(frozen=True)
 class FinishAllReduce:
-    """Every action ran: finish the all-reduce of the step's gradients."""
+    """Every action ran: finish the all-reduce of the step's gradients (all_reduced() once it is over)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,8 @@ class StepMachine:
         self._seen: set[tuple[str, int]] = set()  # every item that came, to refuse a second
         self._awaiting: tuple[str, int] | None = None  # the item the effects in _then wait for
         self._then: list = []
-        self._started = self.ended = False
+        self._started = False
+        self.ended = False  # the step is over here (done or failed): later events change nothing
 
     # --- events ------------------------------------------------------------------------------------
     def started(self) -> list:
@@ -136,6 +137,13 @@ class StepMachine:
             return self._need((TARGET, microbatch), [ComputeLoss(microbatch)])
         self._next, self._running = self._next + 1, False
         return self._sends_after(op, microbatch) + self._advance()
+
+    def all_reduced(self) -> list:
+        """The all-reduce after the last action finished: the step's work here is over."""
+        if self.ended or self._next < len(self._actions):
+            return []
+        self.ended = True
+        return [Done()]
 
     def failed(self, error: Exception) -> list:
         """Work here failed (a computation, a send, a wait): the step ends here with `error`."""
@@ -172,8 +180,7 @@ class StepMachine:
         if not self._started or self.ended or self._running:
             return []
         if self._next == len(self._actions):
-            self.ended = True
-            return [FinishAllReduce(), Done()]
+            return [FinishAllReduce()]  # a failure there still fails the step
         action, self._running = self._actions[self._next], True
         arm = action.op == WEIGHT or (action.op == BACKWARD and not self._split)
         then = ([ArmAllReduce(action.microbatch == self._final)] if arm else []) + [Compute(*_op(action))]

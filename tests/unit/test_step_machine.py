@@ -17,7 +17,7 @@ from shardtrain import errors, schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 START = ConnectAllReduce()
-END = [FinishAllReduce(), Done()]
+END = [FinishAllReduce()]  # then all_reduced(): Done
 
 
 def machine(name: str, stage: int, stages: int, microbatches: int, virtual_stages: int = 1) -> StepMachine:
@@ -52,6 +52,7 @@ def test_1f1b_first_stage_runs_both_forwards_then_each_backward_as_its_gradient_
         ("computed", (BACKWARD, 0), [Send(RESIDUAL_GRADIENTS, 0), Await(BACKWARD, 1)]),
         ("arrived", (BACKWARD, 1), [ArmAllReduce(True), Compute(BACKWARD, 1)]),
         ("computed", (BACKWARD, 1), [Send(RESIDUAL_GRADIENTS, 1)] + END),
+        ("all_reduced", (), [Done()]),
     ])
 
 
@@ -70,6 +71,7 @@ def test_1f1b_middle_stage_passes_activations_on_and_gradients_back():
         ("arrived", (BACKWARD, 1), [ArmAllReduce(False), Compute(BACKWARD, 1)]),
         ("computed", (BACKWARD, 1), sent(INPUT_GRADIENT, 1) + [ArmAllReduce(True), Compute(BACKWARD, 2)]),
         ("computed", (BACKWARD, 2), sent(INPUT_GRADIENT, 2) + END),
+        ("all_reduced", (), [Done()]),
     ])
 
 
@@ -86,6 +88,7 @@ def test_1f1b_last_stage_takes_each_loss_against_its_target_and_starts_the_backw
         ("computed", (FORWARD, 1), [ComputeLoss(1)]),
         ("computed", (LOSS, 1), sent(LOSS, 1) + [ArmAllReduce(True), Compute(BACKWARD, 1)]),
         ("computed", (BACKWARD, 1), sent(INPUT_GRADIENT, 1) + END),
+        ("all_reduced", (), [Done()]),
     ])
 
 
@@ -102,6 +105,7 @@ def test_zb_h1_splits_each_backward_into_b_then_a_weight_gradient_that_waits_for
         ("arrived", (BACKWARD, 1), [Compute(BACKWARD, 1)]),
         ("computed", (BACKWARD, 1), [Send(RESIDUAL_GRADIENTS, 1), ArmAllReduce(True), Compute(WEIGHT, 1)]),
         ("computed", (WEIGHT, 1), END),
+        ("all_reduced", (), [Done()]),
     ])
 
 
@@ -117,6 +121,7 @@ def test_interleaved_runs_a_virtual_stage_its_share_of_its_devices_order():
         ("arrived", (BACKWARD, 0), [ArmAllReduce(False), Compute(BACKWARD, 0)]),
         ("computed", (BACKWARD, 0), sent(INPUT_GRADIENT, 0) + [ArmAllReduce(True), Compute(BACKWARD, 1)]),
         ("computed", (BACKWARD, 1), sent(INPUT_GRADIENT, 1) + END),
+        ("all_reduced", (), [Done()]),
     ])
 
 
@@ -162,6 +167,21 @@ def test_a_step_that_ends_elsewhere_mid_step_drops_what_waits_and_runs_nothing_m
         ("computed", (FORWARD, 0), []),
         ("arrived", (FORWARD, 1), []),
         ("aborted", ("again",), []),
+    ])
+
+
+def test_an_all_reduce_that_fails_after_the_last_action_fails_the_step():
+    step = machine("gpipe", 2, 3, 1)  # F0 B0
+    failure = RuntimeError("the other replica did not answer")
+    play(step, [
+        ("arrived", (TARGET, 0), []),
+        ("arrived", (FORWARD, 0), []),
+        ("started", (), [START, Compute(FORWARD, 0)]),
+        ("computed", (FORWARD, 0), [ComputeLoss(0)]),
+        ("computed", (LOSS, 0), sent(LOSS, 0) + [ArmAllReduce(True), Compute(BACKWARD, 0)]),
+        ("computed", (BACKWARD, 0), sent(INPUT_GRADIENT, 0) + END),
+        ("failed", (failure,), [DropWaiting(), Report(failure)]),
+        ("all_reduced", (), []),
     ])
 
 
