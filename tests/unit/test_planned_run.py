@@ -193,6 +193,26 @@ def test_a_loss_that_fails_on_one_micro_batch_fails_the_last_stage_after_what_it
     assert pipeline.ran[2] == [("forward", 0), ("backward", 0), ("forward", 1)]
 
 
+def test_a_run_whose_all_reduce_fails_to_connect_runs_no_action(programs):
+    """The first action's item came before the run began: the failure ends the run before that action runs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    pipeline = Pipeline(stages(programs, model), shard_pb2.StepPlan(microbatches=1, schedule="gpipe"), [])
+    run = pipeline.runs[0]
+
+    async def connect_fails(name: str) -> None:
+        raise errors.Unavailable("the other replica did not answer")
+    run.runtime.averager_call = connect_fails
+
+    async def scenario():
+        header = shard_pb2.ForwardHeader(key=shard_pb2.StepKey(deployment_id="d", step=0, microbatch=0))
+        run.deliver(0, "forward", (header, torch.zeros(1, 3)))
+        with pytest.raises(errors.Unavailable, match="did not answer"):
+            await run.execute()
+    asyncio.run(scenario())
+    assert pipeline.ran[0] == [] and run.held_bytes() == 0
+
+
 def test_items_outside_the_plan_are_refused(programs):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
