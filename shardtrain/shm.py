@@ -192,8 +192,7 @@ KEEP_SECONDS = 30.0
 class _Mapped:
     def __init__(self, mapping: mmap.mmap):
         self.mapping = mapping
-        self.views = 0               # tensors built on it that are still alive
-        self.of_generation: dict[int, int] = {}  # ... by the generation they were built on
+        self.views: dict[int, int] = {}  # tensors built on it that are still alive, by the generation they read
         self.idle_since = time.monotonic()
 
 
@@ -230,8 +229,7 @@ class Mappings:
                 raise DataLoss(f"shared segment {path}: generation {found} (state {state}) does not match the "
                                f"handle's {generation}: the sender reused or abandoned it")
             view = memoryview(mapping)[offset:offset + nbytes]
-            mapped.views += 1
-            mapped.of_generation[generation] = mapped.of_generation.get(generation, 0) + 1
+            mapped.views[generation] = mapped.views.get(generation, 0) + 1
             weakref.finalize(view, self._hand_back, mapped, generation)
             self._trim()
         return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
@@ -241,20 +239,19 @@ class Mappings:
         sender has moved on since. Once only: the sender may claim the segment as soon as it reads it free, and a
         second hand-back of the same generation, reading before that claim and writing after it, would undo it."""
         with self._lock:
-            left = mapped.of_generation[generation] - 1
+            left = mapped.views[generation] - 1
             if left:
-                mapped.of_generation[generation] = left
+                mapped.views[generation] = left
             else:
-                del mapped.of_generation[generation]
+                del mapped.views[generation]
             if not left and not mapped.mapping.closed and _HEADER.unpack_from(mapped.mapping, 0)[1] == generation:
                 _HEADER.pack_into(mapped.mapping, 0, _MAGIC, generation, _FREE)
-            mapped.views -= 1
             mapped.idle_since = time.monotonic()
             self._trim()
 
     def _trim(self) -> None:
         now = time.monotonic()
-        idle = [(path, m) for path, m in self._mapped.items() if m.views == 0]
+        idle = [(path, m) for path, m in self._mapped.items() if not m.views]
         kept = sum(len(m.mapping) for _, m in idle)
         for path, mapped in idle:  # oldest first
             if kept <= self._keep_bytes and now - mapped.idle_since < self._keep_seconds:
