@@ -76,14 +76,14 @@ async def register(settings: ShardSettings, address: str, instance: str = "", gr
     coordinator = rpc.Peer(f"coordinator at {settings.coordinator}", settings.coordinator,
                            rpc.COORDINATOR_SERVICE, settings.security,
                            settings.timeouts.control)
+    request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
+                                                   memory_bytes=stage_memory(settings), instance=instance,
+                                                   device_group=group, control_key=control_key,
+                                                   compute=compute_kind(settings))
     deadline, delay = time.monotonic() + settings.timeouts.connect, 0.1
     try:
         while True:
             try:
-                request = coordinator_pb2.RegisterShardRequest(address=address, device=settings.device,
-                                                               memory_bytes=stage_memory(settings), instance=instance,
-                                                               device_group=group, control_key=control_key,
-                                                               compute=compute_kind(settings))
                 return (await coordinator.call("RegisterShard", request)).shard_id
             except Unavailable:
                 if time.monotonic() > deadline:
