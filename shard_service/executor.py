@@ -32,19 +32,24 @@ Compute = Callable[..., Awaitable[tuple]]  # (function, *args) -> (its result, s
 
 
 class StageExecutor:
-    """Runs the actions of one stage for one deployment over its runtime (runtime.py); recreated per deployment."""
+    """Runs the actions of one stage for one deployment over its shard (shard.py); recreated per deployment."""
 
-    def __init__(self, runtime, stage, sends: StageSends, held: HeldItems | None = None):
-        self.runtime, self.stage, self.sends = runtime, stage, sends
+    def __init__(self, shard, stage, sends: StageSends, held: HeldItems | None = None):
+        self.shard, self.stage, self.sends = shard, stage, sends
         self.held = held if held is not None else HeldItems()  # what waits to run here, under one bound
         self.residuals = Mailbox()  # residuals pushed here by their producers, by (step, microbatch, name)
-        self.timeout = runtime.settings.timeouts.peer_wait
-        self.forwarded = -1  # the highest step this stage started a forward for (steps count from 0)
+        self.timeout = shard.settings.timeouts.peer_wait
+        self.deployment = shard.deployment  # the deployment's order and planned steps (runtime.py)
+
+    @property
+    def forwarded(self) -> int:
+        """The highest step this stage started a forward for (steps count from 0)."""
+        return self.deployment.forwarded
 
     async def timed(self, function, *args) -> tuple:
         """Runs stage work on the compute thread; its result and how long it took."""
         start = time.perf_counter()
-        result = await self.runtime.run(function, *args)
+        result = await self.shard.run(function, *args)
         return result, time.perf_counter() - start
 
     async def forward(self, header: shard_pb2.ForwardHeader, x: torch.Tensor, after: int = 0,
@@ -53,15 +58,15 @@ class StageExecutor:
         follows (or `after`, if later) settled here. `microbatches`: of a planned step, which always trains (0: a
         loop forward, whose header says what takes gradients). Returns (output, outgoing residuals, seconds)."""
         incoming = await self.incoming_residuals(header.key)
-        await self.runtime.order.after_optimizer_step(max(header.after_optimizer_step, after), self.timeout)
+        await self.shard.order.after_optimizer_step(max(header.after_optimizer_step, after), self.timeout)
         if header.zero_grad:
-            await self.runtime.run(self.stage.zero_grad)
+            await self.shard.run(self.stage.zero_grad)
         key, training = (header.key.step, header.key.microbatch), not header.eval_mode
         grads = (True, False) if microbatches else (header.requires_grad, header.input_requires_grad)
         (output, outgoing), seconds = await (compute or self.timed)(
             self.stage.forward, key, x, incoming, *grads, training, *((microbatches,) if microbatches else ()))
         if grads[0] and training:
-            self.runtime.steps.forward(x, seconds)
+            self.shard.steps.forward(x, seconds)
         return output, outgoing, seconds
 
     async def backward(self, key: tuple[int, int], grad: torch.Tensor | None, zero_grad: bool = False,
@@ -70,8 +75,8 @@ class StageExecutor:
         once the gradients of the residuals this stage produced are in. Returns (input gradient, the gradients of
         the residuals it read, seconds)."""
         if zero_grad:
-            await self.runtime.run(self.stage.zero_grad)
-        residual_grads = await self.runtime.residual_gradients(self.stage, key)
+            await self.shard.run(self.stage.zero_grad)
+        residual_grads = await self.shard.residual_gradients(self.stage, key)
         work = self.stage.backward_input if input_half else self.stage.backward
         (grad_input, incoming_grads), seconds = await (compute or self.timed)(work, key, grad, residual_grads)
         return grad_input, incoming_grads, seconds
@@ -88,10 +93,10 @@ class StageExecutor:
         else:
             by_call.discard(header.key.step)  # the SDK's own step of that number
         try:
-            self.runtime.stage_for(header.key.deployment_id)
+            self.shard.stage_for(header.key.deployment_id)
             _check_forward(header, x)
             output, outgoing, _ = await self.forward(header, x, after=after_verdict)
-            self.forwarded = max(self.forwarded, header.key.step)
+            self.deployment.forward_started(header.key.step)
             await self.sends.forward_results(header, output, outgoing)
         except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
             await self.sends.report(header.key, error, backward=False)
@@ -104,24 +109,24 @@ class StageExecutor:
         gradients back; its outcome settles the step's backward here. Returns the failure it reported, if any."""
         key = header.key
         try:
-            self.runtime.stage_for(key.deployment_id)
+            self.shard.stage_for(key.deployment_id)
             grad_input, incoming_grads, _ = await self.backward((key.step, key.microbatch), grad,
                                                                 zero_grad=header.zero_grad)
             await self.sends.input_gradient(key, grad_input, zero_grad=header.zero_grad)
             await self.sends.residual_gradients(key, incoming_grads)
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self.sends.report(key, error, backward=True)
-            reason = errors.located_message(error, self.runtime.location)
-            await self.runtime.order.backward_finished(key.step, reason)
+            reason = errors.located_message(error, self.shard.location)
+            await self.shard.order.backward_finished(key.step, reason)
             return error
-        await self.runtime.order.backward_finished(key.step, "")
+        await self.shard.order.backward_finished(key.step, "")
         return None
 
     async def incoming_residuals(self, key: shard_pb2.StepKey) -> dict[str, torch.Tensor]:
         """The residuals this stage reads in (step, micro-batch), as their producers pushed them, checked."""
         incoming = {}
         for name in self.stage.residuals.incoming:
-            producer = self.runtime.producer(name).producer_stage
+            producer = self.shard.producer(name).producer_stage
             source = "the SDK" if producer == CLIENT else f"stage {producer}"
             what = f"residual {name!r} of step {key.step} micro-batch {key.microbatch} from {source}"
             tensor = await self.residuals.take((key.step, key.microbatch, name), self.timeout, what)
@@ -138,7 +143,7 @@ class StageExecutor:
         stage): each output's share from the SDK counts as none."""
         for name, consumers in self.stage.residuals.outgoing.items():
             if CLIENT in consumers:
-                await self.runtime.accumulate(key, name, None)
+                await self.shard.accumulate(key, name, None)
 
     def forget(self, up_to_step: int) -> None:
         """Drops the residuals of steps up to `up_to_step` that no forward took."""

@@ -36,7 +36,7 @@ from shard_service.optimizer_steps import OptimizerSteps
 from shard_service.peers import Peers
 from shard_service.per_call_rpcs import PerCallRPCs
 from shard_service.planned_dispatch import PlannedRuns
-from shard_service.runtime import ShardRuntime
+from shard_service.shard import Shard
 from shard_service.sends import StageSends
 from shard_service.stage_links import StageLinks
 from shard_service.tied import TiedGradients
@@ -53,16 +53,16 @@ class _Deployment:
     """The state of one deployment on this shard: its links and what its items started."""
 
     def __init__(self, loop: LinkedLoop, deployment_id: str):
-        runtime = loop.runtime
+        shard = loop.shard
         self.id = deployment_id
         self.verdicts = Verdicts()  # the step items this stage took, and the last ones it passed down
-        self.links = StageLinks(runtime, loop.peers, deployment_id, loop.on_item, loop.broke,
+        self.links = StageLinks(shard, loop.peers, deployment_id, loop.on_item, loop.broke,
                                 lambda: self.verdicts.passed)
-        self.sends = StageSends(runtime, self.links)
-        self.executor = StageExecutor(runtime, runtime.stage if deployment_id else None, self.sends)
+        self.sends = StageSends(shard, self.links)
+        self.executor = StageExecutor(shard, shard.stage if deployment_id else None, self.sends)
         self.runs = PlannedRuns(self.executor, loop.spawn)
-        self.tied = TiedGradients(runtime, self.links)
-        self.steps = OptimizerSteps(runtime, self.sends, self.tied, self.verdicts, self.runs.run_of)
+        self.tied = TiedGradients(shard, self.links)
+        self.steps = OptimizerSteps(shard, self.sends, self.tied, self.verdicts, self.runs.run_of)
         self.per_call = PerCallRPCs(self.executor, self.steps, self.tied, self.verdicts)
         # a link to the next stage opened again -> which attempt
         self.reopening: dict[link_streams.ClientLink, int] = {}
@@ -72,12 +72,12 @@ class _Deployment:
 class LinkedLoop:
     """The links of one shard for its current deployment, and the work their items start."""
 
-    def __init__(self, runtime: ShardRuntime, peers: Peers):
-        self.runtime = runtime
+    def __init__(self, shard: Shard, peers: Peers):
+        self.shard = shard
         self.peers = peers  # the channels to other shards that this stage's links are opened on
-        runtime.forgetters.append(self.forget)
+        shard.forgetters.append(self.forget)
         self._tasks: set[asyncio.Task] = set()
-        self._reads = data_reads.DataReads(runtime.settings.data_roots)  # items naming rows of data: read here
+        self._reads = data_reads.DataReads(shard.settings.data_roots)  # items naming rows of data: read here
         self._now = _Deployment(self, "")
 
     async def reset(self, deployment_id: str) -> None:
@@ -120,7 +120,7 @@ class LinkedLoop:
     # --- links ---------------------------------------------------------------------------------------
     def opened(self, opening: shard_pb2.LinkOpen, end: link_streams.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
-        self.runtime.stage_for(opening.deployment_id)
+        self.shard.stage_for(opening.deployment_id)
         self._now.links.opened(opening, end)
 
     def closed(self, end: link_streams.LinkEnd) -> None:
@@ -135,23 +135,23 @@ class LinkedLoop:
         """The SDK hears that a link of this stage broke: it fails the steps this stage ran a forward for, whose items
         may have been on it, and no later one. A later step opens the link again (or fails by itself if the stage
         is gone); without the bound, a report the SDK read after the failure it caused failed the next step too."""
-        return link_streams.error_item(None, error, self.runtime.location, through_step=self._now.executor.forwarded)
+        return link_streams.error_item(None, error, self.shard.location, through_step=self._now.executor.forwarded)
 
     def broke(self, client: link_streams.ClientLink, error: errors.ShardtrainError) -> None:
         """A link this stage opened broke: the backwards and residual gradients it would bring back for the steps
         sent on it will not come, so those steps' optimizer steps are refused here; the SDK hears why."""
-        now, address, next_address = self._now, client.peer.address, self.runtime.plan.next_address
+        now, address, next_address = self._now, client.peer.address, self.shard.plan.next_address
         if now.links.opened_here.get(address) is not client:
             return
         # A link opened again only to resend verdicts, which the next stage never accepted: the SDK heard already.
         attempt = now.reopening.pop(client, None)
         quiet = attempt is not None and not client.accepted
-        self.spawn(self.runtime.order.backwards_lost(now.executor.forwarded, str(error)))
+        self.spawn(self.shard.order.backwards_lost(now.executor.forwarded, str(error)))
         if address == next_address:
             now.runs.next_link_broke(f"the link to {client.name} broke: {error}")
         if not quiet:
-            log.warning("%s: the link to %s broke: %s", self.runtime.location, client.name, error,
-                        extra=self.runtime.fields())
+            log.warning("%s: the link to %s broke: %s", self.shard.location, client.name, error,
+                        extra=self.shard.fields())
             self._tell_soon(self._break_item(error), up=True)
         if address != next_address or not now.verdicts.passed or not (client.accepted or quiet):
             return
@@ -224,7 +224,7 @@ class LinkedLoop:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the work reports its own failures; this is a last resort
-            log.error("%s: link work failed: %r", self.runtime.location, error, extra=self.runtime.fields())
+            log.error("%s: link work failed: %r", self.shard.location, error, extra=self.shard.fields())
 
     # --- items -----------------------------------------------------------------------------------------
     def on_item(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage, tensor: torch.Tensor | None) -> None:
@@ -267,7 +267,7 @@ class LinkedLoop:
             now.executor.residuals.put((key.step, key.microbatch, message.residual.name), tensor)
         elif kind == "residual_gradient":
             item = message.residual_gradient
-            self.spawn(self.runtime.accumulate(item.key, item.name, tensor))
+            self.spawn(self.shard.accumulate(item.key, item.name, tensor))
         elif kind == "tied_gradient":
             now.tied.arrived(message.tied_gradient, tensor)
         elif kind == "run_done":
@@ -283,7 +283,7 @@ class LinkedLoop:
         from_sdk = end is now.links.input
         if not now.verdicts.take(request.optimizer_step) and not from_sdk:
             log.debug("%s: optimizer step %d's verdict came again (over a new link); taken once already",
-                      self.runtime.location, request.optimizer_step)
+                      self.shard.location, request.optimizer_step)
             return
         if from_sdk and request.backwards_end_with_step:
             now.sends.ended_by_step.update(request.backward_steps)
@@ -302,10 +302,10 @@ class LinkedLoop:
             if end is not (now.links.output if kind == "target" else now.links.input):
                 raise errors.InvalidArgument(f"data rows come on the SDK's {'output' if kind == 'target' else 'input'}"
                                              " link, to the stage that reads them")
-            stage = self.runtime.stage_for(key.deployment_id)
+            stage = self.shard.stage_for(key.deployment_id)
 
             def check(header) -> None:
-                self.runtime.fits(header)
+                self.shard.fits(header)
                 if kind == "forward":
                     stage.expect_input(header)
                 now.executor.held.check(tensor_bytes(wire.meta(header)))
@@ -320,7 +320,7 @@ class LinkedLoop:
             now.unread.add(key.step)
             if not now.runs.abort(key.step, str(error)) and key.step not in now.runs and \
                     key.step > now.executor.forwarded:
-                await self.runtime.order.backward_finished(key.step, str(error))  # no backward will run here
+                await self.shard.order.backward_finished(key.step, str(error))  # no backward will run here
             await now.sends.report(key, error, backward=False)
 
     async def _pass_error(self, end: link_streams.LinkEnd, message: shard_pb2.LinkMessage) -> None:
@@ -330,7 +330,7 @@ class LinkedLoop:
         now, error = self._now, message.error
         from_below = not end.toward_first
         aborted = error.HasField("key") and now.runs.abort(error.key.step, error.message)
-        last_stage = not self.runtime.plan.next_address
+        last_stage = not self.shard.plan.next_address
         if error.HasField("key") and not from_below and last_stage and now.links.output is None:
             # A forward that failed before it reached the last stage, with no SDK here to hear of it: a client of
             # the per-call RPCs started it, and fetches its output from here.
@@ -338,5 +338,5 @@ class LinkedLoop:
         if error.HasField("key") and from_below:
             now.runs.after_run(error.key.step, error.message)
         if error.HasField("key") and error.backward == from_below and not aborted:
-            await self.runtime.order.backward_finished(error.key.step, error.message)
+            await self.shard.order.backward_finished(error.key.step, error.message)
         await now.sends.tell(message, up=from_below, either_way=False)

@@ -21,9 +21,9 @@ class OptimizerSteps:
     """The step items and flushes of one stage for one deployment. `run_of` gives the planned run of a step, if
     any, whose figures a Flush may ask for."""
 
-    def __init__(self, runtime, sends: StageSends, tied: TiedGradients, verdicts: Verdicts,
+    def __init__(self, shard, sends: StageSends, tied: TiedGradients, verdicts: Verdicts,
                  run_of: Callable[[int], object]):
-        self._runtime, self._sends, self._tied, self._verdicts = runtime, sends, tied, verdicts
+        self._shard, self._sends, self._tied, self._verdicts = shard, sends, tied, verdicts
         self._run_of = run_of
         self._stats: dict[int, shard_pb2.StageStats] = {}  # optimizer step -> what its planned step did here
 
@@ -31,9 +31,9 @@ class OptimizerSteps:
         """Passes an optimizer step on once this stage's share of its backwards is over, then applies it
         unless one of them failed here or on a stage before; returns why it was refused ("" if it was not).
         The step keeps its deployment's StepOrder: a LoadStage puts in a new one, then ends this step mid-way."""
-        request, order = item.request, self._runtime.order
+        request, order = item.request, self._shard.order
         stage, failure = await self._verdict(request, item.failure, order)
-        if self._runtime.plan.next_address:
+        if self._shard.plan.next_address:
             verdict = shard_pb2.LinkMessage(step=shard_pb2.LinkStep(request=request, failure=failure))
             self._verdicts.passed_down(verdict)
             await self._sends.pass_down(verdict)
@@ -44,7 +44,7 @@ class OptimizerSteps:
                        order: StepOrder) -> tuple[object | None, str]:
         """Once this stage's backwards of the step are over: the stage, and why the step is refused ("" if it is
         not; a reason from a stage before wins)."""
-        shard = self._runtime
+        shard = self._shard
         try:
             stage = shard.stage_for(request.deployment_id)
             failures = await order.backward_failures(request.backward_steps, shard.settings.timeouts.peer_wait)
@@ -59,7 +59,7 @@ class OptimizerSteps:
         """Applies the step unless it was refused; either way it counts as settled in `order` (its deployment's),
         and the step's state goes. Settled in a later deployment's order, it would let that deployment's forwards
         run before their own optimizer steps of the same numbers."""
-        shard = self._runtime
+        shard = self._shard
         try:
             if stage is not None and request.hyperparameters_json:  # in force from this step on, applied or not
                 await shard.run(stage.set_hyperparameters, request.hyperparameters_json)
@@ -76,7 +76,7 @@ class OptimizerSteps:
                 await shard.forget(stage, request.step)
 
     async def _optimize(self, stage, request: shard_pb2.StepRequest) -> None:
-        shard = self._runtime
+        shard = self._shard
         if request.zero_grad:
             await shard.run(stage.zero_grad)
         await self._tied.sum(stage, request.optimizer_step)
@@ -91,7 +91,7 @@ class OptimizerSteps:
         run = self._run_of(request.step)
         if run is None or not run.done:
             return
-        plan = self._runtime.plan
+        plan = self._shard.plan
         self._stats[request.optimizer_step] = run.figures.stats(plan.stage, plan.replica, optimizer_seconds)
         while len(self._stats) > STATS_KEPT:
             del self._stats[min(self._stats)]
@@ -100,10 +100,10 @@ class OptimizerSteps:
         """Passes a Flush on (the last stage: back to the SDK) once its optimizer step settled here, with this
         stage's figures if it asks for them."""
         try:
-            await self._runtime.order.after_optimizer_step(flush.optimizer_step,
-                                                           self._runtime.settings.timeouts.peer_wait)
+            await self._shard.order.after_optimizer_step(flush.optimizer_step,
+                                                           self._shard.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
-            item = link_streams.error_item(None, error, self._runtime.location, optimizer_step=flush.optimizer_step)
+            item = link_streams.error_item(None, error, self._shard.location, optimizer_step=flush.optimizer_step)
             await self._sends.tell(item, up=False)
             return
         if flush.stats and flush.optimizer_step in self._stats:

@@ -1,75 +1,63 @@
-"""Orders the work a client sends without waiting for answers: forwards after optimizer steps, steps after backwards."""
+"""The waits of a deployment's order on the event loop: the runtime (runtime.py) decides what has settled and
+answers a Wait for what has not; here the caller is parked on a future until the runtime says Ready, or the wait's
+deadline passes."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from shardtrain.errors import DeadlineExceeded
+from shard_service.runtime import DeploymentRuntime, Ready, Wait
 from shardtrain.waiting import settled_within
 
 
 class StepOrder:
-    """What this shard has settled so far, and waits (with timeouts) for what has not settled yet."""
+    """Forwards after their optimizer steps, optimizer steps after their backwards: `runtime`'s answers (a
+    deployment's of its own if none is given), waited for with deadlines."""
 
-    def __init__(self) -> None:
-        self._waiting: list[tuple[Callable[[], bool], asyncio.Future]] = []  # (condition, its waiter)
-        self._optimizer_steps = 0           # highest optimizer step settled here (applied or refused)
-        self._backwards: dict[int, str] = {}  # step -> "" if its backward succeeded here and upstream, else why not
-        self._lost_up_to, self._lost_reason = -1, ""  # backwards without an outcome up to this step never come
+    def __init__(self, runtime: DeploymentRuntime | None = None) -> None:
+        self.runtime = runtime if runtime is not None else DeploymentRuntime()
+        self._parked: dict[int, asyncio.Future] = {}  # wait id -> its caller's future
 
-    async def _wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-        if predicate():
+    async def _wait(self, wait: Wait | None, timeout: float) -> None:
+        if wait is None:
             return  # the usual case: no future, no timer
-        waiter = asyncio.get_running_loop().create_future()
-        entry = (predicate, waiter)
-        self._waiting.append(entry)
+        parked = self._parked[wait.id] = asyncio.get_running_loop().create_future()
         try:
-            if not await settled_within(waiter, timeout):
-                raise DeadlineExceeded(f"{what} did not happen within {timeout:g} s")
+            if not await settled_within(parked, timeout):
+                raise self.runtime.deadline_passed(wait, timeout)
         finally:
-            if entry in self._waiting:
-                self._waiting.remove(entry)
+            if self._parked.pop(wait.id, None) is not None and not parked.done():
+                self.runtime.gave_up(wait)
 
-    async def _notify(self) -> None:
-        """Wakes the waits whose condition now holds (checked here, so a woken wait has nothing to re-check)."""
-        for entry in [entry for entry in self._waiting if entry[0]()]:
-            self._waiting.remove(entry)
-            if not entry[1].done():
-                entry[1].set_result(None)
+    def _wake(self, ready: list[Ready]) -> None:
+        for answer in ready:
+            parked = self._parked.pop(answer.id, None)
+            if parked is not None and not parked.done():
+                parked.set_result(None)
 
     async def after_optimizer_step(self, number: int, timeout: float) -> None:
         """Returns once optimizer step `number` has settled here (at once for 0)."""
-        await self._wait(lambda: self._optimizer_steps >= number, timeout, f"optimizer step {number}")
+        await self._wait(self.runtime.after_optimizer_step(number), timeout)
 
     async def optimizer_step_settled(self, number: int) -> None:
         """Records that optimizer step `number` is over here, applied or not."""
-        self._optimizer_steps = max(self._optimizer_steps, number)
-        await self._notify()
+        self._wake(self.runtime.optimizer_step_settled(number))
 
     async def backward_finished(self, step: int, failure: str = "") -> None:
         """Records the outcome of a step's backward: "" for success, else the reason."""
-        self._backwards[step] = failure
-        await self._notify()
+        self._wake(self.runtime.backward_finished(step, failure))
 
     async def backwards_lost(self, up_to_step: int, reason: str) -> None:
-        """Records that the backwards of steps up to `up_to_step` that have no outcome yet will not come (the link
-        that brings them broke): they count as failed for `reason`."""
-        if up_to_step > self._lost_up_to:
-            self._lost_up_to, self._lost_reason = up_to_step, reason
-            await self._notify()
-
-    def _outcome(self, step: int) -> str | None:
-        return self._backwards.get(step, self._lost_reason if step <= self._lost_up_to else None)
+        """Records that the backwards of steps up to `up_to_step` that have no outcome yet will not come."""
+        self._wake(self.runtime.backwards_lost(up_to_step, reason))
 
     async def backward_failures(self, steps: Iterable[int], timeout: float) -> dict[int, str]:
         """Waits until every listed backward has an outcome; returns the failed ones with their reasons."""
         steps = list(steps)
-        await self._wait(lambda: all(self._outcome(s) is not None for s in steps), timeout,
-                         f"backward of steps {steps}")
-        return {s: self._outcome(s) for s in steps if self._outcome(s)}
+        await self._wait(self.runtime.after_backwards(steps), timeout)
+        return self.runtime.backward_failures(steps)
 
     def forget(self, up_to_step: int) -> None:
-        """Drops backward outcomes of steps up to `up_to_step`."""
-        for step in [s for s in self._backwards if s <= up_to_step]:
-            del self._backwards[step]
+        """Drops what the runtime keeps of steps up to `up_to_step`."""
+        self.runtime.forget(up_to_step)

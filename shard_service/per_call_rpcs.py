@@ -19,7 +19,7 @@ class PerCallRPCs:
     """The per-call RPCs of one stage for one deployment."""
 
     def __init__(self, executor: StageExecutor, steps: OptimizerSteps, tied: TiedGradients, verdicts: Verdicts):
-        self._executor, self._runtime = executor, executor.runtime
+        self._executor, self._shard = executor, executor.shard
         self._steps, self._tied, self._verdicts = steps, tied, verdicts
 
     async def forward_call(self, header: shard_pb2.ForwardHeader, x: torch.Tensor | None) -> None:
@@ -53,7 +53,7 @@ class PerCallRPCs:
         """A GradientNorm call: the norm of this stage's gradients once the listed backwards are over here, after
         tied weights' gradients were summed for the optimizer step named (each then counted on its first stage)
         and the request's edits applied; and the norms of the parameters it names."""
-        shard = self._runtime
+        shard = self._shard
         stage = shard.stage_for(request.deployment_id)
         await shard.backwards_over(request.backward_steps, "no gradient norm")
         if request.optimizer_step:
@@ -68,7 +68,7 @@ class PerCallRPCs:
         return await shard.run(norms)
 
     def _check_end(self, call: str, first: bool) -> None:
-        plan = self._runtime.plan
+        plan = self._shard.plan
         wanted = 0 if first else plan.num_stages - 1
         if plan.stage != wanted:
             raise errors.FailedPrecondition(

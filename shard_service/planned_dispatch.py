@@ -12,7 +12,7 @@ import torch
 from shard_service.executor import StageExecutor
 from shard_service.held import tensor_bytes
 from shard_service.mailbox import Mailbox
-from shard_service.planned_run import MAX_RUNS, PlannedRun
+from shard_service.planned_run import PlannedRun
 from shardtrain import errors, link_streams
 from shardtrain.v1 import shard_pb2
 
@@ -21,7 +21,7 @@ class PlannedRuns:
     """The planned runs of one stage, by step. `spawn` runs a coroutine as the loop's task and returns it."""
 
     def __init__(self, executor: StageExecutor, spawn: Callable[..., asyncio.Task]):
-        self._executor, self._runtime, self._spawn = executor, executor.runtime, spawn
+        self._executor, self._shard, self._spawn = executor, executor.shard, spawn
         self._sends, self._links = executor.sends, executor.sends.links
         self._runs: dict[int, PlannedRun] = {}
         self._after_runs = Mailbox()  # replicated: step -> why the stages after failed it, or ""
@@ -47,20 +47,13 @@ class PlannedRuns:
             if key.step not in self._runs and key.step > self._executor.forwarded:
                 # The step could not start here (its plan was refused): its backward will never run, so its
                 # optimizer step must be refused here rather than wait for it.
-                self._spawn(self._runtime.order.backward_finished(key.step, str(error)))
+                self._spawn(self._shard.order.backward_finished(key.step, str(error)))
             self._spawn(self._sends.report(key, error, backward))
 
     def _start(self, key: shard_pb2.StepKey, plan: shard_pb2.StepPlan) -> PlannedRun:
-        self._runtime.stage_for(key.deployment_id)
-        forwarded = self._executor.forwarded
-        if key.step <= forwarded:
-            raise errors.InvalidArgument(f"step {key.step} comes after step {forwarded} on this stage: steps count up")
-        if sum(not run.done for run in self._runs.values()) >= MAX_RUNS:
-            raise errors.ResourceExhausted(f"{MAX_RUNS} planned steps already run here; a step waits for an "
-                                           "optimizer step that has not come")
+        self._shard.stage_for(key.deployment_id)
         run = PlannedRun(self._executor, key.step, plan, self._targets)
         self._runs[key.step] = run
-        self._executor.forwarded = key.step
         run.task = self._spawn(self._execute(run))
         return run
 
@@ -88,11 +81,11 @@ class PlannedRuns:
             await self._failed(run, error)
             return
         run.done = True
-        plan = self._runtime.plan
+        plan = self._shard.plan
         replicated = plan.num_replicas > 1
         # Replicated: the step is over here once it is over on every stage after this one too (run_done).
         failure = await self._runs_after(run.step) if replicated and plan.next_address else ""
-        await self._runtime.order.backward_finished(run.step, failure)
+        await self._shard.order.backward_finished(run.step, failure)
         if replicated and plan.stage > 0 and not failure:
             key = shard_pb2.StepKey(deployment_id=self._links.deployment_id, step=run.step)
             await self._links.send(self._links.up(run.step),
@@ -101,10 +94,10 @@ class PlannedRuns:
     async def _failed(self, run: PlannedRun, error: Exception) -> None:
         run.abort()
         key = shard_pb2.StepKey(deployment_id=self._links.deployment_id, step=run.step)
-        location = self._runtime.location
+        location = self._shard.location
         await self._sends.tell(link_streams.error_item(key, error, location, backward=True), up=True, either_way=False)
         await self._sends.tell(link_streams.error_item(key, error, location), up=False, either_way=False)
-        await self._runtime.order.backward_finished(run.step, errors.located_message(error, location))
+        await self._shard.order.backward_finished(run.step, errors.located_message(error, location))
 
     def after_run(self, step: int, failure: str) -> None:
         """The stages after this one finished planned step `step` ("") or failed it (why); the first word counts."""
@@ -120,7 +113,7 @@ class PlannedRuns:
         """Why the stages after this one failed planned step `step`, or "" once they all finished it."""
         what = f"the stages after this one finishing step {step}"
         try:
-            return await self._after_runs.take(step, self._runtime.settings.timeouts.peer_wait, what)
+            return await self._after_runs.take(step, self._shard.settings.timeouts.peer_wait, what)
         except errors.ShardtrainError as error:
             return str(error)
 
@@ -132,7 +125,7 @@ class PlannedRuns:
         run.abort()
         if run.task is not None:
             run.task.cancel()
-        self._spawn(self._runtime.order.backward_finished(step, reason))
+        self._spawn(self._shard.order.backward_finished(step, reason))
         return True
 
     def forget(self, up_to_step: int) -> None:

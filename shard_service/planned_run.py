@@ -26,9 +26,6 @@ from shardtrain import errors, schedule
 from shardtrain.v1 import shard_pb2
 from shardtrain.waiting import settled_within
 
-MAX_RUNS = 4  # planned steps a stage holds at once: the SDK runs one at a time; a few more while one settles
-
-
 class Figures:
     """What the stage did in one planned step, for StageStats."""
 
@@ -59,19 +56,19 @@ class PlannedRun:
     in `targets`, by (step, micro-batch)."""
 
     def __init__(self, executor: StageExecutor, step: int, plan: shard_pb2.StepPlan, targets: Mailbox | None = None):
-        self.executor, self.runtime = executor, executor.runtime
+        self.executor, self.shard = executor, executor.shard
         self.step = step
         self.plan = plan
-        where = self.runtime.plan
+        where = self.shard.plan
         self.index, self.num_stages = where.stage, where.num_stages
         self.is_last = self.index == self.num_stages - 1
         self.virtual_stages = max(where.virtual_stages, 1)
         self.split = plan.schedule in schedule.SPLIT_BACKWARD  # backward as B (input gradient), then W
-        self.machine = machine.StepMachine(
-            step, _actions(plan, self.index, self.num_stages, self.virtual_stages), plan.microbatches,
-            first=self.index == 0, last=self.is_last, split=self.split)
+        # Refused here (InvalidArgument, ResourceExhausted) unless the deployment may start the step.
+        self.machine = executor.deployment.start_step(step, plan.schedule, plan.microbatches, self.index,
+                                                      self.num_stages, self.virtual_stages)
         # Several stages on this device: their actions take turns in the device's order.
-        self.turns = plan.schedule in schedule.INTERLEAVED and self.runtime.device is not None
+        self.turns = plan.schedule in schedule.INTERLEAVED and self.shard.device is not None
         self.figures = Figures()
         # The micro-batches' items until their action's turn; their bytes count against the shard's budget.
         self._inbox = Mailbox(held=executor.held)
@@ -152,9 +149,9 @@ class PlannedRun:
         if isinstance(effect, machine.Send):
             await self._send(effect.what, effect.microbatch)
         elif isinstance(effect, machine.ArmAllReduce):
-            self.runtime.averager_arm(effect.last)
+            self.shard.averager_arm(effect.last)
         elif isinstance(effect, machine.ConnectAllReduce):
-            self.figures.allreduce_backend = await self.runtime.averager_call("connect") or ""
+            self.figures.allreduce_backend = await self.shard.averager_call("connect") or ""
         elif isinstance(effect, machine.FinishAllReduce):
             await self._finish_allreduce()
             return self.machine.all_reduced()
@@ -185,7 +182,7 @@ class PlannedRun:
 
     async def _finish_allreduce(self) -> None:
         start, wall = time.perf_counter(), time.time()
-        await self.runtime.averager_call("finish")
+        await self.shard.averager_call("finish")
         self.figures.allreduce_seconds = time.perf_counter() - start
         if self.figures.allreduce_backend:
             self.figures.span(shard_pb2.WORK_KIND_ALLREDUCE, wall)
@@ -197,13 +194,13 @@ class PlannedRun:
         turns = self.turns and turn
 
         async def compute(function, *args) -> tuple:
-            device = self.runtime.device
+            device = self.shard.device
             if turns:
                 await device.turn(self.step, self._device_order, (self.index, op, k), self.executor.timeout)
             try:
                 start, self.began = time.perf_counter(), time.time()
-                result = await self.runtime.run(function, *args)
-                simulate = self.runtime.settings.simulate_compute
+                result = await self.shard.run(function, *args)
+                simulate = self.shard.settings.simulate_compute
                 if simulated and simulate:
                     await asyncio.sleep(simulate * simulated)
                 return result, time.perf_counter() - start
@@ -235,7 +232,7 @@ class PlannedRun:
     async def _loss(self, k: int) -> None:
         """The last stage's loss of micro-batch k against the target the SDK sent, within the forward's time."""
         target, y = self._results.pop((machine.TARGET, k))
-        loss_fn, sums = self.runtime.loss(target.loss) if not target.loss.model_output else (None, False)
+        loss_fn, sums = self.shard.loss(target.loss) if not target.loss.model_output else (None, False)
         loss, seconds = await self._compute(schedule.FORWARD, k, simulated=0, turn=False)(
             self.executor.stage.attach_loss, (self.step, k), loss_fn, y, _weight(target, sums),
             target.loss.model_output, target.loss_scale or 1.0)
@@ -279,29 +276,14 @@ class PlannedRun:
                 await sends.activation(header, output)
 
     def _key(self, k: int) -> shard_pb2.StepKey:
-        return shard_pb2.StepKey(deployment_id=self.runtime.deployment_id, step=self.step, microbatch=k)
+        return shard_pb2.StepKey(deployment_id=self.shard.deployment_id, step=self.step, microbatch=k)
 
     def _drop(self) -> None:
         """Drops what waits for a turn that will not come, and fails every wait for an item."""
         if self.turns:
-            self.runtime.device.give_up(self.step)
+            self.shard.device.give_up(self.step)
         self._results.clear()
         self._inbox.discard_where(lambda key: True, errors.Cancelled(f"step {self.step} failed on another stage"))
-
-
-def check_plan(plan: shard_pb2.StepPlan) -> None:
-    """InvalidArgument unless `plan` names a known schedule and a micro-batch count within bounds."""
-    if plan.schedule not in schedule.SCHEDULES:
-        raise errors.InvalidArgument(f"unknown schedule {plan.schedule!r}; expected one of {schedule.SCHEDULES}")
-    if not 1 <= plan.microbatches <= schedule.MAX_MICROBATCHES:
-        raise errors.InvalidArgument(f"a planned step has 1 to {schedule.MAX_MICROBATCHES} micro-batches, "
-                                     f"got {plan.microbatches}")
-
-
-def _actions(plan: shard_pb2.StepPlan, stage: int, num_stages: int, virtual_stages: int) -> list[schedule.Action]:
-    check_plan(plan)
-    per_device = virtual_stages if plan.schedule in schedule.INTERLEAVED else 1  # others order stages one by one
-    return schedule.stage_actions(plan.schedule, stage, num_stages, plan.microbatches, per_device)
 
 
 def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:

@@ -20,8 +20,8 @@ _ROLES = shard_pb2.LinkRole
 class StageSends:
     """The sends of one stage's work over its links (stage_links.py)."""
 
-    def __init__(self, runtime, links: StageLinks):
-        self._runtime, self.links = runtime, links
+    def __init__(self, shard, links: StageLinks):
+        self._shard, self.links = shard, links
         self.ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
 
     async def forward_results(self, header: shard_pb2.ForwardHeader, output: torch.Tensor,
@@ -29,7 +29,7 @@ class StageSends:
         """A loop forward's results: the activation first, as the next stage needs it now, a residual's consumer
         only later; from the last stage the model's other outputs go ahead of the output, which the SDK takes as
         the step's end."""
-        if self._runtime.plan.next_address:
+        if self._shard.plan.next_address:
             await self.activation(header, output)
             await self.residuals(header.key, outgoing)
         else:
@@ -38,7 +38,7 @@ class StageSends:
 
     async def activation(self, header: shard_pb2.ForwardHeader, output: torch.Tensor) -> None:
         """To the next stage, or (from the last stage) to the SDK as the output."""
-        if self._runtime.plan.next_address:
+        if self._shard.plan.next_address:
             await self.links.send(self.links.down(), shard_pb2.LinkMessage(forward=header), output)
             return
         item = shard_pb2.LinkMessage(output=shard_pb2.TensorKey(key=header.key))
@@ -54,7 +54,7 @@ class StageSends:
         """Each residual this stage produced, straight to every stage that consumes it, and with `to_client` the
         model's other outputs to the SDK (a planned step returns only its loss)."""
         for name, tensor in outgoing.items():
-            sink = next(r for r in self._runtime.plan.outgoing_residuals if r.name == name)
+            sink = next(r for r in self._shard.plan.outgoing_residuals if r.name == name)
             item = shard_pb2.LinkMessage(residual=shard_pb2.TensorKey(key=key, name=name))
             for consumer, address in zip(sink.consumer_stages, sink.consumer_addresses):
                 if consumer != CLIENT:
@@ -67,7 +67,7 @@ class StageSends:
                              zero_grad: bool = False, planned: bool = False) -> None:
         """To the previous stage (which clears its gradients first when this one did), or (from the first stage of
         the loop) to the SDK as the end of the backward. A planned step's first stage sends none."""
-        if self._runtime.plan.stage > 0:
+        if self._shard.plan.stage > 0:
             item = shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key, zero_grad=zero_grad))
         elif planned:
             return
@@ -81,7 +81,7 @@ class StageSends:
     async def residual_gradients(self, key: shard_pb2.StepKey, grads: dict[str, torch.Tensor]) -> None:
         """The gradient of each residual this stage consumed, straight back to the stage that produced it."""
         for name, grad in grads.items():
-            producer = self._runtime.producer(name).producer_stage
+            producer = self._shard.producer(name).producer_stage
             if producer == CLIENT:
                 continue  # a model input: it takes no gradient
             item = shard_pb2.LinkMessage(residual_gradient=shard_pb2.TensorKey(key=key, name=name))
@@ -89,7 +89,7 @@ class StageSends:
 
     async def report(self, key: shard_pb2.StepKey, error: BaseException, backward: bool) -> None:
         """Sends a failure toward the SDK: a backward's up the stages, a forward's down."""
-        await self.tell(link_streams.error_item(key, error, self._runtime.location, backward), up=backward)
+        await self.tell(link_streams.error_item(key, error, self._shard.location, backward), up=backward)
 
     async def tell(self, item: shard_pb2.LinkMessage, up: bool, either_way: bool = True) -> None:
         """Sends an error item up or down the stages; one that starts here goes the other way if that way is gone
@@ -102,8 +102,8 @@ class StageSends:
                 return
             except errors.ShardtrainError:
                 continue
-        log.warning("%s: nobody left to tell: %s", self._runtime.location, item.error.message,
-                    extra=self._runtime.fields())
+        log.warning("%s: nobody left to tell: %s", self._shard.location, item.error.message,
+                    extra=self._shard.fields())
 
     async def pass_down(self, item: shard_pb2.LinkMessage) -> None:
         """Passes a step, flush or the like on toward the last stage; a failure to is logged (the SDK hears of the
@@ -111,5 +111,5 @@ class StageSends:
         try:
             await self.links.send(self.links.down(), item)
         except errors.ShardtrainError as error:
-            log.warning("%s: could not pass on a %s item: %s", self._runtime.location, item.WhichOneof("item"), error,
-                        extra=self._runtime.fields())
+            log.warning("%s: could not pass on a %s item: %s", self._shard.location, item.WhichOneof("item"), error,
+                        extra=self._shard.fields())

@@ -1,4 +1,4 @@
-"""ShardService over gRPC: decodes requests and hands them to the shard's runtime (runtime.py) and Link loop
+"""ShardService over gRPC: decodes requests and hands them to the shard (shard.py) and Link loop
 (link_dispatch.py). The per-call Forward, Backward, Step and FetchTensor RPCs start the same work as the SDK's Link items."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shard_service import snapshots
 from shard_service.layer_profiling import MAX_LAYERS, REPEATS, profile_layers
 from shard_service.link_dispatch import LinkedLoop
 from shard_service.peers import Peers
-from shard_service.runtime import ShardRuntime
+from shard_service.shard import Shard
 from shard_service.stage import Stage
 from shardtrain import (auth, carrier, checkpoint, checkpoint_store, checksums, data_files, link_streams, metrics, optim,
                         rpc, shm, weights, wire)
@@ -61,9 +61,9 @@ class ShardServicer:
         self.address = address
         self.instance = secrets.token_hex(8)  # what it registers with: no other shard can take its address
         self.control_key = secrets.token_urlsafe(32)  # what only the coordinator it registered with presents
-        self.runtime = ShardRuntime(settings, address, device)  # on a device of its own, or its process's
+        self.shard = Shard(settings, address, device)  # on a device of its own, or its process's
         self.peers = Peers(settings)  # channels to the other shards, and how tensors reach each
-        self.loop = LinkedLoop(self.runtime, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
+        self.loop = LinkedLoop(self.shard, self.peers)  # the Link items: the PyTorch-shaped loop and planned steps
         self.local_links = _listener(settings, address)  # sockets that carry Link items instead of gRPC streams
         self.snapshots = snapshots.Snapshots()  # stage states kept apart from the deployment, for a later one
         self.health = None  # the server's grpc.health.v1 status (set by build_server)
@@ -72,25 +72,25 @@ class ShardServicer:
         """A tensor header check: `check`, then no larger than a stage here may hold."""
         def expect(header) -> None:
             check(header)
-            self.runtime.fits(header)
+            self.shard.fits(header)
         return expect
 
     @property
     def location(self) -> str:
         """How errors name this shard."""
-        return self.runtime.location
+        return self.shard.location
 
     def _owned(self, context, deployment_id: str) -> Stage:
         """The stage, for a call on its deployment that carries the deployment's secret."""
-        stage = self.runtime.stage_for(deployment_id)
-        auth.check_deployment(context, self.runtime.secret, f"deployment {deployment_id}")
+        stage = self.shard.stage_for(deployment_id)
+        auth.check_deployment(context, self.shard.secret, f"deployment {deployment_id}")
         return stage
 
     @boundary
     async def LoadStage(self, request, context):
         auth.check_control(context, self.control_key, "LoadStage")
-        previous = self.runtime.deployment_id
-        response = await self.runtime.load(request)
+        previous = self.shard.deployment_id
+        response = await self.shard.load(request)
         self.snapshots.retain({previous, request.deployment_id})  # the one before: a recovery restores from it
         # The previous deployment's link work ends before anything else runs: awaited later, it could still record
         # its outcomes in the new deployment's StepOrder.
@@ -104,7 +104,7 @@ class ShardServicer:
         if len(request.layers) > MAX_LAYERS:
             raise InvalidArgument(f"{len(request.layers)} layers to measure; at most {MAX_LAYERS} at once")
         device = torch.device(self.settings.device)
-        layers = await self.runtime.run(profile_layers, list(request.layers), request.repeats or REPEATS, device)
+        layers = await self.shard.run(profile_layers, list(request.layers), request.repeats or REPEATS, device)
         return shard_pb2.ProfileLayersResponse(layers=layers, device=str(device))
 
     @boundary
@@ -112,16 +112,16 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         stage = self._owned(context, (await reader.header()).deployment_id)
         tensors = await reader.tensors(expect=self._expecting(stage.expect_weight))
-        loaded = await self.runtime.run(stage.load_state, tensors)
+        loaded = await self.shard.run(stage.load_state, tensors)
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
     def _may_read_from(self, context, address: str) -> None:
         """PermissionDenied unless the call carries the secret of this shard's deployment and `address` is one of
         its shards: the read there carries this shard's own token, which no caller may aim elsewhere."""
-        if not self.runtime.secret:
+        if not self.shard.secret:
             raise PermissionDenied("this shard holds no deployment with a secret: it reads no other shard's "
                                    "snapshot for a caller")
-        auth.check_deployment(context, self.runtime.secret, f"deployment {self.runtime.deployment_id}")
+        auth.check_deployment(context, self.shard.secret, f"deployment {self.shard.deployment_id}")
         self.peers.check_member(address)
 
     def _snapshot(self, context, name: str) -> snapshots.Snapshot:
@@ -136,7 +136,7 @@ class ShardServicer:
             weights, checksum = self._snapshot(context, request.snapshot).weights, checksums.STRONGEST
         else:
             stage = self._owned(context, request.deployment_id)
-            weights, checksum = await self.runtime.run(stage.state), self.settings.checksums
+            weights, checksum = await self.shard.run(stage.state), self.settings.checksums
         options = wire.SendOptions(self.settings.chunk_bytes, checksum=checksum)
         for name, tensor in weights.items():
             for frame in wire.tensor_frames(tensor, name, options):
@@ -154,7 +154,7 @@ class ShardServicer:
             header.snapshot_stage = snapshot.stage
         else:
             stage = self._owned(context, request.deployment_id)
-            state, checksum = await self.runtime.run(stage.optimizer_state), self.settings.checksums
+            state, checksum = await self.shard.run(stage.optimizer_state), self.settings.checksums
         header.layout = state.layout()
         for frame in wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors,
                                  wire.SendOptions(self.settings.chunk_bytes, checksum=checksum)):
@@ -164,7 +164,7 @@ class ShardServicer:
     async def Snapshot(self, request, context):
         stage = self._owned(context, request.deployment_id)
         name = snapshots.Snapshots.check_name(request.name)
-        snapshot = await self.runtime.run(snapshots.take, stage, request.deployment_id, self.runtime.secret,
+        snapshot = await self.shard.run(snapshots.take, stage, request.deployment_id, self.shard.secret,
                                           request.copy, self.snapshots.held(name))
         self.snapshots.keep(name, snapshot)
         return shard_pb2.SnapshotResponse(optimizer_step=snapshot.optimizer_step, bytes=snapshot.bytes,
@@ -188,14 +188,14 @@ class ShardServicer:
             raise InvalidArgument(f"snapshot {request.snapshot!r} holds layers {list(snapshot.layer_indexes)}; "
                                   f"this stage holds layers {stage.layer_indexes}")
         state = snapshot.optimizer
-        await self.runtime.run(stage.load_optimizer_state, state, True)  # refused: nothing changes
-        await self.runtime.run(stage.load_state, snapshot.weights)  # copied into the stage's tensors
+        await self.shard.run(stage.load_optimizer_state, state, True)  # refused: nothing changes
+        await self.shard.run(stage.load_state, snapshot.weights)  # copied into the stage's tensors
         if not moved:  # torch's optimizer keeps the tensors it loads: the snapshot held here keeps its own
             state = optim.KeyedState(state.groups, {key: t.clone() for key, t in state.tensors.items()}, state.values)
-        await self.runtime.run(stage.load_optimizer_state, state)
+        await self.shard.run(stage.load_optimizer_state, state)
         log.info("restored stage %d of deployment %s from snapshot %r of %s, at optimizer step %d", stage.index,
                  request.deployment_id, request.snapshot, request.source_address or "this shard",
-                 snapshot.optimizer_step, extra=self.runtime.fields(step=snapshot.optimizer_step))
+                 snapshot.optimizer_step, extra=self.shard.fields(step=snapshot.optimizer_step))
         return shard_pb2.RestoreStageResponse(optimizer_step=snapshot.optimizer_step, bytes=moved)
 
     @boundary
@@ -224,7 +224,7 @@ class ShardServicer:
             await asyncio.to_thread(checkpoint.discard_part, directory, generation, request.part, request.parts,
                                     access)
             return shard_pb2.SaveCheckpointResponse()
-        weights, state, step = await self.runtime.run(_stage_state, stage)
+        weights, state, step = await self.shard.run(_stage_state, stage)
         files, written = await asyncio.to_thread(checkpoint.write_part, directory, generation, request.part,
                                                  request.parts, weights, state, step, access)
         return shard_pb2.SaveCheckpointResponse(bytes=written, files=files, optimizer_step=step)
@@ -240,14 +240,14 @@ class ShardServicer:
             raise InvalidArgument(f"checkpoint {request.directory!r} holds no weight {missing[0]!r} of stage "
                                   f"{stage.index} ({len(missing)} of its {len(stage.state())} missing)")
         if request.optimizer:  # checked in full before anything changes
-            await self.runtime.run(stage.load_optimizer_state, state, True)
-        await self.runtime.run(stage.load_state, weights, request.check_only)
+            await self.shard.run(stage.load_optimizer_state, state, True)
+        await self.shard.run(stage.load_state, weights, request.check_only)
         if request.optimizer and not request.check_only:
-            await self.runtime.run(stage.load_optimizer_state, state)
+            await self.shard.run(stage.load_optimizer_state, state)
         if not request.check_only:
             log.info("stage %d of deployment %s loaded checkpoint %s (%s)", stage.index, request.deployment_id,
                      request.directory, "weights and optimizer state" if request.optimizer else "weights",
-                     extra=self.runtime.fields())
+                     extra=self.shard.fields())
         return shard_pb2.LoadCheckpointResponse(bytes=read, layout=state.layout() if request.optimizer else "")
 
     @boundary
@@ -271,7 +271,7 @@ class ShardServicer:
             tensors = await asyncio.to_thread(weights.read, batch)
             response.bytes += sum(entry.end - entry.begin for entry in batch.values())
             every_key = {alias: tensors[key] for key in tensors for alias in names[key] if alias in held}
-            await self.runtime.run(stage.load_state, every_key)
+            await self.shard.run(stage.load_state, every_key)
         metrics.moved("received", "weights", "storage", response.bytes)
         return response
 
@@ -289,7 +289,7 @@ class ShardServicer:
         stage = self._owned(context, header.deployment_id)
         state = optim.KeyedState.parse(header.layout,
                                        await reader.tensors(expect=self._expecting(stage.expect_optimizer_tensor)))
-        await self.runtime.run(stage.load_optimizer_state, state, header.check_only)
+        await self.shard.run(stage.load_optimizer_state, state, header.check_only)
         return shard_pb2.LoadOptimizerStateResponse()
 
     @boundary
@@ -300,7 +300,7 @@ class ShardServicer:
         if header.HasField("plan"):
             raise InvalidArgument("a planned step's forwards travel on Links, not on Forward calls")
         # not waiting for the sender to close its side
-        checked = self._expecting(stage.expect_input) if stage.index == 0 else self.runtime.fits  # else refused
+        checked = self._expecting(stage.expect_input) if stage.index == 0 else self.shard.fits  # else refused
         tensors = await reader.tensors(count=1, expect=checked)
         if len(tensors) != 1:
             raise InvalidArgument(f"Forward carries exactly one activation tensor, got {len(tensors)}")
@@ -315,7 +315,7 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         self._owned(context, header.key.deployment_id)
-        await self.loop.per_call.backward_call(header, (await reader.tensors(expect=self.runtime.fits)).get("gradient"))
+        await self.loop.per_call.backward_call(header, (await reader.tensors(expect=self.shard.fits)).get("gradient"))
         return shard_pb2.BackwardResponse()
 
     @boundary
@@ -333,7 +333,7 @@ class ShardServicer:
     @boundary
     async def FetchTensor(self, request, context):
         self._owned(context, request.key.deployment_id)
-        residuals = tuple(self.runtime.stage_for(request.key.deployment_id).residuals.incoming)
+        residuals = tuple(self.shard.stage_for(request.key.deployment_id).residuals.incoming)
         tensor = await self.loop.calls.fetch(request.key, request.name, self.settings.timeouts.peer_wait, residuals)
         kind = "activations" if request.name == OUTPUT else "residuals" if request.name in residuals else "gradients"
         options = self.peers.options(request.shared_memory, kind)
@@ -346,8 +346,8 @@ class ShardServicer:
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
         self._owned(context, header.key.deployment_id)
-        grad = (await reader.tensors(expect=self.runtime.fits)).get(header.name) if header.has_gradient else None
-        await self.runtime.accumulate(header.key, header.name, grad)
+        grad = (await reader.tensors(expect=self.shard.fits)).get(header.name) if header.has_gradient else None
+        await self.shard.accumulate(header.key, header.name, grad)
         return shard_pb2.AccumulateGradientResponse()
 
     @boundary
@@ -361,14 +361,14 @@ class ShardServicer:
                                        f"token; this caller has the {' or '.join(sorted(roles))} role")
             self._owned(context, opening.deployment_id)
             self.loop.opened(opening, end)
-        await link_streams.serve(request_iterator, context, f"link to {self.runtime.location}", opened,
+        await link_streams.serve(request_iterator, context, f"link to {self.shard.location}", opened,
                                  self.loop.on_item, self.loop.closed, self.local_links)
 
     @boundary
     async def Describe(self, request, context):
-        stage = self.runtime.stage
+        stage = self.shard.stage
         return shard_pb2.DescribeResponse(
-            address=self.address, device=self.settings.device, deployment_id=self.runtime.deployment_id,
+            address=self.address, device=self.settings.device, deployment_id=self.shard.deployment_id,
             stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
             parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
@@ -392,7 +392,7 @@ class ShardServicer:
     async def close(self) -> None:
         """Ends the links, closes peer channels, the compute thread and this shard's shared segments."""
         await self.loop.close()
-        await self.runtime.close()
+        await self.shard.close()
         await self.peers.close()
         if self.local_links is not None:
             await self.local_links.close()

@@ -21,9 +21,9 @@ class StageLinks:
     brings, `on_broken` hears of a link this stage opened that broke, `first_items` gives what a new link to the
     next stage sends first."""
 
-    def __init__(self, runtime, peers: Peers, deployment_id: str, on_item: Callable, on_broken: Callable,
+    def __init__(self, shard, peers: Peers, deployment_id: str, on_item: Callable, on_broken: Callable,
                  first_items: Callable[[], list]):
-        self._runtime, self._peers, self.deployment_id = runtime, peers, deployment_id
+        self._shard, self._peers, self.deployment_id = shard, peers, deployment_id
         self._on_item, self._on_broken, self._first_items = on_item, on_broken, first_items
         self.input: link_streams.LinkEnd | None = None    # the SDK's input link (first stage)
         self.output: link_streams.LinkEnd | None = None   # the SDK's output link (last stage)
@@ -35,7 +35,7 @@ class StageLinks:
 
     def opened(self, opening: shard_pb2.LinkOpen, end: link_streams.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
-        plan = self._runtime.plan
+        plan = self._shard.plan
         end.expect = self._expect
         end.toward_first = opening.role != _ROLES.LINK_ROLE_OUTPUT
         if opening.role == _ROLES.LINK_ROLE_INPUT and plan.stage == 0:
@@ -56,7 +56,7 @@ class StageLinks:
                 f"{'the SDK' if opening.from_stage < 0 else f'stage {opening.from_stage}'}")
 
     def _address_of(self, stage: int) -> str:
-        plan = self._runtime.plan
+        plan = self._shard.plan
         addresses = {r.producer_stage: r.producer_address for r in plan.incoming_residuals}
         if plan.previous_address:
             addresses[plan.stage - 1] = plan.previous_address
@@ -65,7 +65,7 @@ class StageLinks:
     def _expect(self, message: shard_pb2.LinkMessage, header) -> None:
         """Refuses an item's tensor larger than a stage here may hold, before any of it is stored (the rest of its
         checks come with the item's work: a refusal here ends the link)."""
-        self._runtime.fits(header)
+        self._shard.fits(header)
 
     def closed(self, end: link_streams.LinkEnd) -> list[int]:
         """Forgets a Link opened here that ended; the stages of this deployment it came from."""
@@ -84,14 +84,14 @@ class StageLinks:
         client = self.opened_here.get(address)
         if client is None or client.broken is not None:
             peer = self._peers.peer(address)
-            settings = self._runtime.settings
+            settings = self._shard.settings
             opening = shard_pb2.LinkOpen(deployment_id=self.deployment_id, role=role,
-                                         from_stage=self._runtime.plan.stage, shared_memory=peer.same_host,
+                                         from_stage=self._shard.plan.stage, shared_memory=peer.same_host,
                                          local_carrier=peer.same_host and settings.local_links,
                                          tcp_carrier=not peer.same_host and settings.tcp_links)
             # A link to the next stage starts with the last verdicts passed down: one may have been lost with the
             # link before (the next stage takes each verdict once).
-            first = self._first_items() if address == self._runtime.plan.next_address else ()
+            first = self._first_items() if address == self._shard.plan.next_address else ()
             client = link_streams.ClientLink(peer, opening, self._on_item, self._on_broken, first_items=first)
             client.expect = self._expect
             client.toward_first = False
@@ -100,14 +100,14 @@ class StageLinks:
 
     def down(self, step: int | None = None) -> link_streams.LinkEnd | CallOutbox | None:
         """The way toward the last stage and on to the SDK (or, for a step a call started, to the call outbox)."""
-        plan = self._runtime.plan
+        plan = self._shard.plan
         if plan.next_address:
             return self.client(plan.next_address, _ROLES.LINK_ROLE_NEXT)
         return self.calls if step in self.by_call else self.output
 
     def up(self, step: int | None = None) -> link_streams.LinkEnd | CallOutbox | None:
         """The way toward the first stage and on to the SDK (or the call outbox)."""
-        plan = self._runtime.plan
+        plan = self._shard.plan
         if plan.stage > 0:
             return self.from_stage.get(plan.stage - 1)
         return self.calls if step in self.by_call else self.input
@@ -116,7 +116,7 @@ class StageLinks:
                    tensor: torch.Tensor | None = None, kind: str = "activations") -> None:
         """Sends one item on `end`; Unavailable if there is no such link."""
         if end is None:
-            raise errors.Unavailable(f"{self._runtime.location}: no link to send a {message.WhichOneof('item')} on")
+            raise errors.Unavailable(f"{self._shard.location}: no link to send a {message.WhichOneof('item')} on")
         await end.send(message, tensor, self._peers.options(end.same_host, kind))
 
     async def to_sdk(self, step: int | None = None) -> link_streams.LinkEnd | CallOutbox:
@@ -124,7 +124,7 @@ class StageLinks:
         end = self.down(step)
         if end is not None:
             return end
-        timeout = self._runtime.settings.timeouts.peer_wait
+        timeout = self._shard.settings.timeouts.peer_wait
         try:
             await asyncio.wait_for(self._output_opened.wait(), timeout)
         except TimeoutError:

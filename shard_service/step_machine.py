@@ -106,6 +106,7 @@ class StepMachine:
         self._then: list = []
         self._started = False
         self.ended = False  # the step is over here (done or failed): later events change nothing
+        self.finished = False  # every action ran and the all-reduce is over
 
     # --- events ------------------------------------------------------------------------------------
     def started(self) -> list:
@@ -142,7 +143,7 @@ class StepMachine:
         """The all-reduce after the last action finished: the step's work here is over."""
         if self.ended or self._next < len(self._actions):
             return []
-        self.ended = True
+        self.ended = self.finished = True
         return [Done()]
 
     def failed(self, error: Exception) -> list:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from shard_service.mailbox import Mailbox
-from shard_service.runtime import summed
+from shard_service.shard import summed
 from shard_service.stage_links import StageLinks
 from shard_service.verdicts import VERDICTS_KEPT
 from shardtrain.v1 import shard_pb2
@@ -18,8 +18,8 @@ _ROLES = shard_pb2.LinkRole
 class TiedGradients:
     """The other stages' gradients of this stage's tied weights, and their sums, for one deployment."""
 
-    def __init__(self, runtime, links: StageLinks):
-        self._runtime, self._links = runtime, links
+    def __init__(self, shard, links: StageLinks):
+        self._shard, self._links = shard, links
         self._arrived = Mailbox()  # other stages' gradients, by (optimizer step, key, stage)
         self._summed: set[int] = set()  # optimizer steps whose tied gradients are summed here already
 
@@ -31,7 +31,7 @@ class TiedGradients:
         """Before optimizer step `optimizer_step`: sends this stage's gradient of each tied weight to the other
         stages holding it and replaces its own with the sum. Once per optimizer step (clip_grad_norm_ may have
         done it)."""
-        plan = self._runtime.plan
+        plan = self._shard.plan
         if not plan.tied or optimizer_step in self._summed:
             return
         self._summed = {number for number in self._summed if number > optimizer_step - VERDICTS_KEPT}
@@ -42,10 +42,10 @@ class TiedGradients:
             grads = [stage.tied_gradient(tie.key) if other == plan.stage else
                      await self._gradient_of(other, tie.key, optimizer_step) for other in tie.stages]
             total = summed([grad.to(stage.device) if grad is not None else None for grad in grads])
-            await self._runtime.run(stage.set_tied_gradient, tie.key, total)
+            await self._shard.run(stage.set_tied_gradient, tie.key, total)
 
     async def _send(self, stage, tie, optimizer_step: int) -> None:
-        plan = self._runtime.plan
+        plan = self._shard.plan
         item = shard_pb2.LinkMessage(tied_gradient=shard_pb2.TiedGradient(
             optimizer_step=optimizer_step, key=tie.key, from_stage=plan.stage))
         for other, address in zip(tie.stages, tie.addresses):
@@ -58,5 +58,5 @@ class TiedGradients:
 
     async def _gradient_of(self, other: int, key: str, optimizer_step: int) -> torch.Tensor | None:
         what = f"stage {other}'s gradient of tied weight {key!r} for optimizer step {optimizer_step}"
-        return await self._arrived.take((optimizer_step, key, other), self._runtime.settings.timeouts.peer_wait,
+        return await self._arrived.take((optimizer_step, key, other), self._shard.settings.timeouts.peer_wait,
                                         what)

@@ -1,4 +1,4 @@
-"""shard_service.link_dispatch over a real runtime, no server: the last of two stages, its links to stage 0 and to the SDK
+"""shard_service.link_dispatch over a real shard, no server: the last of two stages, its links to stage 0 and to the SDK
 recorded, is fed written-out item sequences and must send exactly what one process computes, in order."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from client_sdk.layers import capture_model, layers_of
 from shard_service.link_dispatch import LinkedLoop
 from shard_service.peers import Peers
-from shard_service.runtime import ShardRuntime
+from shard_service.shard import Shard
 from shardtrain import errors, link_streams
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import shard_pb2
@@ -49,15 +49,15 @@ class LastStage:
         request = shard_pb2.LoadStageRequest(deployment_id=DEPLOYMENT, plan=plan, layers=captured[2:],
                                              optimizer=shard_pb2.OptimizerSpec(name="SGD", kwargs_json='{"lr": 0.1}'))
         settings = ShardSettings(coordinator="127.0.0.1:1", shared_memory=False, local_links=False)
-        self.runtime = ShardRuntime(settings, "127.0.0.1:8")
+        self.shard = Shard(settings, "127.0.0.1:8")
         self.peers = Peers(settings)
-        self.loop = LinkedLoop(self.runtime, self.peers)
+        self.loop = LinkedLoop(self.shard, self.peers)
         self.request = request
         self.state = {key: value.clone() for key, value in model.state_dict().items() if key.startswith("2.")}
 
     async def start(self) -> None:
-        await self.runtime.load(self.request)
-        self.runtime.stage.load_state(self.state)
+        await self.shard.load(self.request)
+        self.shard.stage.load_state(self.state)
         await self.loop.reset(DEPLOYMENT)
         self.up = RecordingEnd(shard_pb2.LinkOpen(deployment_id=DEPLOYMENT, role=ROLES.LINK_ROLE_NEXT, from_stage=0))
         self.out = RecordingEnd(shard_pb2.LinkOpen(deployment_id=DEPLOYMENT, role=ROLES.LINK_ROLE_OUTPUT,
@@ -75,11 +75,11 @@ class LastStage:
         await self.loop.settled(10.0)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {key: value.clone() for key, value in self.runtime.stage.state().items()}
+        return {key: value.clone() for key, value in self.shard.stage.state().items()}
 
     async def close(self) -> None:
         await self.loop.close()
-        await self.runtime.close()
+        await self.shard.close()
         await self.peers.close()
 
 
@@ -275,14 +275,14 @@ def test_a_step_of_the_previous_deployment_ended_by_a_new_load_settles_nothing_o
         await stage.start()
         await stage.feed(stage.up, forward(0), h)
         await stage.feed(stage.out, shard_pb2.LinkMessage(backward=shard_pb2.BackwardHeader(key=key(0))), grad)
-        old, lock = stage.runtime.stage, stage.runtime.device.lock
+        old, lock = stage.shard.stage, stage.shard.device.lock
         old.step = lambda *args: release.wait(10)  # the old step, slow on the compute thread
-        stage.runtime._durations["step"] = 1.0
+        stage.shard._durations["step"] = 1.0
         await lock.acquire()  # the device busy: the new stage's build and the old step queue for it, in that order
         request = shard_pb2.LoadStageRequest()
         request.CopyFrom(stage.request)
         request.deployment_id = "new"
-        load = asyncio.ensure_future(stage.runtime.load(request))
+        load = asyncio.ensure_future(stage.shard.load(request))
         await until(lambda: len(lock._waiters or ()) == 1, "the load's wait for the device")
         stage.loop.on_item(stage.up, step_item(7, [0]), None)
         await until(lambda: len(lock._waiters or ()) == 2, "the old step's wait for the device")
@@ -292,6 +292,6 @@ def test_a_step_of_the_previous_deployment_ended_by_a_new_load_settles_nothing_o
         release.set()
         await until(lambda: not stage.loop._tasks, "the old step's end")
         with pytest.raises(errors.DeadlineExceeded):
-            await stage.runtime.order.after_optimizer_step(1, 0.05)
+            await stage.shard.order.after_optimizer_step(1, 0.05)
         await stage.close()
     asyncio.run(sequence())

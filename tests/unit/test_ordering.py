@@ -1,4 +1,5 @@
-"""shard_service.ordering: StepOrder's waits for optimizer steps and backward outcomes."""
+"""shard_service.ordering: StepOrder parks callers on the event loop until the runtime answers their waits: optimizer
+steps and backward outcomes, with deadlines."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import torch
 from shard_service.executor import StageExecutor
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
+from shard_service.runtime import DeploymentRuntime
 from shard_service.planned_run import PlannedRun
 from shard_service.stage import Stage
 from shard_service.step_meter import StepMeter
@@ -39,14 +40,15 @@ def stages(programs, model: torch.nn.Sequential) -> list[Stage]:
     return built
 
 
-class FakeRuntime:
+class FakeShard:
     """What a stage's executor uses of its shard: the stage's place, a compute thread that records what ran, the
     settled steps, the loss; no replicas, residuals or shared device."""
 
     def __init__(self, index: int, count: int, ran: list, loss_fn):
         self.plan = shard_pb2.StagePlan(stage=index, num_stages=count)
         self.settings = SimpleNamespace(timeouts=SimpleNamespace(peer_wait=5.0), simulate_compute=0.0)
-        self.order, self.steps, self.device, self.deployment_id = StepOrder(), StepMeter(), None, "d"
+        self.deployment = DeploymentRuntime("d")
+        self.order, self.steps, self.device, self.deployment_id = StepOrder(self.deployment), StepMeter(), None, "d"
         self._ran, self._loss_fn = ran, loss_fn
 
     async def run(self, function, *args):
@@ -109,8 +111,8 @@ class Pipeline:
         self.targets = targets
         loss_fn = allowed_losses.build(loss, "{}")
         for index, stage in enumerate(built):
-            runtime = FakeRuntime(index, len(built), self.ran[index], loss_fn)
-            executor = StageExecutor(runtime, stage, PipelineSends(self, index))
+            shard = FakeShard(index, len(built), self.ran[index], loss_fn)
+            executor = StageExecutor(shard, stage, PipelineSends(self, index))
             self.runs.append(PlannedRun(executor, 0, plan, Mailbox()))
 
     def put_targets(self) -> None:
@@ -202,7 +204,7 @@ def test_a_run_whose_all_reduce_fails_to_connect_runs_no_action(programs):
 
     async def connect_fails(name: str) -> None:
         raise errors.Unavailable("the other replica did not answer")
-    run.runtime.averager_call = connect_fails
+    run.shard.averager_call = connect_fails
 
     async def scenario():
         header = shard_pb2.ForwardHeader(key=shard_pb2.StepKey(deployment_id="d", step=0, microbatch=0))
