@@ -60,7 +60,7 @@ class StageExecutor:
         incoming = await self.incoming_residuals(header.key)
         await self.shard.order.after_optimizer_step(max(header.after_optimizer_step, after), self.timeout)
         if header.zero_grad:
-            await self.shard.run(self.stage.zero_grad)
+            await self.shard.run(self.stage.weights.zero_grad)
         key, training = (header.key.step, header.key.microbatch), not header.eval_mode
         grads = (True, False) if microbatches else (header.requires_grad, header.input_requires_grad)
         (output, outgoing), seconds = await (compute or self.timed)(
@@ -75,7 +75,7 @@ class StageExecutor:
         once the gradients of the residuals this stage produced are in. Returns (input gradient, the gradients of
         the residuals it read, seconds)."""
         if zero_grad:
-            await self.shard.run(self.stage.zero_grad)
+            await self.shard.run(self.stage.weights.zero_grad)
         residual_grads = await self.shard.residual_gradients(self.stage, key)
         work = self.stage.backward_input if input_half else self.stage.backward
         (grad_input, incoming_grads), seconds = await (compute or self.timed)(work, key, grad, residual_grads)

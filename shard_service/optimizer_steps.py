@@ -62,7 +62,7 @@ class OptimizerSteps:
         shard = self._shard
         try:
             if stage is not None and request.hyperparameters_json:  # in force from this step on, applied or not
-                await shard.run(stage.set_hyperparameters, request.hyperparameters_json)
+                await shard.run(stage.weights.set_hyperparameters, request.hyperparameters_json)
             if stage is not None and not failure:
                 await self._optimize(stage, request)
             else:
@@ -78,10 +78,10 @@ class OptimizerSteps:
     async def _optimize(self, stage, request: shard_pb2.StepRequest) -> None:
         shard = self._shard
         if request.zero_grad:
-            await shard.run(stage.zero_grad)
+            await shard.run(stage.weights.zero_grad)
         await self._tied.sum(stage, request.optimizer_step)
         started = time.perf_counter()
-        await shard.run(stage.step, request.gradient_scale, request.optimizer_step, request.skip,
+        await shard.run(stage.weights.step, request.gradient_scale, request.optimizer_step, request.skip,
                         request.gradient_edits)
         self._record_stats(request, time.perf_counter() - started)
         shard.steps.stepped()

@@ -62,9 +62,10 @@ class PerCallRPCs:
         norm_type = request.norm_type or 2.0
 
         def norms() -> tuple[float, list[float]]:
-            stage.edit_gradients(request.edits)
-            return stage.gradient_norm(norm_type, counted_elsewhere), stage.parameter_norms(norm_type,
-                                                                                             request.parameters)
+            weights = stage.weights
+            weights.edit_gradients(request.edits)
+            return weights.gradient_norm(norm_type, counted_elsewhere), weights.parameter_norms(norm_type,
+                                                                                               request.parameters)
         return await shard.run(norms)
 
     def _check_end(self, call: str, first: bool) -> None:

@@ -38,7 +38,7 @@ class GradientAverager:
         if plan.num_replicas <= 1:
             return None
         return cls(plan.replica, plan.num_replicas, plan.rendezvous, address.rsplit(":", 1)[0],
-                   stage.parameters, timeout, secret)
+                   stage.weights.parameters, timeout, secret)
 
     def __init__(self, rank: int, size: int, rendezvous: str, host: str, parameters: list, timeout: float,
                  secret: str = ""):

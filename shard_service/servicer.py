@@ -36,10 +36,11 @@ _STAGE_LINKS = (shard_pb2.LINK_ROLE_NEXT, shard_pb2.LINK_ROLE_RESIDUAL, shard_pb
 def _stage_state(stage: Stage) -> tuple[dict[str, torch.Tensor], optim.KeyedState, int]:
     """The stage's weights, optimizer state and last optimizer step, read together under the device's lock (a
     GPU's copied to the host here: the files are written after the lock is released)."""
-    weights = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in stage.state().items()}
-    state = stage.optimizer_state()
+    held = stage.weights.state()
+    weights = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in held.items()}
+    state = stage.weights.optimizer_state()
     tensors = {key: tensor.to("cpu", copy=True) if tensor.is_cuda else tensor for key, tensor in state.tensors.items()}
-    return weights, optim.KeyedState(state.groups, tensors, state.values), stage.applied_step
+    return weights, optim.KeyedState(state.groups, tensors, state.values), stage.weights.applied_step
 
 
 def _listener(settings: ShardSettings, address: str) -> carrier.Listener | None:
@@ -111,8 +112,8 @@ class ShardServicer:
     async def LoadState(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         stage = self._owned(context, (await reader.header()).deployment_id)
-        tensors = await reader.tensors(expect=self._expecting(stage.expect_weight))
-        loaded = await self.shard.run(stage.load_state, tensors)
+        tensors = await reader.tensors(expect=self._expecting(stage.weights.expect_weight))
+        loaded = await self.shard.run(stage.weights.load_state, tensors)
         return shard_pb2.LoadStateResponse(loaded=loaded)
 
     def _may_read_from(self, context, address: str) -> None:
@@ -136,7 +137,7 @@ class ShardServicer:
             weights, checksum = self._snapshot(context, request.snapshot).weights, checksums.STRONGEST
         else:
             stage = self._owned(context, request.deployment_id)
-            weights, checksum = await self.shard.run(stage.state), self.settings.checksums
+            weights, checksum = await self.shard.run(stage.weights.state), self.settings.checksums
         options = wire.SendOptions(self.settings.chunk_bytes, checksum=checksum)
         for name, tensor in weights.items():
             for frame in wire.tensor_frames(tensor, name, options):
@@ -154,7 +155,7 @@ class ShardServicer:
             header.snapshot_stage = snapshot.stage
         else:
             stage = self._owned(context, request.deployment_id)
-            state, checksum = await self.shard.run(stage.optimizer_state), self.settings.checksums
+            state, checksum = await self.shard.run(stage.weights.optimizer_state), self.settings.checksums
         header.layout = state.layout()
         for frame in wire.framed(shard_pb2.OptimizerStateMessage, header, state.tensors,
                                  wire.SendOptions(self.settings.chunk_bytes, checksum=checksum)):
@@ -188,11 +189,11 @@ class ShardServicer:
             raise InvalidArgument(f"snapshot {request.snapshot!r} holds layers {list(snapshot.layer_indexes)}; "
                                   f"this stage holds layers {stage.layer_indexes}")
         state = snapshot.optimizer
-        await self.shard.run(stage.load_optimizer_state, state, True)  # refused: nothing changes
-        await self.shard.run(stage.load_state, snapshot.weights)  # copied into the stage's tensors
+        await self.shard.run(stage.weights.load_optimizer_state, state, True)  # refused: nothing changes
+        await self.shard.run(stage.weights.load_state, snapshot.weights)  # copied into the stage's tensors
         if not moved:  # torch's optimizer keeps the tensors it loads: the snapshot held here keeps its own
             state = optim.KeyedState(state.groups, {key: t.clone() for key, t in state.tensors.items()}, state.values)
-        await self.shard.run(stage.load_optimizer_state, state)
+        await self.shard.run(stage.weights.load_optimizer_state, state)
         log.info("restored stage %d of deployment %s from snapshot %r of %s, at optimizer step %d", stage.index,
                  request.deployment_id, request.snapshot, request.source_address or "this shard",
                  snapshot.optimizer_step, extra=self.shard.fields(step=snapshot.optimizer_step))
@@ -232,18 +233,18 @@ class ShardServicer:
     @boundary
     async def LoadCheckpoint(self, request, context):
         stage = self._owned(context, request.deployment_id)
-        directory = checkpoint.under(self.settings.checkpoint_dir, request.directory)
-        _, weights, state, read = await asyncio.to_thread(checkpoint.read_parts, directory, stage.state(),
-                                                          stage.optimizer_keys, request.optimizer, request.check_only)
-        missing = sorted(set(stage.state()) - set(weights))
+        directory, held = checkpoint.under(self.settings.checkpoint_dir, request.directory), stage.weights
+        _, weights, state, read = await asyncio.to_thread(checkpoint.read_parts, directory, held.state(),
+                                                          held.optimizer_keys, request.optimizer, request.check_only)
+        missing = sorted(set(held.state()) - set(weights))
         if missing:
             raise InvalidArgument(f"checkpoint {request.directory!r} holds no weight {missing[0]!r} of stage "
-                                  f"{stage.index} ({len(missing)} of its {len(stage.state())} missing)")
+                                  f"{stage.index} ({len(missing)} of its {len(held.state())} missing)")
         if request.optimizer:  # checked in full before anything changes
-            await self.shard.run(stage.load_optimizer_state, state, True)
-        await self.shard.run(stage.load_state, weights, request.check_only)
+            await self.shard.run(held.load_optimizer_state, state, True)
+        await self.shard.run(held.load_state, weights, request.check_only)
         if request.optimizer and not request.check_only:
-            await self.shard.run(stage.load_optimizer_state, state)
+            await self.shard.run(held.load_optimizer_state, state)
         if not request.check_only:
             log.info("stage %d of deployment %s loaded checkpoint %s (%s)", stage.index, request.deployment_id,
                      request.directory, "weights and optimizer state" if request.optimizer else "weights",
@@ -259,8 +260,8 @@ class ShardServicer:
                                      "from the client")
         roots = [data_files.normalized_root(root) for root in self.settings.data_roots]
         provided = set(request.provided)
-        names = {key: aliases for key, aliases in stage.tensor_names().items() if not provided & set(aliases)}
-        held = stage.state()
+        names = {key: aliases for key, aliases in stage.weights.tensor_names().items() if not provided & set(aliases)}
+        held = stage.weights.state()
         located = await asyncio.to_thread(weights.plan, request.source, names, held, roots, f"stage {stage.index}")
         response = shard_pb2.LoadWeightsResponse(
             loaded=sorted(alias for key in located for alias in names[key] if alias in held),
@@ -271,7 +272,7 @@ class ShardServicer:
             tensors = await asyncio.to_thread(weights.read, batch)
             response.bytes += sum(entry.end - entry.begin for entry in batch.values())
             every_key = {alias: tensors[key] for key in tensors for alias in names[key] if alias in held}
-            await self.shard.run(stage.load_state, every_key)
+            await self.shard.run(stage.weights.load_state, every_key)
         metrics.moved("received", "weights", "storage", response.bytes)
         return response
 
@@ -286,10 +287,10 @@ class ShardServicer:
     async def LoadOptimizerState(self, request_iterator, context):
         reader = RequestReader(request_iterator, self.settings.timeouts.rpc)
         header = await reader.header()
-        stage = self._owned(context, header.deployment_id)
-        state = optim.KeyedState.parse(header.layout,
-                                       await reader.tensors(expect=self._expecting(stage.expect_optimizer_tensor)))
-        await self.shard.run(stage.load_optimizer_state, state, header.check_only)
+        held = self._owned(context, header.deployment_id).weights
+        expect = self._expecting(held.expect_optimizer_tensor)
+        state = optim.KeyedState.parse(header.layout, await reader.tensors(expect=expect))
+        await self.shard.run(held.load_optimizer_state, state, header.check_only)
         return shard_pb2.LoadOptimizerStateResponse()
 
     @boundary
@@ -371,13 +372,13 @@ class ShardServicer:
             address=self.address, device=self.settings.device, deployment_id=self.shard.deployment_id,
             stage=stage.index if stage else -1, layer_indexes=stage.layer_indexes if stage else [],
             in_flight_steps=[key[0] for key in stage.in_flight_steps] if stage else [],
-            parameter_count=stage.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
+            parameter_count=stage.weights.parameter_count if stage else 0, flush_denormal=self.settings.flush_denormal,
             instance=self.instance, checkpoint_dir=self.settings.checkpoint_dir,
             client_attached=self.loop.client_attached, memory=self._memory(stage) if request.memory else None)
 
     def _memory(self, stage: Stage | None) -> shard_pb2.StageMemory:
         """What the stage holds; only when asked: a health probe's Describe need not sum every tensor."""
-        held, gradients, optimizer = stage.memory() if stage else (0, 0, 0)
+        held, gradients, optimizer = stage.weights.memory() if stage else (0, 0, 0)
         device = torch.device(self.settings.device)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts it in KiB

@@ -174,7 +174,7 @@ class Shard:
         self.steps.clear()
         log.info("loaded stage %d (layers %s) of deployment %s", plan.stage, stage.layer_indexes,
                  request.deployment_id, extra=self.fields())
-        return shard_pb2.LoadStageResponse(parameter_count=stage.parameter_count,
+        return shard_pb2.LoadStageResponse(parameter_count=stage.weights.parameter_count,
                                            rendezvous=self._averager.hosted if self._averager else "")
 
     async def accumulate(self, key: shard_pb2.StepKey, name: str, grad: torch.Tensor | None) -> None:

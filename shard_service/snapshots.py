@@ -45,15 +45,15 @@ def take(stage: Stage, deployment_id: str, secret: str, copy: bool, reuse: Snaps
     """The stage's state now, and the last optimizer step in it (run under the device's lock, so that no step is
     half applied). A copy goes into the tensors of `reuse` (the snapshot it replaces) where they fit: no fresh
     memory for a snapshot taken every few steps."""
-    weights = stage.state()
-    keyed = stage.optimizer_state()
+    weights = stage.weights.state()
+    keyed = stage.weights.optimizer_state()
     if copy:
         old = reuse if reuse is not None and reuse.owned else None
         weights = _copied(weights, old.weights if old else {})
         keyed = optim.KeyedState([dict(group) for group in keyed.groups],
                                  _copied(keyed.tensors, old.optimizer.tensors if old else {}), dict(keyed.values))
-    return Snapshot(deployment_id, secret, stage.index, tuple(stage.layer_indexes), stage.applied_step, weights,
-                    keyed, owned=copy)
+    return Snapshot(deployment_id, secret, stage.index, tuple(stage.layer_indexes), stage.weights.applied_step,
+                    weights, keyed, owned=copy)
 
 
 def _copied(tensors: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

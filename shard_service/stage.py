@@ -1,4 +1,6 @@
-"""One stage of a model on one device: its layers, optimizer and the autograd state of in-flight steps."""
+"""One stage of a model on one device: its layers and the autograd state of in-flight steps, forward to backward.
+Its weights and optimizer, which everything outside forward and backward reads or changes, are a StageWeights
+(stage_weights.py) that the stage holds."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import torch
 from shard_service import recomputation, split_backward
 from shard_service.deferred_norms import DeferredNorms
 from shard_service.recomputation import Replay
-from shardtrain import logs, optim, precision, wire
+from shard_service.stage_weights import StageWeights, check_like
+from shardtrain import logs, precision, wire
 from shardtrain.capture import CapturedProgram, InputSpec, one_row_batch_norm
 from shardtrain.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound
 from shardtrain.residuals import StageResiduals, Wiring, run_chain
 from shardtrain.saved_bytes import SavedBytes
-from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.shard.stage")
 
@@ -56,7 +58,8 @@ class InFlight:
 
 
 class Stage:
-    """Runs forward and backward of a contiguous slice of layers, keeping per-step state until backward."""
+    """Runs forward and backward of a contiguous slice of layers, keeping per-step state until backward. The
+    weights the layers share, and their optimizer, are `weights`."""
 
     def __init__(self, index: int, sources: Sequence[LayerSource], residuals: StageResiduals,
                  optimizer: tuple, device: str, max_in_flight: int = 64, recompute: str = "never",
@@ -65,79 +68,20 @@ class Stage:
         self.recompute = recompute  # which micro-batches keep only their inputs until backward (recompute_modes.py)
         self.precision = precision  # the dtype the layers compute in (precision.py)
         self.computes_loss = False  # the pipeline's last stage: a recomputed micro-batch keeps its output too
-        self.applied_step = 0  # the last optimizer step applied (StepRequest numbering); 0: none
         self.device = torch.device(device)
         self.residuals = residuals
         self.layer_indexes = [source.index for source in sources]
         self.descriptions = [source.description for source in sources]
         self._wirings = [source.wiring for source in sources]
-        self._tensors: dict[str, torch.Tensor] = {}  # each weight once, by its key (a tied one by its first key)
-        self._two_rows: tuple | None = None  # (layer index, description, input shape) of a layer that needs 2 rows
         self._norms = DeferredNorms()  # batch norms' running statistics, updated once per step
-        self._layers, self._eval_layers, self._state, self._input_specs = self._build(sources)
+        self._layers, self._eval_layers, tensors, state, self._input_specs, self._two_rows = _load_layers(
+            sources, self.device, precision, self._norms)
         self._segments = recomputation.segments([source.recompute for source in sources])  # run together
-        self._unloaded = set(self._state)
-        named = {key: self._tensors[key] for key in self._parameter_keys()}
-        # optimizer: (name, defaults as JSON[, param groups]), as optim.build takes them
-        self._optimizer = optim.build(optimizer[0], optimizer[1], named, *optimizer[2:]) if named else None
-        key_of = {id(tensor): key for key, tensor in named.items()}
-        self._optimizer_keys = [key_of[id(p)] for group in self._optimizer.param_groups for p in group["params"]] \
-            if self._optimizer is not None else []  # torch numbers its state by these positions
+        self.weights = StageWeights(index, tensors, state, optimizer, self.device)  # the weights and their optimizer
         self._in_flight: OrderedDict[StepKey, InFlight] = OrderedDict()
         self._saved_bytes: dict[tuple, int] = {}  # per input signature: what autograd saves (see _run_counted)
         self._max_in_flight = max_in_flight
         self.peak_activation_bytes = 0  # the most in_flight_bytes has been
-
-    def _build(self, sources: Sequence[LayerSource]):
-        """(training-mode layers, eval-mode layers, weights by state-dict key, each layer's input specs); a layer
-        without an eval-mode graph of its own is the same module in both lists, and both share the weights."""
-        layers, eval_layers, state, inputs = [], [], {}, []
-        for source in sources:
-            program = CapturedProgram(source.program)
-            graph_state = {}
-            for spec in program.state_specs():
-                if spec.graph_key not in source.state_keys:
-                    raise InvalidArgument(f"layer {source.index}: weight {spec.graph_key!r} has no state-dict key")
-                key = source.state_keys[spec.graph_key]
-                home = source.tied.get(key, key)
-                tensor = self._tensors.get(home)  # tied weights: one tensor under every key
-                if tensor is None:
-                    if spec.is_parameter and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
-                        raise InvalidArgument(f"layer {source.index}: parameter {key!r} is declared {spec.dtype}; a "
-                                              "parameter that trains is floating-point or complex")
-                    tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
-                    if spec.is_parameter:
-                        tensor = torch.nn.Parameter(tensor, requires_grad=key not in source.frozen)
-                    self._tensors[home] = tensor
-                elif list(tensor.shape) != list(spec.shape) or tensor.dtype != spec.dtype:
-                    raise InvalidArgument(f"layer {source.index}: weight {key!r} is tied to {home!r}, a "
-                                          f"{tensor.dtype} of shape {list(tensor.shape)}, but is a {spec.dtype} of "
-                                          f"shape {list(spec.shape)}")
-                graph_state[spec.graph_key] = state[key] = tensor
-            layers.append(program.load(graph_state, self.device))
-            if self.precision != "fp32":
-                precision.relax(layers[-1])
-            if source.eval_program:  # a layer that reads `training` (a batch norm) has graphs of its own per mode
-                self._norms.install(layers[-1])
-            shape = one_row_batch_norm(layers[-1])
-            if shape is not None and self._two_rows is None:
-                self._two_rows = (source.index, source.description, shape)
-            inputs.append(program.input_specs())
-            eval_layers.append(_eval_layer(source, program, graph_state, self.device) if source.eval_program
-                               else layers[-1])
-            if self.precision != "fp32" and source.eval_program:
-                precision.relax(eval_layers[-1])
-        return layers, eval_layers, state, inputs
-
-    @property
-    def parameters(self) -> list[torch.nn.Parameter]:
-        """The stage's trainable tensors, in layer order."""
-        return [self._tensors[key] for key in self._parameter_keys()]
-
-    @property
-    def parameter_count(self) -> int:
-        """Number of trainable scalars in the stage."""
-        return sum(t.numel() for t in self.parameters)
 
     @property
     def in_flight_steps(self) -> list[StepKey]:
@@ -276,7 +220,7 @@ class Stage:
         known = self._saved_bytes.get(signature)
         if known is not None:
             return self._run(layers, x, saved), known
-        with SavedBytes(self._state.values()) as counter:
+        with SavedBytes(self.weights.state().values()) as counter:
             output = self._run(layers, x, saved)
         if len(self._saved_bytes) >= SIGNATURES_KEPT:  # batches of ever new sizes: nothing grows without bound
             self._saved_bytes.clear()
@@ -310,9 +254,9 @@ class Stage:
         return recomputation.run_segments(layers, self._wirings, self._segments, x, saved, self._norms.paused)
 
     def _check_ready(self, key: StepKey, requires_grad: bool) -> None:
-        if self._unloaded:
-            raise FailedPrecondition(f"stage {self.index} has not received weights {sorted(self._unloaded)[:5]}; "
-                                     "load a state dict first")
+        if self.weights.unloaded:
+            raise FailedPrecondition(f"stage {self.index} has not received weights "
+                                     f"{sorted(self.weights.unloaded)[:5]}; load a state dict first")
         if requires_grad and key in self._in_flight:
             raise FailedPrecondition(f"step {key[0]} micro-batch {key[1]} is already in flight on stage {self.index}")
 
@@ -345,7 +289,7 @@ class Stage:
         roots, grads = self._roots(state, grad_output, residual_grads)
         names = list(state.incoming)
         leaf_grads, state.weight_pass = split_backward.input_pass(
-            roots, grads, [state.inputs, *(state.incoming[name] for name in names)], self.parameters)
+            roots, grads, [state.inputs, *(state.incoming[name] for name in names)], self.weights.parameters)
         return leaf_grads[0], dict(zip(names, leaf_grads[1:]))
 
     def backward_weight(self, key: StepKey) -> None:
@@ -371,191 +315,66 @@ class Stage:
         if grad_output is None and state.is_loss:
             grad_output = torch.full_like(state.output, state.loss_scale)
         if grad_output is not None:
-            _check_like(grad_output, state.output, f"stage {self.index} output gradient")
+            check_like(grad_output, state.output, f"stage {self.index} output gradient")
         pairs = [(state.output, grad_output)] + [(state.outgoing[n], g) for n, g in residual_grads.items()]
         pairs = [(root, grad.to(self.device)) for root, grad in pairs if grad is not None and root.requires_grad]
         for root, grad in pairs:
-            _check_like(grad, root, f"stage {self.index} gradient")
+            check_like(grad, root, f"stage {self.index} gradient")
         return [root for root, _ in pairs], [grad for _, grad in pairs]
-
-    def zero_grad(self) -> None:
-        """Clears parameter gradients (set to None, as torch does by default)."""
-        for tensor in self._state.values():
-            tensor.grad = None
-
-    def tied_gradient(self, key: str) -> torch.Tensor | None:
-        """This stage's gradient of tied weight `key` (its first key), before the other stages' are added."""
-        return self._tensors[key].grad
-
-    def set_tied_gradient(self, key: str, grad: torch.Tensor | None) -> None:
-        """Replaces the gradient of tied weight `key` with the sum over every stage holding it."""
-        self._tensors[key].grad = grad.to(self.device) if grad is not None else None
-
-    def set_hyperparameters(self, hyperparameters_json: str) -> None:
-        """Sets the hyperparameters (lr, betas, ...) of each param group, as a client's schedule left them: JSON,
-        one object per group."""
-        if self._optimizer is not None:
-            optim.set_hyperparameters(self._optimizer, hyperparameters_json)
-
-    def step(self, gradient_scale: float = 0.0, number: int = 0, skip: bool = False,
-             edits: Sequence[shard_pb2.GradientEdit] = ()) -> None:
-        """Applies the optimizer to the accumulated gradients, first changed by the client's `edits` and scaled by
-        `gradient_scale` when it is above 0 (global norm clipping, loss scaling), as optimizer step `number`
-        (applied_step says which was the last); with `skip` (a gradient was not finite under loss scaling) it
-        counts the step and changes nothing."""
-        self.edit_gradients([edit for edit in edits if isinstance(self._tensors.get(edit.parameter),
-                                                                  torch.nn.Parameter)])  # those it holds
-        if self._optimizer is not None and not skip:
-            if gradient_scale > 0:
-                for parameter in self.parameters:
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(gradient_scale)
-            self._optimizer.step()
-        self.applied_step = number
-
-    def gradient_norm(self, norm_type: float, leave_out: Sequence[str] = ()) -> float:
-        """The p-norm of every gradient the stage holds, taken as one vector (as clip_grad_norm_ takes them), but
-        for the weights named in `leave_out` (tied weights another stage counts)."""
-        norms = [torch.linalg.vector_norm(self._tensors[key].grad.detach(), norm_type)
-                 for key in self._parameter_keys() if key not in leave_out and self._tensors[key].grad is not None]
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type).item() if norms else 0.0
-
-    def parameter_norms(self, norm_type: float, keys: Sequence[str]) -> list[float]:
-        """Each named parameter's own gradient p-norm (0 for one without a gradient), as torch computes it for
-        clip_grad_norm_ over a RemoteParameter list; InvalidArgument for a name the stage does not hold."""
-        norms = []
-        for key in keys:
-            grad = self._gradient_holder(key).grad
-            norms.append(0.0 if grad is None else torch.linalg.vector_norm(grad.detach(), norm_type).item())
-        return norms
-
-    def edit_gradients(self, edits: Sequence[shard_pb2.GradientEdit]) -> None:
-        """Applies in-place changes the client's code made to named gradients (clip_grad_value_, a scale), in
-        order, after checking all of them: a gradient that is None stays None, as torch's edits skip it."""
-        changes = []
-        for edit in edits:
-            kind = edit.WhichOneof("edit")
-            if kind is None:
-                raise InvalidArgument(f"gradient edit of {edit.parameter!r} names no change; expected scale or clamp")
-            changes.append((self._gradient_holder(edit.parameter), kind, edit))
-        with torch.no_grad():
-            for parameter, kind, edit in changes:
-                if parameter.grad is None:
-                    continue
-                if kind == "scale":
-                    parameter.grad.mul_(edit.scale)
-                else:
-                    parameter.grad.clamp_(min=edit.clamp.low, max=edit.clamp.high)
-
-    def _gradient_holder(self, key: str) -> torch.nn.Parameter:
-        tensor = self._tensors.get(key)
-        if not isinstance(tensor, torch.nn.Parameter):
-            raise InvalidArgument(f"stage {self.index} holds no parameter {key!r}; its parameters are "
-                                  f"{self._parameter_keys()[:8]}{' ...' if len(self._parameter_keys()) > 8 else ''}")
-        return tensor
 
     def forget(self, up_to_step: int) -> None:
         """Drops the state of steps up to `up_to_step` whose backward never came."""
         for key in [k for k in self._in_flight if k[0] <= up_to_step]:
             del self._in_flight[key]
 
-    def load_state(self, tensors: dict[str, torch.Tensor], check_only: bool = False) -> list[str]:
-        """Copies weights in place (the optimizer keeps pointing at them); InvalidArgument on unknown keys or shapes.
-        With `check_only`, only checks."""
-        for key, value in tensors.items():
-            self._check_weight(key, value)
-        if check_only:
-            return sorted(tensors)
-        with torch.no_grad():
-            for key, value in tensors.items():
-                self._state[key].copy_(value)
-        self._unloaded -= set(tensors)
-        return sorted(tensors)
-
-    def expect_weight(self, header) -> None:
-        """InvalidArgument unless a tensor of this header loads into one of the stage's weights (before any of
-        it is stored)."""
-        self._check_weight(header.name, wire.meta(header))
-
-    def _check_weight(self, key: str, value: torch.Tensor) -> None:
-        """InvalidArgument unless `value` (a meta tensor for a header) fits the stage's weight `key`."""
-        if key not in self._state:
-            raise InvalidArgument(f"stage {self.index} has no weight {key[:200]!r}; it holds "
-                                  f"{sorted(self._state)[:20]}")
-        _check_like(value, self._state[key], f"weight {key!r}")
-
-    def expect_optimizer_tensor(self, header) -> None:
-        """InvalidArgument unless a tensor of this header can be optimizer state ("<parameter key>/<name>") of a
-        parameter here, no larger than it."""
-        key = header.name.rpartition("/")[0]
-        parameter = self._tensors.get(key) if key in self.optimizer_keys else None
-        if parameter is None:
-            raise InvalidArgument(f"optimizer state {header.name[:200]!r} names no parameter of stage {self.index}")
-        if wire.meta(header).numel() > max(parameter.numel(), 1):
-            raise InvalidArgument(f"optimizer state {header.name!r} of shape {list(header.shape)} is larger than its "
-                                  f"parameter {list(parameter.shape)}")
-
     def expect_input(self, header) -> None:
         """check_input for a tensor of this header, before any of it is stored."""
         self.check_input(wire.meta(header))
 
-    def memory(self) -> tuple[int, int, int]:
-        """(weight bytes, gradient bytes, optimizer state bytes) the stage holds now."""
-        weights = sum(t.nbytes for t in self._tensors.values())
-        gradients = sum(t.grad.nbytes for t in self._tensors.values() if t.grad is not None)
-        state = self._optimizer.state.values() if self._optimizer is not None else ()
-        optimizer = sum(v.nbytes for entry in state for v in entry.values() if isinstance(v, torch.Tensor))
-        return weights, gradients, optimizer
 
-    def tensor_names(self) -> dict[str, tuple[str, ...]]:
-        """Each tensor of the stage once, under its first key here: every name it has, this stage's keys first,
-        then a tied weight's first key (where a checkpoint that stores a tied tensor once keeps it)."""
-        homes = {id(tensor): home for home, tensor in self._tensors.items()}
-        names: dict[int, list[str]] = {}
-        for key, tensor in self._state.items():
-            names.setdefault(id(tensor), []).append(key)
-        return {keys[0]: tuple(dict.fromkeys([*keys, homes.get(identity, keys[0])]))
-                for identity, keys in names.items()}
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The stage's weights under the user's state-dict keys."""
-        return {key: tensor.detach() for key, tensor in self._state.items()}
-
-    @property
-    def optimizer_keys(self) -> list[str]:
-        """The keys of the parameters the stage's optimizer steps, in its order."""
-        return list(self._optimizer_keys) if self._optimizer is not None else []
-
-    def optimizer_state(self) -> optim.KeyedState:
-        """The optimizer's state and hyperparameters, keyed by the parameters' state-dict keys."""
-        if self._optimizer is None:
-            return optim.KeyedState([], {}, {})
-        return optim.keyed(self._optimizer.state_dict(), self._optimizer_keys)
-
-    def load_optimizer_state(self, state: optim.KeyedState, check_only: bool = False) -> None:
-        """Replaces the optimizer's state and hyperparameters (with `check_only`, only checks that it could);
-        InvalidArgument, with the state left as it was, unless `state` names exactly this stage's parameters
-        and holds what this optimizer keeps."""
-        if self._optimizer is None:
-            if state.groups or state.tensors or state.values:
-                raise InvalidArgument(f"stage {self.index} has no parameters, so no optimizer state to load")
-            return
-        keys = self._optimizer_keys
-        loaded = optim.indexed(state, keys)
-        optim.check_state(self._optimizer, loaded, keys)
-        if check_only:
-            return
-        try:
-            self._optimizer.load_state_dict(loaded)
-        except (ValueError, KeyError, TypeError) as error:  # torch's own checks: group counts and sizes
-            raise InvalidArgument(f"stage {self.index}: the optimizer state does not fit its optimizer: "
-                                  f"{error}") from None
-
-    def _parameter_keys(self) -> list[str]:
-        """The keys of the stage's parameters, in layer order, each once (a tied weight by its first key)."""
-        return [key for key, tensor in self._tensors.items() if isinstance(tensor, torch.nn.Parameter)]
-
-
+def _load_layers(sources: Sequence[LayerSource], device: torch.device, computes_in: str, norms: DeferredNorms):
+    """A stage's layers built from their captured programs, computing in dtype `computes_in`, their batch norms'
+    running statistics installed in `norms`: (training-mode layers, eval-mode layers, each weight once by its key
+    (a tied one by its first key), weights by state-dict key, each layer's input specs, (layer index,
+    description, input shape) of the first layer that needs 2 rows in training or None). A layer without an
+    eval-mode graph of its own is the same module in both lists, and both share the weights."""
+    layers, eval_layers, tensors, state, inputs, two_rows = [], [], {}, {}, [], None
+    for source in sources:
+        program = CapturedProgram(source.program)
+        graph_state = {}
+        for spec in program.state_specs():
+            if spec.graph_key not in source.state_keys:
+                raise InvalidArgument(f"layer {source.index}: weight {spec.graph_key!r} has no state-dict key")
+            key = source.state_keys[spec.graph_key]
+            home = source.tied.get(key, key)
+            tensor = tensors.get(home)  # tied weights: one tensor under every key
+            if tensor is None:
+                if spec.is_parameter and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
+                    raise InvalidArgument(f"layer {source.index}: parameter {key!r} is declared {spec.dtype}; a "
+                                          "parameter that trains is floating-point or complex")
+                tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+                if spec.is_parameter:
+                    tensor = torch.nn.Parameter(tensor, requires_grad=key not in source.frozen)
+                tensors[home] = tensor
+            elif list(tensor.shape) != list(spec.shape) or tensor.dtype != spec.dtype:
+                raise InvalidArgument(f"layer {source.index}: weight {key!r} is tied to {home!r}, a "
+                                      f"{tensor.dtype} of shape {list(tensor.shape)}, but is a {spec.dtype} of "
+                                      f"shape {list(spec.shape)}")
+            graph_state[spec.graph_key] = state[key] = tensor
+        layers.append(program.load(graph_state, device))
+        if computes_in != "fp32":
+            precision.relax(layers[-1])
+        if source.eval_program:  # a layer that reads `training` (a batch norm) has graphs of its own per mode
+            norms.install(layers[-1])
+        shape = one_row_batch_norm(layers[-1])
+        if shape is not None and two_rows is None:
+            two_rows = (source.index, source.description, shape)
+        inputs.append(program.input_specs())
+        eval_layers.append(_eval_layer(source, program, graph_state, device) if source.eval_program
+                           else layers[-1])
+        if computes_in != "fp32" and source.eval_program:
+            precision.relax(eval_layers[-1])
+    return layers, eval_layers, tensors, state, inputs, two_rows
 
 
 def _eval_layer(source: LayerSource, program: CapturedProgram, graph_state: dict[str, torch.Tensor],
@@ -583,10 +402,4 @@ def _leaf(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     masks do not)."""
     differentiable = tensor.is_floating_point() or tensor.is_complex()
     return tensor.detach().requires_grad_(requires_grad and differentiable)
-
-
-def _check_like(value: torch.Tensor, reference: torch.Tensor, what: str) -> None:
-    if value.shape != reference.shape or value.dtype != reference.dtype:
-        raise InvalidArgument(f"{what}: expected {reference.dtype} of shape {list(reference.shape)}, "
-                              f"got {value.dtype} of shape {list(value.shape)}")
 

@@ -39,10 +39,10 @@ class TiedGradients:
         for tie in plan.tied:
             await self._send(stage, tie, optimizer_step)
         for tie in plan.tied:
-            grads = [stage.tied_gradient(tie.key) if other == plan.stage else
+            grads = [stage.weights.tied_gradient(tie.key) if other == plan.stage else
                      await self._gradient_of(other, tie.key, optimizer_step) for other in tie.stages]
             total = summed([grad.to(stage.device) if grad is not None else None for grad in grads])
-            await self._shard.run(stage.set_tied_gradient, tie.key, total)
+            await self._shard.run(stage.weights.set_tied_gradient, tie.key, total)
 
     async def _send(self, stage, tie, optimizer_step: int) -> None:
         plan = self._shard.plan
@@ -53,7 +53,7 @@ class TiedGradients:
                 # To a later stage as a residual link (it may carry the next stage's items too), to an earlier
                 # one on a link of its own.
                 role = _ROLES.LINK_ROLE_RESIDUAL if other > plan.stage else _ROLES.LINK_ROLE_TIED
-                await self._links.send(self._links.client(address, role), item, stage.tied_gradient(tie.key),
+                await self._links.send(self._links.client(address, role), item, stage.weights.tied_gradient(tie.key),
                                        "exact")
 
     async def _gradient_of(self, other: int, key: str, optimizer_step: int) -> torch.Tensor | None:

@@ -57,7 +57,7 @@ class LastStage:
 
     async def start(self) -> None:
         await self.shard.load(self.request)
-        self.shard.stage.load_state(self.state)
+        self.shard.stage.weights.load_state(self.state)
         await self.loop.reset(DEPLOYMENT)
         self.up = RecordingEnd(shard_pb2.LinkOpen(deployment_id=DEPLOYMENT, role=ROLES.LINK_ROLE_NEXT, from_stage=0))
         self.out = RecordingEnd(shard_pb2.LinkOpen(deployment_id=DEPLOYMENT, role=ROLES.LINK_ROLE_OUTPUT,
@@ -75,7 +75,7 @@ class LastStage:
         await self.loop.settled(10.0)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {key: value.clone() for key, value in self.shard.stage.state().items()}
+        return {key: value.clone() for key, value in self.shard.stage.weights.state().items()}
 
     async def close(self) -> None:
         await self.loop.close()

@@ -35,7 +35,7 @@ def stages(programs, model: torch.nn.Sequential) -> list[Stage]:
     built = []
     for index, (layer, program) in enumerate(zip(model, programs)):
         stage = Stage(index, [source(index, layer, program)], StageResiduals(), SGD, "cpu")
-        stage.load_state({k: v for k, v in model_state(model).items() if k.startswith(f"{index}.")})
+        stage.weights.load_state({k: v for k, v in model_state(model).items() if k.startswith(f"{index}.")})
         built.append(stage)
     return built
 
@@ -160,7 +160,7 @@ def test_each_stage_runs_its_schedule_and_the_gradients_equal_one_process(progra
     for index, stage in enumerate(built):
         for key, parameter in model.named_parameters():
             if key.startswith(f"{index}."):
-                assert torch.allclose(stage._state[key].grad, parameter.grad, atol=1e-6), key
+                assert torch.allclose(stage.weights._state[key].grad, parameter.grad, atol=1e-6), key
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size")

@@ -66,12 +66,12 @@ def mlp_stage(programs, mlp, index: int = 0, optimizer=SGD, max_in_flight: int =
     sources = [source(i, layer, programs[name]) for i, (layer, name) in enumerate(zip(mlp, names))]
     stage = Stage(index, sources, StageResiduals(), optimizer, "cpu", max_in_flight)
     if load:
-        stage.load_state(model_state(mlp))
+        stage.weights.load_state(model_state(mlp))
     return stage
 
 
 def assert_same_state(stage: Stage, model: torch.nn.Module) -> None:
-    state = stage.state()
+    state = stage.weights.state()
     assert set(state) == set(model.state_dict())
     for key, value in model.state_dict().items():
         assert torch.allclose(state[key], value, atol=TOLERANCE, rtol=0), key
@@ -86,7 +86,7 @@ def test_forward_backward_step_match_plain_pytorch(programs, mlp, stage_index):
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     torch.manual_seed(1)
     for step in range(1, 4):
-        stage.zero_grad()
+        stage.weights.zero_grad()
         optimizer.zero_grad()
         for microbatch in range(2):  # gradients of micro-batches accumulate before the step
             x, grad = torch.randn(5, 3), torch.randn(5, 2)
@@ -101,10 +101,10 @@ def test_forward_backward_step_match_plain_pytorch(programs, mlp, stage_index):
                 assert grad_input is None  # the first stage's input is data: no gradient to send
             else:
                 assert torch.allclose(grad_input, x_ref.grad, atol=TOLERANCE, rtol=0)
-        stage.step()
+        stage.weights.step()
         optimizer.step()
         assert_same_state(stage, reference)
-    assert not torch.allclose(stage.state()["0.weight"], mlp[0].weight)  # it did train
+    assert not torch.allclose(stage.weights.state()["0.weight"], mlp[0].weight)  # it did train
 
 
 @pytest.mark.parametrize("stage_index", [0, 1])
@@ -118,7 +118,7 @@ def test_a_split_backward_matches_plain_pytorch(programs, mlp, stage_index):
     grad_input, residual_grads = stage.backward_input((1, 0), grad, {})
     x_ref = x.clone().requires_grad_(stage_index > 0)
     reference(x_ref).backward(grad)
-    assert residual_grads == {} and all(p.grad is None for p in stage.parameters)
+    assert residual_grads == {} and all(p.grad is None for p in stage.weights.parameters)
     if stage_index == 0:
         assert grad_input is None
     else:
@@ -126,7 +126,7 @@ def test_a_split_backward_matches_plain_pytorch(programs, mlp, stage_index):
     assert stage.in_flight_steps == [(1, 0)]  # held until its weight gradient
     stage.backward_weight((1, 0))
     assert stage.in_flight_steps == []
-    for parameter, expected in zip(stage.parameters, reference.parameters()):
+    for parameter, expected in zip(stage.weights.parameters, reference.parameters()):
         assert torch.allclose(parameter.grad, expected.grad, atol=TOLERANCE, rtol=0)
 
 
@@ -161,7 +161,7 @@ def test_forward_without_grad_keeps_no_state(programs, mlp):
 
 def test_step_without_gradients_leaves_weights_alone(programs, mlp):
     stage = mlp_stage(programs, mlp)
-    stage.step()
+    stage.weights.step()
     assert_same_state(stage, mlp)
 
 
@@ -169,13 +169,13 @@ def test_zero_grad_clears_accumulated_gradients(programs, mlp):
     stage = mlp_stage(programs, mlp, optimizer=("SGD", '{"lr": 0.1}'))
     stage.forward((1, 0), torch.randn(4, 3), {}, requires_grad=True)
     stage.backward((1, 0), torch.randn(4, 2), {})
-    stage.zero_grad()
-    stage.step()
+    stage.weights.zero_grad()
+    stage.weights.step()
     assert_same_state(stage, mlp)
 
 
 def test_parameter_count(programs, mlp):
-    assert mlp_stage(programs, mlp).parameter_count == 3 * 4 + 4 + 4 * 2 + 2
+    assert mlp_stage(programs, mlp).weights.parameter_count == 3 * 4 + 4 + 4 * 2 + 2
 
 
 def test_layer_indexes_and_descriptions_come_from_the_sources(programs, mlp):
@@ -188,23 +188,23 @@ def test_layer_indexes_and_descriptions_come_from_the_sources(programs, mlp):
 
 def test_load_state_returns_the_loaded_keys_sorted(programs, mlp):
     stage = mlp_stage(programs, mlp, load=False)
-    assert stage.load_state(model_state(mlp)) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert stage.weights.load_state(model_state(mlp)) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
 def test_load_state_copies_into_the_tensors_the_optimizer_holds(programs, mlp):
     stage = mlp_stage(programs, mlp)
-    stage.load_state({"2.bias": torch.tensor([5.0, -5.0])})
+    stage.weights.load_state({"2.bias": torch.tensor([5.0, -5.0])})
     stage.forward((1, 0), torch.zeros(1, 3), {}, requires_grad=True)
     stage.backward((1, 0), torch.zeros(1, 2), {})
-    stage.step()  # zero gradient: the loaded value must survive the step untouched
-    assert stage.state()["2.bias"].tolist() == [5.0, -5.0]
+    stage.weights.step()  # zero gradient: the loaded value must survive the step untouched
+    assert stage.weights.state()["2.bias"].tolist() == [5.0, -5.0]
 
 
 def test_load_state_refuses_an_unknown_key_naming_what_the_stage_holds(programs, mlp):
     stage = mlp_stage(programs, mlp)
     message = "stage 0 has no weight '1.weight'; it holds ['0.bias', '0.weight', '2.bias', '2.weight']"
     with pytest.raises(InvalidArgument, match=re.escape(message)):
-        stage.load_state({"1.weight": torch.zeros(4, 3)})
+        stage.weights.load_state({"1.weight": torch.zeros(4, 3)})
 
 
 @pytest.mark.parametrize(("value", "got"), [
@@ -215,13 +215,13 @@ def test_load_state_refuses_a_wrong_shape_or_dtype(programs, mlp, value, got):
     stage = mlp_stage(programs, mlp)
     message = f"weight '0.weight': expected torch.float32 of shape [4, 3], got {got}"
     with pytest.raises(InvalidArgument, match=re.escape(message)):
-        stage.load_state({"0.weight": value})
+        stage.weights.load_state({"0.weight": value})
 
 
 def test_load_state_with_one_bad_entry_loads_nothing(programs, mlp):
     stage = mlp_stage(programs, mlp)
     with pytest.raises(InvalidArgument):
-        stage.load_state({"0.bias": torch.full((4,), 9.0), "0.weight": torch.zeros(1)})
+        stage.weights.load_state({"0.bias": torch.full((4,), 9.0), "0.weight": torch.zeros(1)})
     assert_same_state(stage, mlp)
 
 
@@ -233,7 +233,7 @@ def test_forward_before_weights_are_loaded_is_failed_precondition(programs, mlp)
 
 def test_forward_after_a_partial_load_names_the_missing_weights(programs, mlp):
     stage = mlp_stage(programs, mlp, load=False)
-    stage.load_state({k: v for k, v in model_state(mlp).items() if k != "2.weight"})
+    stage.weights.load_state({k: v for k, v in model_state(mlp).items() if k != "2.weight"})
     with pytest.raises(FailedPrecondition, match=re.escape("has not received weights ['2.weight']")):
         stage.forward((1, 0), torch.zeros(2, 3), {}, requires_grad=False)
 
@@ -321,14 +321,14 @@ def test_forget_drops_steps_up_to_the_given_one(programs, mlp):
 
 def test_stage_without_parameters_runs_without_weights_or_optimizer(programs):
     stage = Stage(1, [source(4, torch.nn.ReLU(), programs["relu_4"])], StageResiduals(), SGD, "cpu")
-    assert stage.parameter_count == 0
-    assert stage.state() == {}
+    assert stage.weights.parameter_count == 0
+    assert stage.weights.state() == {}
     x = torch.tensor([[-1.0, 2.0, -3.0, 4.0]])
     output, _ = stage.forward((1, 0), x.clone(), {}, requires_grad=True)
     assert output.tolist() == [[0.0, 2.0, 0.0, 4.0]]
     grad_input, _ = stage.backward((1, 0), torch.ones(1, 4), {})
     assert grad_input.tolist() == [[0.0, 1.0, 0.0, 1.0]]
-    stage.step()
+    stage.weights.step()
 
 
 def test_first_stage_without_parameters_has_nothing_to_differentiate(programs):
@@ -351,7 +351,7 @@ def producer_stage(programs, layers) -> Stage:
     sources = [source(0, layers[0], programs["linear_3_3_saves_r"], Wiring(out_variables=("r",))),
                source(1, layers[1], programs["linear_3_2"])]
     stage = Stage(0, sources, StageResiduals(outgoing={"r": [1]}), ("SGD", '{"lr": 0.1}'), "cpu")
-    stage.load_state(model_state(torch.nn.Sequential(*layers)))
+    stage.weights.load_state(model_state(torch.nn.Sequential(*layers)))
     return stage
 
 
@@ -370,7 +370,7 @@ def test_producer_backward_adds_the_residual_gradient(programs, producer_layers)
     x, grad_output, grad_r = torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 3)
     stage.forward((1, 0), x, {}, requires_grad=True)
     stage.backward((1, 0), grad_output, {"r": grad_r})
-    stage.step()
+    stage.weights.step()
     reference = copy.deepcopy(torch.nn.Sequential(*producer_layers))
     r = reference[0](x)
     torch.autograd.backward([reference[1](r), r], [grad_output, grad_r])
@@ -385,8 +385,8 @@ def test_producer_backward_without_the_residual_gradient_differs(programs, produ
     for stage, residual_grads in ((with_grad, {"r": grad_r}), (without_grad, {})):
         stage.forward((1, 0), x.clone(), {}, requires_grad=True)
         stage.backward((1, 0), grad_output, residual_grads)
-        stage.step()
-    assert not torch.allclose(with_grad.state()["0.weight"], without_grad.state()["0.weight"])
+        stage.weights.step()
+    assert not torch.allclose(with_grad.weights.state()["0.weight"], without_grad.weights.state()["0.weight"])
 
 
 @pytest.fixture
@@ -399,7 +399,7 @@ def consumer_stage(programs, layer) -> Stage:
     """Stage 1: one layer that adds residual 'r' fetched from stage 0."""
     sources = [source(5, layer, programs["linear_2_3_plus_r"], Wiring(dependencies=("r",)))]
     stage = Stage(1, sources, StageResiduals(incoming={"r": 0}), ("SGD", '{"lr": 0.1}'), "cpu")
-    stage.load_state({f"5.{k}": v.clone() for k, v in layer.state_dict().items()})
+    stage.weights.load_state({f"5.{k}": v.clone() for k, v in layer.state_dict().items()})
     return stage
 
 
@@ -435,7 +435,7 @@ def test_in_flight_bytes_count_saved_activations_not_weights(monkeypatch):
     program = capture_layer(LayerAdapter(linear), (torch.randn(2, 16),))
     source = LayerSource(0, "Linear", program, Wiring(), {"layer.weight": "0.weight", "layer.bias": "0.bias"})
     stage = Stage(1, [source], StageResiduals({}, {}), ("SGD", '{"lr": 0.1}'), "cpu")
-    stage.load_state({"0.weight": linear.weight.detach(), "0.bias": linear.bias.detach()})
+    stage.weights.load_state({"0.weight": linear.weight.detach(), "0.bias": linear.bias.detach()})
     stage.forward((0, 0), torch.randn(8, 16), {}, True)
     assert stage.in_flight_bytes == 8 * 16 * 4  # the input the weight's gradient needs; not the weight
     stage.forward((1, 0), torch.randn(8, 16), {}, True)  # counted once per signature, then known
@@ -462,7 +462,7 @@ def test_eval_mode_runs_the_eval_graph_on_the_training_graphs_weights(batchnorm_
     train, evaluation = batchnorm_programs
     keys = {key: f"0.{key.removeprefix('layer.')}" for key in LayerAdapter(batchnorm[0]).state_dict()}
     stage = Stage(0, [LayerSource(0, "BatchNorm1d", train, Wiring(), keys, evaluation)], StageResiduals(), SGD, "cpu")
-    stage.load_state(model_state(batchnorm))
+    stage.weights.load_state(model_state(batchnorm))
     x = torch.randn(5, 3) * 3 + 1
 
     output, _ = stage.forward((0, 0), x, {}, requires_grad=False, training=True)
@@ -472,7 +472,7 @@ def test_eval_mode_runs_the_eval_graph_on_the_training_graphs_weights(batchnorm_
     assert torch.allclose(output, batchnorm.eval()(x), atol=TOLERANCE)  # by the running statistics, which stay
     assert_same_state(stage, batchnorm)
     stage.backward((1, 0), torch.ones(5, 3), {})
-    assert all(p.grad is not None for p in stage.parameters)  # eval mode still trains the affine weights
+    assert all(p.grad is not None for p in stage.weights.parameters)  # eval mode still trains the affine weights
 
 
 def test_an_eval_graph_that_wants_other_weights_is_refused(programs, batchnorm_programs):
