@@ -30,8 +30,8 @@ non-zero if one does not.
 --simulate-compute-ms D stands for GPU hosts, where stages do not share cores. Every shard runs with
 `--simulate-compute-ms D` (set as SHARDTRAIN_SIMULATE_COMPUTE_MS in the environment of its command:
 Cluster.local passes no shard flags), so after each forward and each backward of a micro-batch that
-train_step plans it waits D ms more (asyncio.sleep, its compute thread free), D / 2 after each half of a
-split (zb-h1) backward, nothing more for the loss; the torch stages sleep (time.sleep) as long after the
+train_step plans it waits D ms more (time.sleep on its compute thread, holding its device), D / 2 after
+each half of a split (zb-h1) backward, nothing more for the loss; the torch stages sleep (time.sleep) as long after the
 same actions (a PipelineStage subclass; with DistributedDataParallel, after the whole model's forward and
 before its backward). Interleaved stages are half a device's share of the model: D / 2 per action, both
 sides. The layers still compute for real, on the shared cores.

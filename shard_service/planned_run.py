@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -190,7 +191,9 @@ class PlannedRun:
     def _compute(self, op: str, k: int, simulated: float = 1.0, turn: bool = True) -> Callable[..., Awaitable[tuple]]:
         """How action (op, k) runs its stage work: in its turn on a shared device (unless `turn` is False: work
         within an action's turn, as the last stage's loss); with simulated compute (benchmarks), then waits
-        `simulated` times its device time. `began` says when it started (time.time())."""
+        `simulated` times its device time: on the compute thread, holding the device, as a thread waiting for its
+        kernels would (a timer on the event loop fires up to a millisecond late). `began` says when it started
+        (time.time())."""
         turns = self.turns and turn
 
         async def compute(function, *args) -> tuple:
@@ -199,10 +202,8 @@ class PlannedRun:
                 await device.turn(self.step, self._device_order, (self.index, op, k), self.executor.timeout)
             try:
                 start, self.began = time.perf_counter(), time.time()
-                result = await self.shard.run(function, *args)
-                simulate = self.shard.settings.simulate_compute
-                if simulated and simulate:
-                    await asyncio.sleep(simulate * simulated)
+                seconds = self.shard.settings.simulate_compute * simulated
+                result = await self.shard.run(_then_device_time(function, seconds) if seconds else function, *args)
                 return result, time.perf_counter() - start
             finally:
                 if turns:
@@ -284,6 +285,16 @@ class PlannedRun:
             self.shard.device.give_up(self.step)
         self._results.clear()
         self._inbox.discard_where(lambda key: True, errors.Cancelled(f"step {self.step} failed on another stage"))
+
+
+def _then_device_time(function: Callable, seconds: float) -> Callable:
+    """`function`, then `seconds` of simulated device time (benchmarks) on the thread that ran it."""
+    @functools.wraps(function)
+    def simulated(*args):
+        result = function(*args)
+        time.sleep(seconds)
+        return result
+    return simulated
 
 
 def _weight(target: shard_pb2.LossTarget, sums: bool) -> float:
