@@ -5,6 +5,7 @@ one process's gradients."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -50,13 +51,17 @@ class FakeShard:
         self.deployment = DeploymentRuntime("d")
         self.order, self.steps, self.device, self.deployment_id = StepOrder(self.deployment), StepMeter(), None, "d"
         self._ran, self._loss_fn = ran, loss_fn
+        self.durations: list[tuple[str, float]] = []  # (work's name, seconds it ran on the "compute thread")
 
     async def run(self, function, *args):
         names = {"forward": "forward", "backward": "backward", "backward_input": "backward",
                  "backward_weight": "weight"}
         if function.__name__ in names:
             self._ran.append((names[function.__name__], args[0][1]))
-        return function(*args)
+        start = time.perf_counter()
+        result = function(*args)
+        self.durations.append((function.__name__, time.perf_counter() - start))
+        return result
 
     async def residual_gradients(self, stage, key) -> dict:
         return {}
@@ -161,6 +166,22 @@ def test_each_stage_runs_its_schedule_and_the_gradients_equal_one_process(progra
         for key, parameter in model.named_parameters():
             if key.startswith(f"{index}."):
                 assert torch.allclose(stage.weights._state[key].grad, parameter.grad, atol=1e-6), key
+
+
+def test_simulated_device_time_is_spent_within_the_stage_work_it_follows(programs):
+    """--simulate-compute-ms: each planned forward and backward holds its device that much longer, inside the
+    shard's run (on the compute thread, as a wait for kernels), not after it on the event loop."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = batch()
+    pipeline = Pipeline(stages(programs, model), shard_pb2.StepPlan(microbatches=2, schedule="1f1b"),
+                        list(y.chunk(2)))
+    for run in pipeline.runs:
+        run.shard.settings.simulate_compute = 0.03
+    assert asyncio.run(pipeline.execute(list(x.chunk(2)))) == [None, None, None]
+    for run in pipeline.runs:
+        timed = [(name, seconds) for name, seconds in run.shard.durations if name in ("forward", "backward")]
+        assert len(timed) == 4 and all(seconds >= 0.03 for _, seconds in timed), timed
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size")
