@@ -58,6 +58,19 @@ class StepOrder:
         await self._wait(self.runtime.after_backwards(steps), timeout)
         return self.runtime.backward_failures(steps)
 
+    def stages_after_finished(self, step: int, failure: str = "") -> None:
+        """Records that the stages after this one finished planned step `step` ("") or failed it (why)."""
+        self._wake(self.runtime.stages_after_finished(step, failure))
+
+    def next_link_broke(self, reason: str) -> None:
+        """Records that the link to the next stage broke: the steps under way hear no more from below."""
+        self._wake(self.runtime.next_link_broke(reason))
+
+    async def stages_after(self, step: int, timeout: float) -> str:
+        """Waits until the stages after this one finished planned step `step` ("") or failed it; returns why."""
+        await self._wait(self.runtime.after_stages_after(step), timeout)
+        return self.runtime.stages_after_outcome(step)
+
     def forget(self, up_to_step: int) -> None:
         """Drops what the runtime keeps of steps up to `up_to_step`."""
         self.runtime.forget(up_to_step)

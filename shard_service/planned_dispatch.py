@@ -24,7 +24,6 @@ class PlannedRuns:
         self._executor, self._shard, self._spawn = executor, executor.shard, spawn
         self._sends, self._links = executor.sends, executor.sends.links
         self._runs: dict[int, PlannedRun] = {}
-        self._after_runs = Mailbox()  # replicated: step -> why the stages after failed it, or ""
         self._targets = Mailbox(held=executor.held)  # last stage: loss targets, by (step, microbatch)
 
     def __contains__(self, step: int) -> bool:
@@ -101,19 +100,16 @@ class PlannedRuns:
 
     def after_run(self, step: int, failure: str) -> None:
         """The stages after this one finished planned step `step` ("") or failed it (why); the first word counts."""
-        if not self._after_runs.has(step):
-            self._after_runs.put(step, failure)
+        self._shard.order.stages_after_finished(step, failure)
 
     def next_link_broke(self, reason: str) -> None:
         """The link to the next stage broke: no run_done comes back on it for the steps under way."""
-        for step in [step for step in self._runs if step <= self._executor.forwarded]:
-            self.after_run(step, reason)
+        self._shard.order.next_link_broke(reason)
 
     async def _runs_after(self, step: int) -> str:
         """Why the stages after this one failed planned step `step`, or "" once they all finished it."""
-        what = f"the stages after this one finishing step {step}"
         try:
-            return await self._after_runs.take(step, self._shard.settings.timeouts.peer_wait, what)
+            return await self._shard.order.stages_after(step, self._shard.settings.timeouts.peer_wait)
         except errors.ShardtrainError as error:
             return str(error)
 
@@ -131,7 +127,6 @@ class PlannedRuns:
     def forget(self, up_to_step: int) -> None:
         """Drops the runs, targets and outcomes of steps up to `up_to_step`; a run still going ends."""
         self._targets.discard_where(lambda key: key[0] <= up_to_step)
-        self._after_runs.discard_where(lambda step: step <= up_to_step)
         for step in [step for step in self._runs if step <= up_to_step]:
             run = self._runs.pop(step)
             run.abort()

@@ -4,7 +4,8 @@ I/O, no asyncio, no torch: unit tests drive it with written-out event sequences.
 
 It decides the order of the client's work in every mode: a forward runs once the optimizer step it follows has
 settled here; an optimizer step waits until every backward it follows has an outcome here, and is refused if one
-failed; backwards whose link broke count as failed. A planned step's own actions are its machine's
+failed; backwards whose link broke count as failed. With replicas, a planned step ends here once the stages after
+this one finished it too (or the link to them broke). A planned step's own actions are its machine's
 (step_machine.py); the deployment starts one per step, refuses a step that does not count up or one too many at
 once, and drops them with the step. A new deployment is a new object: nothing is reset by hand.
 
@@ -56,6 +57,8 @@ class DeploymentRuntime:
     _waits: dict[int, _Waiting] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _machines: dict[int, StepMachine] = field(default_factory=dict)
+    _after: dict[int, str] = field(default_factory=dict)  # replicated: step -> "" once the stages after this one
+                                                          # finished it, else why they failed it
 
     # --- what may wait ------------------------------------------------------------------------------
     def after_optimizer_step(self, number: int) -> Wait | None:
@@ -67,6 +70,15 @@ class DeploymentRuntime:
         says which failed)."""
         steps = list(steps)
         return self._wait(lambda: all(self._outcome(step) is not None for step in steps), f"backward of steps {steps}")
+
+    def after_stages_after(self, step: int) -> Wait | None:
+        """Replicated, before a step's end here: None once the stages after this one finished planned step `step`
+        or failed it (stages_after_outcome says which), else a Wait for them."""
+        return self._wait(lambda: step in self._after, f"the stages after this one finishing step {step}")
+
+    def stages_after_outcome(self, step: int) -> str:
+        """"" if the stages after this one finished planned step `step`, else why they failed it."""
+        return self._after[step]
 
     def backward_failures(self, steps: Iterable[int]) -> dict[int, str]:
         """The listed steps whose backward failed here (or never comes), with why."""
@@ -100,6 +112,20 @@ class DeploymentRuntime:
         self._lost = (up_to_step, reason)
         return self._ready()
 
+    def stages_after_finished(self, step: int, failure: str = "") -> list[Ready]:
+        """The stages after this one finished planned step `step` ("") or failed it (why); the first word counts."""
+        if step in self._after:
+            return []
+        self._after[step] = failure
+        return self._ready()
+
+    def next_link_broke(self, reason: str) -> list[Ready]:
+        """The link to the next stage broke: the planned steps under way here hear no more from the stages after."""
+        for step in self._machines:
+            if step <= self.forwarded and step not in self._after:
+                self._after[step] = reason
+        return self._ready()
+
     def forward_started(self, step: int) -> None:
         """A forward of the loop started for `step`."""
         self.forwarded = max(self.forwarded, step)
@@ -108,8 +134,9 @@ class DeploymentRuntime:
         """Drops the outcomes and machines of steps up to `up_to_step`."""
         for step in [step for step in self._backwards if step <= up_to_step]:
             del self._backwards[step]
-        for step in [step for step in self._machines if step <= up_to_step]:
-            del self._machines[step]
+        for kept in (self._machines, self._after):
+            for step in [step for step in kept if step <= up_to_step]:
+                del kept[step]
 
     # --- planned steps ------------------------------------------------------------------------------
     def start_step(self, step: int, plan_schedule: str, microbatches: int, stage: int, num_stages: int,

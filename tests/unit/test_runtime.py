@@ -134,3 +134,27 @@ def test_the_runtime_loads_no_grpc_asyncio_or_torch():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'asyncio', 'torch', 'socket')))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", f"importing the runtime loaded {loaded.stdout.strip()}"
+
+
+def test_a_replicated_step_ends_here_once_the_stages_after_finished_it_the_first_word_counting():
+    runtime = DeploymentRuntime("d")
+    runtime.start_step(0, "1f1b", 2, stage=0, num_stages=2, virtual_stages=1)
+    wait = runtime.after_stages_after(0)
+    assert wait == Wait(1, "the stages after this one finishing step 0")
+    assert runtime.stages_after_finished(0, "") == [Ready(1)]
+    assert runtime.stages_after_finished(0, "stage 1: too late") == []  # the first word counts
+    assert runtime.after_stages_after(0) is None and runtime.stages_after_outcome(0) == ""
+
+
+def test_a_link_to_the_next_stage_that_ends_mid_step_fails_the_steps_under_way_and_no_later_one():
+    runtime = DeploymentRuntime("d")
+    for step in (3, 4):
+        runtime.start_step(step, "gpipe", 2, stage=0, num_stages=2, virtual_stages=1)
+    runtime.stages_after_finished(3, "")
+    wait = runtime.after_stages_after(4)
+    assert runtime.next_link_broke("the link to stage 1 broke") == [Ready(wait.id)]
+    assert runtime.stages_after_outcome(3) == "" and runtime.stages_after_outcome(4) == "the link to stage 1 broke"
+    runtime.start_step(5, "gpipe", 2, stage=0, num_stages=2, virtual_stages=1)  # sent on a new link
+    assert runtime.after_stages_after(5) is not None
+    runtime.forget(4)
+    assert runtime.after_stages_after(4) is not None  # forgotten with its step
