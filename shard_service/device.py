@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,13 @@ def device_memory(device: str) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def peak_memory(device: str) -> int:
+    """The most the shard has held: on a GPU what the CUDA allocator held, else the process's peak resident set."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(torch.device(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts it in KiB
 
 
 def compute_kind(settings) -> str:

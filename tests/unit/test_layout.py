@@ -134,11 +134,10 @@ def test_the_graph_sees_the_imports_it_checks():
 
 
 MAX_CLASS_LINES, MAX_CLASS_METHODS = 300, 25  # a class past these is two or three classes
-# The handle keeps its public API (36 public methods, properties and dunders, most a thin delegation to
-# script_loop.py, planned_steps.py or model_state.py; three private helpers they share), so it stays over the
-# limits: pinned at its size, to go only down. The target is the limits above.
-# On a shard, the servicer (one method per RPC) is over the limits too: pinned at its size likewise.
-PINNED = {"client_sdk/model.py:DistributedModel": (315, 39), "shard_service/servicer.py:ShardServicer": (343, 30)}
+# The SDK's handle, DistributedModel, keeps its public API (36 public methods, properties and dunders, most a thin
+# delegation to script_loop.py, planned_steps.py or model_state.py; three private helpers they share), so it stays
+# over the limits: pinned at its size, to go only down. The target is the limits above.
+PINNED = {"client_sdk/model.py:DistributedModel": (315, 39)}
 SIZED = ("client_sdk", "shard_service")  # the packages held to the limits
 
 
