@@ -1,7 +1,7 @@
-"""What a shard is, apart from how calls reach it: the loaded stage and its plan, its compute thread, what it has
-settled, its replicas' averager and losses, and the residual gradients it gathers. The Link loop (link_dispatch.py) and the
-gRPC servicer (servicer.py) both work through one Shard; it knows neither, nor gRPC: its peers' channels
-are theirs (peers.py)."""
+"""What a shard is, apart from how calls reach it: the loaded stage and its plan, its compute thread, the current
+deployment's runtime (runtime.py) and its waits, its replicas' averager and losses, and the residual gradients it
+gathers. The Link loop (link_dispatch.py) and the gRPC servicer (servicer.py) both work through one Shard; it knows
+neither, nor gRPC: its peers' channels are theirs (peers.py)."""
 
 from __future__ import annotations
 
