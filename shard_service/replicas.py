@@ -66,6 +66,11 @@ class GradientAverager:
         self._works: list = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in parameters]
 
+    @property
+    def connected(self) -> bool:
+        """Whether this replica is in the group (joined, and not broken since)."""
+        return self._group is not None
+
     def connect(self) -> str:
         """Joins the replicas' group (once; every replica must call it within the timeout); answers its backend."""
         if self._group is not None:

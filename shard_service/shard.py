@@ -234,10 +234,12 @@ class Shard:
         """Runs the replicas' averager's `name` ("connect" before a planned step, which answers the collectives'
         backend, "finish" after its backwards). Both wait for the other replicas, not for this device: they run
         outside its lock, so that the device's other work, a snapshot or a new LoadStage is not held up by a
-        replica that died."""
-        if self._averager is not None:
-            return await asyncio.to_thread(getattr(self._averager, name))
-        return None
+        replica that died. A group already joined answers "connect" at once, without the hop to a thread."""
+        if self._averager is None:
+            return None
+        if name == "connect" and self._averager.connected:
+            return self._averager.backend
+        return await asyncio.to_thread(getattr(self._averager, name))
 
     def averager_arm(self, last_microbatch: bool) -> None:
         """Before a backward: on the last micro-batch, gradients are final and all-reduce as they appear."""
