@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 from torch._export.serde import schema as export_schema
-from torch._export.serde import serialize as export_serde
 
-from shardtrain import operators, propagation, symbolic
+from shardtrain import operators, symbolic
 from shardtrain.errors import InvalidArgument
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -93,10 +92,10 @@ def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
     with torch.enable_grad():
         program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
     try:
-        artifact = export_serde.serialize(program, serialize_state_dict=False, serialize_constants=False,
+        artifact = _serde().serialize(program, serialize_state_dict=False, serialize_constants=False,
                                           serialize_example_inputs=False)
     except TypeError:  # an older torch (a GPU image's own build) serializes the weights too; they are dropped here
-        artifact = export_serde.serialize(program)
+        artifact = _serde().serialize(program)
     return artifact.exported_program
 
 
@@ -261,11 +260,12 @@ class CapturedProgram:
             _BUILT.move_to_end(key)
             return _BUILT[key]
         try:
-            serialized = export_serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
-            exported = export_serde.ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
+            serialized = _serde()._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
+            exported = _serde().ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
         except Exception as error:  # the deserializer raises many types; all mean a bad program
             raise InvalidArgument(f"captured program does not load: {type(error).__name__}: {error}") from None
         _check_targets(exported)
+        from shardtrain import propagation  # fake tensors and symbolic shapes: loaded by the processes that build
         propagation.check_program_shapes(self._digest, exported.graph)
         if device is not None:
             _create_on(exported.graph_module, device)
@@ -378,5 +378,29 @@ class InputSpec:
                                   f"got {str(tensor.dtype).removeprefix('torch.')} of shape {list(tensor.shape)}")
 
 
+def _serde():
+    """torch's export (de)serializer, imported where a program is written or built: importing it loads
+    torch._dynamo, a second or more of a process's start that one reading only a program's specs (the
+    coordinator) never needs."""
+    from torch._export.serde import serialize
+    return serialize
+
+
+# The serialized dtypes by their schema name, as torch's serializer reads them; here so that reading a program's
+# specs needs no serializer (tests/unit/test_capture.py checks the table against it).
+_DTYPE_NAMES = {"BYTE": "uint8", "CHAR": "int8", "UINT16": "uint16", "SHORT": "int16", "INT": "int32",
+                "LONG": "int64", "HALF": "float16", "FLOAT": "float32", "DOUBLE": "float64",
+                "COMPLEXHALF": "complex32", "COMPLEXFLOAT": "complex64", "COMPLEXDOUBLE": "complex128",
+                "BOOL": "bool", "BFLOAT16": "bfloat16", "FLOAT8E4M3FN": "float8_e4m3fn", "FLOAT8E5M2": "float8_e5m2",
+                "FLOAT8E4M3FNUZ": "float8_e4m3fnuz", "FLOAT8E5M2FNUZ": "float8_e5m2fnuz",
+                "FLOAT8E8M0FNU": "float8_e8m0fnu", "UINT32": "uint32", "UINT64": "uint64"}
+SERIALIZED_DTYPES = {int(getattr(export_schema.ScalarType, name)): getattr(torch, dtype)
+                     for name, dtype in _DTYPE_NAMES.items()
+                     if hasattr(export_schema.ScalarType, name) and hasattr(torch, dtype)}
+
+
 def _dtype(meta: dict) -> torch.dtype:
-    return export_serde._SERIALIZE_TO_TORCH_DTYPE[export_schema.ScalarType(meta["dtype"])]
+    try:
+        return SERIALIZED_DTYPES[meta["dtype"]]
+    except (KeyError, TypeError):
+        raise InvalidArgument(f"captured program: a tensor of unknown dtype {meta['dtype']!r}") from None

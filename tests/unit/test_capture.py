@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ import torch
 from client_sdk.seed_models import wrapped_linear
 from shardtrain.capture import CapturedProgram, InputSpec, LayerAdapter, StateSpec, capture_layer
 from shardtrain.errors import InvalidArgument
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class AddResidual(torch.nn.Module):
@@ -430,3 +435,20 @@ def test_a_program_loaded_again_is_built_once_around_each_loads_own_weights(line
 def test_weights_that_do_not_fit_the_program_are_refused_naming_the_weight(linear_program, weights, why):
     with pytest.raises(InvalidArgument, match=why):
         CapturedProgram(linear_program).load(weights)
+
+
+def test_the_serialized_dtype_table_is_torchs_serializer_own():
+    """Reading a program's specs uses the table, so that the coordinator never loads torch's serializer."""
+    from torch._export.serde import serialize
+
+    from shardtrain.capture import SERIALIZED_DTYPES
+    assert SERIALIZED_DTYPES == {int(key): dtype for key, dtype in serialize._SERIALIZE_TO_TORCH_DTYPE.items()}
+
+
+def test_the_coordinator_and_a_shard_start_without_torchs_serializer_and_dynamo():
+    """Importing torch's export serializer loads torch._dynamo, a second or more of a process's start: the
+    coordinator never needs it, a shard only once it builds a stage."""
+    code = ("import sys, coordinator.server, shard_service.server; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._export.serde.serialize') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", f"starting the services loaded {loaded.stdout.strip()}"
