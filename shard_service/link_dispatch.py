@@ -40,7 +40,6 @@ from shard_service.shard import Shard
 from shard_service.sends import StageSends
 from shard_service.stage_links import StageLinks
 from shard_service.tied import TiedGradients
-from shard_service.verdicts import Verdicts
 from shardtrain import errors, link_streams, wire
 from shardtrain.v1 import shard_pb2
 
@@ -55,7 +54,7 @@ class _Deployment:
     def __init__(self, loop: LinkedLoop, deployment_id: str):
         shard = loop.shard
         self.id = deployment_id
-        self.verdicts = Verdicts()  # the step items this stage took, and the last ones it passed down
+        self.verdicts = shard.deployment.verdicts  # the step items this stage took, and the last ones passed down
         self.links = StageLinks(shard, loop.peers, deployment_id, loop.on_item, loop.broke,
                                 lambda: self.verdicts.passed)
         self.sends = StageSends(shard, self.links)
@@ -66,7 +65,7 @@ class _Deployment:
         self.per_call = PerCallRPCs(self.executor, self.steps, self.tied, self.verdicts)
         # a link to the next stage opened again -> which attempt
         self.reopening: dict[link_streams.ClientLink, int] = {}
-        self.unread: set[int] = set()  # steps whose data rows could not be read here: their other items are dropped
+        self.unread = shard.deployment.unread  # steps whose data rows could not be read here: their items drop
 
 
 class LinkedLoop:
@@ -98,9 +97,7 @@ class LinkedLoop:
         now = self._now
         now.executor.forget(up_to_step)
         now.runs.forget(up_to_step)
-        now.sends.ended_by_step = {step for step in now.sends.ended_by_step if step > up_to_step}
         now.links.forget(up_to_step)
-        now.unread = {step for step in now.unread if step > up_to_step}
 
     @property
     def calls(self) -> CallOutbox:

@@ -2,6 +2,8 @@
 step settled, a link that brought backwards broke, a deadline passed) and answers what may run now, as data. No
 I/O, no asyncio, no torch: unit tests drive it with written-out event sequences.
 
+It keeps what the deployment decided about its steps: the verdicts taken and passed down (verdicts.py), which
+steps a per-call RPC started, whose data rows could not be read, whose backwards end with an optimizer step.
 It decides the order of the client's work in every mode: a forward runs once the optimizer step it follows has
 settled here; an optimizer step waits until every backward it follows has an outcome here, and is refused if one
 failed; backwards whose link broke count as failed. With replicas, a planned step ends here once the stages after
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from shard_service.step_machine import StepMachine
+from shard_service.verdicts import Verdicts
 from shardtrain import errors, schedule
 
 MAX_RUNS = 4  # planned steps a stage holds at once: the SDK runs one at a time; a few more while one settles
@@ -59,6 +62,10 @@ class DeploymentRuntime:
     _machines: dict[int, StepMachine] = field(default_factory=dict)
     _after: dict[int, str] = field(default_factory=dict)  # replicated: step -> "" once the stages after this one
                                                           # finished it, else why they failed it
+    verdicts: Verdicts = field(default_factory=Verdicts)  # the optimizer steps' verdicts taken and passed down
+    by_call: set[int] = field(default_factory=set)  # steps a per-call RPC started: their results wait for FetchTensor
+    unread: set[int] = field(default_factory=set)  # steps whose data rows could not be read here: their items drop
+    ended_by_step: set[int] = field(default_factory=set)  # first stage: backwards whose end an optimizer step reports
 
     # --- what may wait ------------------------------------------------------------------------------
     def after_optimizer_step(self, number: int) -> Wait | None:
@@ -131,12 +138,12 @@ class DeploymentRuntime:
         self.forwarded = max(self.forwarded, step)
 
     def forget(self, up_to_step: int) -> None:
-        """Drops the outcomes and machines of steps up to `up_to_step`."""
-        for step in [step for step in self._backwards if step <= up_to_step]:
-            del self._backwards[step]
-        for kept in (self._machines, self._after):
+        """Drops what is kept of steps up to `up_to_step`: outcomes, machines and the steps' marks."""
+        for kept in (self._backwards, self._machines, self._after):
             for step in [step for step in kept if step <= up_to_step]:
                 del kept[step]
+        for marked in (self.by_call, self.unread, self.ended_by_step):
+            marked.difference_update([step for step in marked if step <= up_to_step])
 
     # --- planned steps ------------------------------------------------------------------------------
     def start_step(self, step: int, plan_schedule: str, microbatches: int, stage: int, num_stages: int,

@@ -22,7 +22,7 @@ class StageSends:
 
     def __init__(self, shard, links: StageLinks):
         self._shard, self.links = shard, links
-        self.ended_by_step: set[int] = set()  # first stage: backwards whose end an optimizer step reports
+        self.ended_by_step = shard.deployment.ended_by_step  # first stage: backwards whose end a step reports
 
     async def forward_results(self, header: shard_pb2.ForwardHeader, output: torch.Tensor,
                               outgoing: dict[str, torch.Tensor]) -> None:

@@ -31,7 +31,7 @@ class StageLinks:
         self.from_stage: dict[int, link_streams.LinkEnd] = {}  # links other stages opened to this one
         self.opened_here: dict[str, link_streams.ClientLink] = {}  # links this stage opened, by address
         self.calls = CallOutbox()  # the SDK's part for steps a Forward call started, ...
-        self.by_call: set[int] = set()  # ... which are these
+        self.by_call = shard.deployment.by_call  # ... which are these (the deployment's runtime keeps them)
 
     def opened(self, opening: shard_pb2.LinkOpen, end: link_streams.LinkEnd) -> None:
         """Someone opened a Link here: the SDK (input or output side) or another stage."""
@@ -132,8 +132,7 @@ class StageLinks:
         return self.down(step)
 
     def forget(self, up_to_step: int) -> None:
-        """Drops the call outbox's leftovers and the steps calls started, up to `up_to_step`."""
-        self.by_call = {step for step in self.by_call if step > up_to_step}
+        """Drops the call outbox's leftovers of steps up to `up_to_step`."""
         self.calls.forget(up_to_step)
 
     async def close(self) -> None:

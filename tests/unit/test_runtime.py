@@ -158,3 +158,14 @@ def test_a_link_to_the_next_stage_that_ends_mid_step_fails_the_steps_under_way_a
     assert runtime.after_stages_after(5) is not None
     runtime.forget(4)
     assert runtime.after_stages_after(4) is not None  # forgotten with its step
+
+
+def test_what_the_deployment_marked_of_its_steps_goes_with_them_and_a_verdict_counts_once():
+    runtime = DeploymentRuntime("d")
+    runtime.by_call.add(3)
+    runtime.unread.add(2)
+    runtime.ended_by_step.update({1, 4})
+    runtime.forget(3)
+    assert (runtime.by_call, runtime.unread, runtime.ended_by_step) == (set(), set(), {4})
+    assert runtime.verdicts.take(1) and not runtime.verdicts.take(1)
+    assert DeploymentRuntime("e").verdicts.take(1)  # a new deployment starts with none taken
