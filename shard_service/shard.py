@@ -16,8 +16,8 @@ from shard_service.device import Device, stage_memory
 from shard_service.load_checks import check_load
 from shard_service.mailbox import Mailbox
 from shard_service.ordering import StepOrder
-from shard_service.runtime import DeploymentRuntime
 from shard_service.replicas import GradientAverager
+from shard_service.runtime import DeploymentRuntime
 from shard_service.stage import LayerSource, Stage
 from shard_service.step_meter import StepMeter
 from shardtrain import allowed_losses, logs, metrics
