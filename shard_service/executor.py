@@ -1,6 +1,6 @@
 """One stage's forwards and backwards, whichever mode asked for them: the PyTorch-shaped loop's items (a schedule of
-one micro-batch whose actions arrive as the script calls) and a planned step's actions (planned_run.py) run the same
-code here. A forward waits for the residuals it reads and the optimizer step it follows, a backward for the
+one micro-batch whose actions arrive as the script calls, performed as the deployment's runtime lists them:
+runtime.py) and a planned step's actions (planned_run.py) run the same code here. A forward waits for the residuals it reads and the optimizer step it follows, a backward for the
 gradients of the residuals its stage produced; both run on the compute thread, and their results leave through
 the stage's sends (sends.py)."""
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shard_service import step_machine as machine
 from shard_service.held import HeldItems
 from shard_service.mailbox import Mailbox
 from shardtrain import errors
@@ -86,34 +87,42 @@ class StageExecutor:
         """A forward of the loop (a schedule of one micro-batch, its action come as the script called): runs once
         the optimizer step the SDK names has settled here, and every step whose verdict came before it (the SDK
         stops naming one after a failure, when a verdict sent again over a new link may still come first), then
-        sends the activation and residuals on. Returns the failure it reported, if any."""
-        by_call = self.sends.links.by_call
+        sends what the runtime says it sends, in its order. Returns the failure it reported, if any."""
+        key, by_call = header.key, self.sends.links.by_call
         if header.keep_output:
-            by_call.add(header.key.step)
+            by_call.add(key.step)
         else:
-            by_call.discard(header.key.step)  # the SDK's own step of that number
+            by_call.discard(key.step)  # the SDK's own step of that number
         try:
-            self.shard.stage_for(header.key.deployment_id)
+            self.shard.stage_for(key.deployment_id)
             _check_forward(header, x)
-            output, outgoing, _ = await self.forward(header, x, after=after_verdict)
-            self.deployment.forward_started(header.key.step)
-            await self.sends.forward_results(header, output, outgoing)
+            for effect in self.deployment.loop_forward(key.microbatch, last=not self.shard.plan.next_address):
+                if isinstance(effect, machine.Compute):
+                    output, outgoing, _ = await self.forward(header, x, after=after_verdict)
+                    self.deployment.forward_started(key.step)
+                elif effect.what == machine.RESIDUALS:
+                    await self.sends.residuals(key, outgoing)
+                else:  # the activation on, or from the last stage the output to the SDK
+                    await self.sends.activation(header, output)
         except Exception as error:  # noqa: BLE001 - reported to the SDK, which waits for this step
-            await self.sends.report(header.key, error, backward=False)
+            await self.sends.report(key, error, backward=False)
             return error
         return None
 
     async def loop_backward(self, header: shard_pb2.BackwardHeader, grad: torch.Tensor | None) -> BaseException | None:
-        """A backward of the loop: the stage's backward, then the input gradient (first: the previous stage's
-        backward needs it now, while a residual's producer is that stage or one before it) and the residuals'
-        gradients back; its outcome settles the step's backward here. Returns the failure it reported, if any."""
+        """A backward of the loop: the stage's backward, then the gradients the runtime says it sends, in its order;
+        its outcome settles the step's backward here. Returns the failure it reported, if any."""
         key = header.key
         try:
             self.shard.stage_for(key.deployment_id)
-            grad_input, incoming_grads, _ = await self.backward((key.step, key.microbatch), grad,
-                                                                zero_grad=header.zero_grad)
-            await self.sends.input_gradient(key, grad_input, zero_grad=header.zero_grad)
-            await self.sends.residual_gradients(key, incoming_grads)
+            for effect in self.deployment.loop_backward(key.microbatch):
+                if isinstance(effect, machine.Compute):
+                    grad_input, incoming_grads, _ = await self.backward((key.step, key.microbatch), grad,
+                                                                        zero_grad=header.zero_grad)
+                elif effect.what == machine.INPUT_GRADIENT:
+                    await self.sends.input_gradient(key, grad_input, zero_grad=header.zero_grad)
+                else:
+                    await self.sends.residual_gradients(key, incoming_grads)
         except Exception as error:  # noqa: BLE001 - reported to the SDK; no stage will step on it
             await self.sends.report(key, error, backward=True)
             reason = errors.located_message(error, self.shard.location)

@@ -20,7 +20,8 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from shard_service.step_machine import StepMachine
+from shard_service.step_machine import (ACTIVATION, BACKWARD, FORWARD, INPUT_GRADIENT, OUTPUT, RESIDUAL_GRADIENTS,
+                                        RESIDUALS, Compute, Send, StepMachine)
 from shard_service.verdicts import Verdicts
 from shardtrain import errors, schedule
 
@@ -144,6 +145,23 @@ class DeploymentRuntime:
                 del kept[step]
         for marked in (self.by_call, self.unread, self.ended_by_step):
             marked.difference_update([step for step in marked if step <= up_to_step])
+
+    # --- the loop's items ----------------------------------------------------------------------------
+    def loop_forward(self, microbatch: int, last: bool) -> list:
+        """A forward item of the PyTorch-shaped loop: the one action of a one-micro-batch schedule, arrived as the
+        script called, then what it sends. The activation goes first, as the next stage needs it now and a
+        residual's consumer only later; from the `last` stage the model's other outputs go ahead of the output,
+        which the SDK takes as the step's end. (It runs once after_optimizer_step allows.)"""
+        sends = [Send(RESIDUALS, microbatch), Send(OUTPUT, microbatch)] if last else \
+            [Send(ACTIVATION, microbatch), Send(RESIDUALS, microbatch)]
+        return [Compute(FORWARD, microbatch)] + sends
+
+    def loop_backward(self, microbatch: int) -> list:
+        """A backward item of the loop: its computation, then the input gradient (first: the stage before needs it
+        now, while a residual's producer is that stage or one before it; from the first stage it tells the SDK
+        the backward ended) and the residuals' gradients. Its outcome is then backward_finished."""
+        return [Compute(BACKWARD, microbatch), Send(INPUT_GRADIENT, microbatch),
+                Send(RESIDUAL_GRADIENTS, microbatch)]
 
     # --- planned steps ------------------------------------------------------------------------------
     def start_step(self, step: int, plan_schedule: str, microbatches: int, stage: int, num_stages: int,

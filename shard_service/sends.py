@@ -24,18 +24,6 @@ class StageSends:
         self._shard, self.links = shard, links
         self.ended_by_step = shard.deployment.ended_by_step  # first stage: backwards whose end a step reports
 
-    async def forward_results(self, header: shard_pb2.ForwardHeader, output: torch.Tensor,
-                              outgoing: dict[str, torch.Tensor]) -> None:
-        """A loop forward's results: the activation first, as the next stage needs it now, a residual's consumer
-        only later; from the last stage the model's other outputs go ahead of the output, which the SDK takes as
-        the step's end."""
-        if self._shard.plan.next_address:
-            await self.activation(header, output)
-            await self.residuals(header.key, outgoing)
-        else:
-            await self.residuals(header.key, outgoing)
-            await self.activation(header, output)
-
     async def activation(self, header: shard_pb2.ForwardHeader, output: torch.Tensor) -> None:
         """To the next stage, or (from the last stage) to the SDK as the output."""
         if self._shard.plan.next_address:

@@ -17,6 +17,7 @@ FORWARD, BACKWARD, WEIGHT = schedule.FORWARD, schedule.BACKWARD, schedule.WEIGHT
 TARGET = "target"  # the last stage's loss target of a micro-batch, from the SDK
 LOSS = "loss"      # the last stage's loss of a micro-batch: computed after its forward, sent to the SDK
 ACTIVATION = "activation"
+OUTPUT = "output"  # the loop's last stage: a forward's output, to the SDK
 RESIDUALS = "residuals"
 INPUT_GRADIENT = "input gradient"
 RESIDUAL_GRADIENTS = "residual gradients"
@@ -60,7 +61,7 @@ class ComputeLoss:
 
 @dataclass(frozen=True)
 class Send:
-    """Send what the micro-batch's last computation made: ACTIVATION, LOSS, RESIDUALS, INPUT_GRADIENT or
+    """Send what the micro-batch's last computation made: ACTIVATION, OUTPUT, LOSS, RESIDUALS, INPUT_GRADIENT or
     RESIDUAL_GRADIENTS."""
 
     what: str

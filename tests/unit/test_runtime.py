@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from shard_service.runtime import MAX_RUNS, DeploymentRuntime, Ready, Wait
-from shard_service.step_machine import (ACTIVATION, BACKWARD, FORWARD, RESIDUALS, Await, Compute,
-                                        ConnectAllReduce, DropWaiting, Report, Send)
+from shard_service.step_machine import (ACTIVATION, BACKWARD, FORWARD, INPUT_GRADIENT, OUTPUT, RESIDUAL_GRADIENTS,
+                                        RESIDUALS, Await, Compute, ConnectAllReduce, DropWaiting, Report, Send)
 from shardtrain import errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,3 +169,12 @@ def test_what_the_deployment_marked_of_its_steps_goes_with_them_and_a_verdict_co
     assert (runtime.by_call, runtime.unread, runtime.ended_by_step) == (set(), set(), {4})
     assert runtime.verdicts.take(1) and not runtime.verdicts.take(1)
     assert DeploymentRuntime("e").verdicts.take(1)  # a new deployment starts with none taken
+
+
+def test_a_loop_item_is_a_one_action_schedule_then_its_sends_in_the_order_the_stages_after_need_them():
+    runtime = DeploymentRuntime("d")
+    # The activation first: the next stage needs it now, a residual's consumer only later.
+    assert runtime.loop_forward(3, last=False) == [Compute(FORWARD, 3), Send(ACTIVATION, 3), Send(RESIDUALS, 3)]
+    # The last stage: the model's other outputs go ahead of the output, which the SDK takes as the step's end.
+    assert runtime.loop_forward(0, last=True) == [Compute(FORWARD, 0), Send(RESIDUALS, 0), Send(OUTPUT, 0)]
+    assert runtime.loop_backward(2) == [Compute(BACKWARD, 2), Send(INPUT_GRADIENT, 2), Send(RESIDUAL_GRADIENTS, 2)]
