@@ -380,8 +380,7 @@ class InputSpec:
 
 def _serde():
     """torch's export (de)serializer, imported where a program is written or built: importing it loads
-    torch._dynamo, a second or more of a process's start that one reading only a program's specs (the
-    coordinator) never needs."""
+    torch._dynamo, which a process reading only a program's specs (the coordinator) never needs."""
     from torch._export.serde import serialize
     return serialize
 

@@ -446,8 +446,8 @@ def test_the_serialized_dtype_table_is_torchs_serializer_own():
 
 
 def test_the_coordinator_and_a_shard_start_without_torchs_serializer_and_dynamo():
-    """Importing torch's export serializer loads torch._dynamo, a second or more of a process's start: the
-    coordinator never needs it, a shard only once it builds a stage."""
+    """Importing torch's export serializer loads torch._dynamo, slow to import: the coordinator never needs it,
+    a shard only once it builds a stage."""
     code = ("import sys, coordinator.server, shard_service.server; "
             "print(sorted(m for m in ('torch._dynamo', 'torch._export.serde.serialize') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
