@@ -1,8 +1,8 @@
 """One stage's forwards and backwards, whichever mode asked for them: the PyTorch-shaped loop's items (a schedule of
 one micro-batch whose actions arrive as the script calls, performed as the deployment's runtime lists them:
-runtime.py) and a planned step's actions (planned_run.py) run the same code here. A forward waits for the residuals it reads and the optimizer step it follows, a backward for the
-gradients of the residuals its stage produced; both run on the compute thread, and their results leave through
-the stage's sends (sends.py)."""
+runtime.py) and a planned step's actions (planned_run.py) run the same code here. A forward waits for the
+residuals it reads and the optimizer step it follows, a backward for the gradients of the residuals its stage
+produced; both run on the compute thread, and their results leave through the stage's sends (sends.py)."""
 
 from __future__ import annotations
 

@@ -44,12 +44,6 @@ class Ready:
 
 
 @dataclass
-class _Waiting:
-    holds: Callable[[], bool]
-    what: str
-
-
-@dataclass
 class DeploymentRuntime:
     """What one deployment has settled on this shard, what waits for it, and its planned steps' machines."""
 
@@ -58,7 +52,7 @@ class DeploymentRuntime:
     forwarded: int = -1  # the highest step this stage started a forward for (steps count from 0)
     _backwards: dict[int, str] = field(default_factory=dict)  # step -> "" if its backward succeeded here, else why
     _lost: tuple[int, str] = (-1, "")  # backwards without an outcome up to this step never come, and why
-    _waits: dict[int, _Waiting] = field(default_factory=dict)
+    _waits: dict[int, Callable[[], bool]] = field(default_factory=dict)  # wait id -> the condition it waits for
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _machines: dict[int, StepMachine] = field(default_factory=dict)
     _after: dict[int, str] = field(default_factory=dict)  # replicated: step -> "" once the stages after this one
@@ -192,12 +186,12 @@ class DeploymentRuntime:
         if holds():
             return None  # the usual case
         wait = Wait(next(self._ids), what)
-        self._waits[wait.id] = _Waiting(holds, what)
+        self._waits[wait.id] = holds
         return wait
 
     def _ready(self) -> list[Ready]:
         """The waits whose condition holds now, each answered once."""
-        ready = [wait_id for wait_id, waiting in self._waits.items() if waiting.holds()]
+        ready = [wait_id for wait_id, holds in self._waits.items() if holds()]
         for wait_id in ready:
             del self._waits[wait_id]
         return [Ready(wait_id) for wait_id in ready]
