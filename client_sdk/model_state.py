@@ -1,5 +1,6 @@
 """A deployment's weights and optimizer state: read into and loaded from this process, read by the shards from where
-the weights lie, and saved and loaded as checkpoints (by the shards themselves where they can)."""
+the weights lie, and saved and loaded as checkpoints (by the shards themselves where they can); the handle's methods
+for them."""
 
 from __future__ import annotations
 
@@ -10,12 +11,80 @@ from collections.abc import Sequence
 
 import torch
 
+from client_sdk.event_loop import IoLoop
 from client_sdk.transport import split_state
 from shardtrain import checkpoint, checkpoint_store, optim
 from shardtrain.errors import FailedPrecondition, InternalError
 from shardtrain.v1 import shard_pb2
 
 log = logging.getLogger("shardtrain.sdk")
+
+
+class StateMethods:
+    """The handle's state methods (DistributedModel inherits them): state dicts, optimizer state, weights read where
+    they lie, and checkpoints, each passed to the handle's ModelState."""
+
+    _io: IoLoop
+    _model_state: ModelState
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights, gathered from the shards, in the original model's key order."""
+        return self._model_state.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Pushes weights to the shards that own them."""
+        self._model_state.load_state_dict(state, strict)
+
+    def optimizer_state_dict(self) -> dict:
+        """The shards' optimizer state (Adam's moments, step counts, hyperparameters...) as torch.optim's
+        state_dict() of one optimizer over net.parameters() would hold it. Save it with model.state_dict() to
+        resume training exactly; it loads into a local optimizer over the same model too."""
+        return self._model_state.optimizer_state_dict()
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Replaces the shards' optimizer state with one from optimizer_state_dict() (or from a local optimizer
+        of the same class over net.parameters()); a state that does not fit is refused and changes nothing."""
+        self._model_state.load_optimizer_state_dict(state)
+
+    def save_checkpoint(self, directory: str | os.PathLike, on_shards: bool | None = None) -> None:
+        """Writes the weights and the optimizer state to `directory` as safetensors files and a JSON description,
+        no pickle (shardtrain/checkpoint.py); load_checkpoint reads it into any deployment of the same model.
+
+        Where every stage's shard was started with --checkpoint-dir (Cluster.local(checkpoint_dir=...)) and
+        `directory` lies under it, each shard writes its own stage, all at once, and nothing passes through this
+        process; otherwise the SDK gathers the state and writes one file of each kind here. `on_shards`: True
+        insists on the shards (a relative `directory` is then relative to their --checkpoint-dir), False on this
+        process.
+
+        A save replaces a checkpoint already in `directory` whole, with one rename, or not at all. One that fails
+        (no room is ResourceExhausted, another I/O error Unavailable, a shard that died) removes what it wrote
+        but leaves its generation-* directory: loads of `directory` are then refused until a save succeeds, or
+        that directory is removed to load the checkpoint it did not replace. The files are this user's alone
+        (0600; a shard's --checkpoint-group lets a group read them)."""
+        self._model_state.save_checkpoint(directory, on_shards)
+
+    def load_weights(self, source: str | os.PathLike, provided: Sequence[str] = ()) -> dict[str, int]:
+        """Has every stage read its own weights from `source`, where they lie: a safetensors file, a directory,
+        a Hugging Face sharded checkpoint (model.safetensors.index.json and its files), on a disk the shards see
+        or an s3:// URL, under their --data-root; nothing passes through this process. A directory that
+        save_checkpoint wrote loads as load_checkpoint(source, optimizer=False) does. Every stage checks every
+        tensor (present under its key or a tied weight's, same dtype and shape) before any stage reads one: a
+        source that does not fit is refused, naming the tensor, and changes nothing. What state_dict() leaves out
+        (non-persistent buffers), and `provided` keys, are not looked for. Returns the bytes each shard read."""
+        return self._model_state.load_weights(source, provided)
+
+    def load_checkpoint(self, directory: str | os.PathLike, optimizer: bool = True,
+                        on_shards: bool | None = None) -> None:
+        """Loads a checkpoint that save_checkpoint wrote, on this split or another, with the optimizer state unless
+        `optimizer` is False; a checkpoint that does not fit the model, whose parts are of different saves or
+        steps (DataLoss, naming the stage), or whose directory holds a save that did not finish
+        (FailedPrecondition) is refused and changes nothing. The shards read their own tensors where they can, as
+        save_checkpoint writes them (`on_shards` as there)."""
+        self._model_state.load_checkpoint(directory, optimizer, on_shards)
+
+    async def astate_dict(self) -> dict[str, torch.Tensor]:
+        """Awaitable state_dict()."""
+        return await self._io.wrap(self._model_state.read_state())
 
 
 class ModelState:

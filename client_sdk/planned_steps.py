@@ -1,5 +1,6 @@
 """model.train_step on the handle's side: the batch bound and checked, one planned step sent on every replica, and
-the steps a dead shard cost run again once it was replaced (client_sdk/recovery.py)."""
+the steps a dead shard cost run again once it was replaced (client_sdk/recovery.py); the handle's train_step and fit
+methods."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import dataclasses
 import logging
 import math
 import warnings
+from collections.abc import Callable
+
+import torch
 
 from client_sdk import recovery
 from client_sdk.batch import MAIN, TARGET, Batch
 from client_sdk.call_order import MAX_AWAITING
 from client_sdk.data_source import RowBatch
+from client_sdk.fit import Fit, History
 from client_sdk.loss_specs import LossSpecs
 from shardtrain import schedule as schedules
 from shardtrain.errors import FailedPrecondition, InvalidArgument, RolledBack, ShardtrainError
@@ -24,6 +29,64 @@ MAX_RECOVERIES = 3  # dead shards replaced within one train_step call before its
 # What a handle holds of its deployment, which a redeploy after a dead shard swaps: the handle's loop, planned steps
 # and state keep none of it, and reach it through the handle.
 DEPLOYMENT_ATTRIBUTES = ("_trainer", "_clients", "placements", "_call_order")
+
+
+class TrainingMethods:
+    """The handle's training methods (DistributedModel inherits them): train_step, passed to the handle's
+    PlannedSteps, and fit, epochs of train_steps (or of the loop) run by a Fit."""
+
+    _planned_steps: PlannedSteps
+    _check_open: Callable[[], None]  # the handle's: raises once it is closed
+
+    def train_step(self, x, y: torch.Tensor | None = None, loss_fn="MSELoss", microbatches: int = 1,
+                   schedule: str = "1f1b", clip_grad_norm: float | None = None, *, loss_output=None) -> float:
+        """One pipelined training step on the shards: zero_grad, forward and backward of every micro-batch,
+        the replicas' gradient all-reduce, and the optimizer step. Returns the batch's loss as soon as the
+        last stage computed it; the backwards and the optimizer step go on meanwhile, and a failure of
+        theirs is raised by the next call into the model, as after the loop's step().
+
+        x: the model's input, or the arguments of a model that takes several: a tuple (positional) or a dict
+        (keywords), as model(*x) or model(**x) takes them; or a batch of a DataSource (its target included),
+        whose rows each replica's first and last stage read from storage themselves. Every input is split by its
+        rows (dim 0) over the replicas, then into `microbatches` pieces (uneven sizes are fine); stage i works
+        on micro-batch k+1 while stage i+1 works on k, under `schedule` "1f1b" (stage s holds at most p - s
+        micro-batches between forward and backward), "gpipe" (all forwards, then all backwards) or "zb-h1" (1F1B
+        with each backward split into the input gradient the stage before waits for and the weight gradient,
+        which fills the stage's idle time) or "interleaved" (a deployment of several stages per device,
+        deploy(virtual_stages=v): each device runs its stages' actions in interleaved 1F1B's order, the bubble
+        divided by v); torch.distributed.pipelining's names ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1") and
+        schedule classes are taken too. It runs on the same Links as the loop; no call is opened per step.
+
+        The loss is computed on the last stage: `loss_fn(output, y)` on the model's (first) output, with a
+        torch.nn loss by name ("MSELoss"), class or instance from the allow-list, or a loss module or function of
+        your own (F.cross_entropy, a lambda; captured like a layer); or, for a model that computes its loss
+        itself (logits, loss = model(idx, targets)), the output that `loss_output` names: its index in the
+        model's tuple or its key in the dict (0 for a model that returns only its loss), with no y.
+        Mean-reducing losses (the model's own is taken as a mean over the rows) weigh each micro-batch by its
+        share of the batch, so the result equals one full-batch step. clip_grad_norm: clip the gradients by their
+        global norm before the step, as clip_grad_norm_ does (the optimizer step then waits for the stages'
+        norms; model.grad_norm() gives the total norm).
+        """
+        return self._planned_steps.train_step(x, y, loss_fn, microbatches, schedule, clip_grad_norm, loss_output)
+
+    def fit(self, data, epochs: int = 1, loss_fn="MSELoss", *, microbatches: int | None = None,
+            schedule: str = "1f1b", loop: bool = False, loss_output=None, validation=None,
+            checkpoint_every: int | None = None, checkpoint_dir=None, callbacks=(), progress=True) -> History:
+        """Trains for `epochs` passes over `data` (an iterable of (x, y) batches that can be iterated again, such
+        as a DataLoader or a list; x alone with `loss_output`; or a DataSource, whose batches the stages read from
+        storage themselves) and returns the History of every step's loss.
+
+        Each batch is one train_step (`microbatches`, `schedule`, `loss_fn` or `loss_output` as train_step takes
+        them), or with loop=True model(x), backward and step, as a hand-written loop. `validation`: batches whose
+        mean loss is taken after each epoch, in eval mode under torch.no_grad(). `checkpoint_every` N steps,
+        save_checkpoint into `checkpoint_dir`/step-N. `callbacks`: functions of (history, step record) called
+        after each step; one returning True stops the fit there. `progress`: a tqdm bar with the loss and samples
+        per second (a widget in Jupyter), False for none, or a text stream to write it to. Ctrl-C stops after the
+        step under way, the model intact (a second Ctrl-C at once); the history says it was interrupted."""
+        self._check_open()
+        run = Fit(self, loss_fn, loss_output, microbatches, schedule, loop, checkpoint_every, checkpoint_dir,
+                  list(callbacks))
+        return run.run(data, epochs, validation, progress)
 
 
 class PlannedSteps:

@@ -1,10 +1,21 @@
-"""What a shard says about itself (model.describe()), as plain data a person can print or compare."""
+"""What a shard says about itself (model.describe()), as plain data a person can print or compare, and the handle's
+methods that report on its deployment."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from client_sdk.event_loop import IoLoop
+from client_sdk.loss_scaling import LossScaler
+from client_sdk.pipeline import PipelineTrainer
+from client_sdk.timeline import Timeline
+from client_sdk.transport import StageClients
 from shardtrain import wire
 from shardtrain.v1 import coordinator_pb2, shard_pb2
 
@@ -103,3 +114,76 @@ class DeploymentReport:
             return TensorInfo(spec.name, dtype, tuple(None if size < 0 else size for size in spec.shape))
         return cls(message.deployment_id, message.num_stages, message.replicas, tuple(map(tuple, stages)),
                    tuple(map(info, message.inputs)), tuple(map(info, message.outputs)))
+
+
+class ReportMethods:
+    """The handle's report methods (DistributedModel inherits them): its shards described, its replicas, and what
+    the last train_step did (gradient norm, stats, timeline), the loss scaling and the memory each stage holds."""
+
+    _io: IoLoop
+    _trainer: PipelineTrainer
+    _clients: StageClients  # replica 0's
+    _check_open: Callable[[], None]  # the handle's: raises once it is closed
+    _synchronize: Callable[[], Coroutine[Any, Any, None]]  # the handle's: waits for everything sent so far
+
+    def describe(self) -> Table:
+        """Each stage's shard's own report (ShardReport), in stage order: address, device, stage, layers,
+        parameters, steps in flight, whether it flushes denormals; prints as a table."""
+        return Table(ShardReport.from_message(answer) for answer in self._io.run(self._clients.describe()))
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of the pipeline train together (data parallel)."""
+        return len(self._trainer.replicas)
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm of the last train_step that clipped (None before one did), once it settled."""
+        self._check_open()
+        self._io.run(self._synchronize())
+        return self._trainer.grad_norm
+
+    def stats(self) -> list[dict]:
+        """Per shard, what it did in the last train_step: compute seconds, busy fraction, peak activations.
+        Waits for that step to settle on every stage."""
+        self._check_open()
+        self._io.run(self._synchronize())
+        return list(self._trainer.stats)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """Under precision="fp16", the dynamic loss scaling (its `scale`, and how many steps it `skipped` because a
+        gradient overflowed); None otherwise."""
+        return self._trainer.scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: LossScaler | None) -> None:
+        self._trainer.scaler = scaler
+
+    def memory(self) -> list[dict]:
+        """Per stage of every replica, the bytes its shard holds: "weights" (and buffers), "gradients" and
+        "optimizer" state as they are now, "peak_activations" (the most autograd held for the micro-batches in
+        flight, since deploy) and "peak_process" (the shard process's peak resident set, or on a GPU the most its
+        CUDA allocator held). Waits for the calls in flight to settle."""
+        self._check_open()
+        return self._io.run(_memory(self))
+
+    def timeline(self) -> Timeline:
+        """What each stage did when in the last train_step (forwards, backwards, the all-reduce, the optimizer
+        step) on one time axis; print it for a picture of the pipeline and its bubble. Waits for that step to
+        settle on every stage."""
+        self._check_open()
+        self._io.run(self._synchronize())
+        return self._trainer.timeline
+
+
+async def _memory(model: ReportMethods) -> list[dict]:
+    """model.memory(): every stage's Describe(memory=True), once the calls in flight settled."""
+    await model._synchronize()
+    stages = [(replica, stage) for replica, clients in enumerate(model._trainer.replicas) for stage in clients.stages]
+    answers = await asyncio.gather(*(stage.call("Describe", shard_pb2.DescribeRequest(memory=True))
+                                     for _, stage in stages))
+    return [{"stage": answer.stage, "replica": replica, "shard": stage.address,
+             "weights": answer.memory.weight_bytes, "gradients": answer.memory.gradient_bytes,
+             "optimizer": answer.memory.optimizer_bytes, "peak_activations": answer.memory.peak_activation_bytes,
+             "peak_process": answer.memory.peak_process_bytes}
+            for (replica, stage), answer in zip(stages, answers)]

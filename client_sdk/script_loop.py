@@ -1,15 +1,75 @@
 """The PyTorch-shaped loop a script writes (pred = model(x); loss.backward(); model.step(); model.zero_grad()), and
-its async twins: each call sent as an item on the deployment's Links, in the call orders one process allows."""
+its async twins: the handle's methods for them, and each call sent as an item on the deployment's Links, in the call
+orders one process allows."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import torch
 
 from client_sdk.autograd import RemoteStages
+from client_sdk.event_loop import IoLoop
 from client_sdk.optimizer import clip_coefficient
 from shardtrain.errors import FailedPrecondition, InternalError
+
+
+class LoopMethods:
+    """The handle's loop methods (DistributedModel inherits them): model(x), step, zero_grad, clip_grad_norm_ and
+    synchronize, and their awaitable twins, each passed to the handle's ScriptLoop."""
+
+    _io: IoLoop
+    _script_loop: ScriptLoop
+    _synchronize: Callable[[], Coroutine[Any, Any, None]]  # the handle's: waits for everything sent so far
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Runs the model on its arguments, as the local model takes them (the tensors the example had); returns
+        what it returns (a tensor, or a tuple or dict of them). Under autograd the result backpropagates into the
+        shards: into the first input too when it requires grad; the other inputs take no gradient."""
+        return self._script_loop.forward(args, kwargs)
+
+    def step(self) -> None:
+        """Every shard applies its optimizer to the gradients accumulated so far (nothing, as in PyTorch, when no
+        backward ran since the last zero_grad). Outputs not yet backpropagated can no longer be: their graphs hold
+        weights the step changed, and their backward raises FailedPrecondition at once, as PyTorch raises."""
+        self._script_loop.step()
+
+    def zero_grad(self) -> None:
+        """Clears gradients on every shard (to None, as torch does); sent with the next forward, backward or step
+        rather than on its own, so it takes effect before any backward called after it."""
+        self._script_loop.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over every stage's gradients: returns their total norm, and the next step()
+        scales every gradient by max_norm / (total + 1e-6) when that is under 1. Waits for the backwards sent."""
+        return self._script_loop.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def synchronize(self) -> None:
+        """Waits until every shard has finished everything sent so far; raises the first error."""
+        self._io.run(self._synchronize())
+
+    # -- the explicit asynchronous API ---------------------------------------------------------
+    async def aforward(self, x: torch.Tensor) -> torch.Tensor:
+        """Runs the model; returns a leaf tensor that requires grad. Pass its .grad to abackward."""
+        return await self._script_loop.aforward(x)
+
+    async def abackward(self, grad_output: torch.Tensor, step: int | None = None) -> None:
+        """Backpropagates the gradient of an aforward output (the oldest one not yet backpropagated)."""
+        await self._script_loop.abackward(grad_output, step)
+
+    async def astep(self) -> None:
+        """Applies every shard's optimizer and waits until all have."""
+        await self._script_loop.astep()
+
+    async def azero_grad(self) -> None:
+        """Awaitable zero_grad() (it sends nothing by itself either)."""
+        self.zero_grad()
 
 
 class ScriptLoop:

@@ -134,10 +134,9 @@ def test_the_graph_sees_the_imports_it_checks():
 
 
 MAX_CLASS_LINES, MAX_CLASS_METHODS = 300, 25  # a class past these is two or three classes
-# The SDK's handle, DistributedModel, keeps its public API (36 public methods, properties and dunders, most a thin
-# delegation to script_loop.py, planned_steps.py or model_state.py; three private helpers they share), so it stays
-# over the limits: pinned at its size, to go only down. The target is the limits above.
-PINNED = {"client_sdk/model.py:DistributedModel": (315, 39)}
+# A class that cannot be split at once may be pinned here at its (lines, methods), to go only down until it is under
+# the limits above. A wide public API is no reason: DistributedModel inherits its methods from mixins, by what they do.
+PINNED: dict[str, tuple[int, int]] = {}
 SIZED = ("client_sdk", "shard_service")  # the packages held to the limits
 
 
