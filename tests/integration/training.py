@@ -109,8 +109,8 @@ def interrupted_script(path) -> str:
     """Runs the Python script at `path` as a terminal's foreground job runs (a process group of its own, Ctrl-C's
     default action), sends the group Ctrl-C's SIGINT a second after the script printed "training", and returns what
     it printed after that; the script must then exit with 0 within two minutes."""
-    client = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                              preexec_fn=_default_ctrl_c)
+    client = subprocess.Popen([sys.executable, "-c", _WITH_CTRL_C, str(path)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
     try:
         assert client.stdout.readline() == "training\n"
         time.sleep(1.0)  # into the training, on purpose: not a wait for anything
@@ -123,7 +123,10 @@ def interrupted_script(path) -> str:
     return output
 
 
-def _default_ctrl_c() -> None:
-    """In the child: SIGINT's default action. A shell starts background jobs with SIGINT ignored, a child inherits
-    that, and Python leaves an ignored SIGINT ignored, so the script would never see the Ctrl-C a terminal sends."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Runs the script with Python's own Ctrl-C handler (KeyboardInterrupt). A shell starts background jobs with SIGINT
+# ignored, a child inherits that, and Python leaves an ignored SIGINT ignored, so the script would never see the Ctrl-C
+# a terminal sends. Set in the child's own interpreter: a preexec_fn would run Python between fork and exec in this
+# process, whose gRPC threads make that crash now and then.
+_WITH_CTRL_C = ("import os, runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "sys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])); "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
