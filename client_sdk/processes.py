@@ -42,7 +42,7 @@ class Service:
     """One child process that prints a JSON 'ready' line on stdout once it serves."""
 
     def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict[str, str],
-                 prefix: Sequence[str] = ()):
+                 prefix: Sequence[str] = (), stdin: int = subprocess.DEVNULL):
         self.name = name
         self.address = ""  # set from the ready line: where others reach it (a shard's --advertise, if given)
         self.port = 0      # the port it listens on, from the same line
@@ -54,7 +54,16 @@ class Service:
         # group, and must interrupt the call, not stop the services that hold the trained weights. The service
         # still ends with this process (SHARDTRAIN_PARENT_PID) or at close().
         self.process = subprocess.Popen([*prefix, sys.executable, *argv], stdout=subprocess.PIPE, stderr=self._log,
-                                        stdin=subprocess.DEVNULL, env=_child_env(env), start_new_session=True)
+                                        stdin=stdin, env=_child_env(env), start_new_session=True)
+
+    def tell(self, line: str) -> None:
+        """Writes `line` to the service's standard input and closes it (a shard's `--coordinator -`); a service
+        that already exited is left for wait_ready to report."""
+        try:
+            self.process.stdin.write(line.encode() + b"\n")
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass
 
     def wait_ready(self, timeout: float) -> dict:
         """The ready line's fields; Unavailable (with the log's tail) if the process dies or stays silent."""
@@ -86,6 +95,8 @@ class Service:
             self.process.terminate()
             reap(self.process, grace)
         self.process.stdout.close()
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
         self._log.close()
 
 
@@ -125,9 +136,13 @@ class LocalServices:
         self._env.setdefault("SHARDTRAIN_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_shards))))
         try:
             host = self._hosts.coordinator_host
+            # The shards start with the coordinator, not after it, and learn its address on standard input once it
+            # serves: their start-up (importing torch, mostly) and its own overlap.
             coordinator = self._start("coordinator", ["-m", "coordinator", "--bind", f"{host}:0"])
+            shards = [self._start_shard(i, device, shard_flags, from_stdin=True) for i in range(num_shards)]
             self.coordinator_address = f"{host}:{coordinator.wait_ready(startup_timeout)['port']}"
-            shards = [self._start_shard(i, device, shard_flags) for i in range(num_shards)]
+            for shard in shards:
+                shard.tell(self.coordinator_address)
             self.shard_addresses = [shard.wait_ready(startup_timeout)["address"] for shard in shards]
         except BaseException:
             self.stop()
@@ -140,14 +155,18 @@ class LocalServices:
         self.shard_addresses.append(shard.wait_ready(timeout)["address"])
         return shard
 
-    def _start_shard(self, index: int, device: str, flags: Sequence[str]) -> Service:
-        """Starts shard `index` (not waiting for it to serve), registering with this coordinator."""
-        return self._start(f"shard-{index}", ["-m", "shard_service", "--coordinator", self.coordinator_address,
+    def _start_shard(self, index: int, device: str, flags: Sequence[str], from_stdin: bool = False) -> Service:
+        """Starts shard `index` (not waiting for it to serve), registering with this coordinator; `from_stdin`: with
+        `--coordinator -`, for tell() to give it the address once the coordinator serves."""
+        coordinator = "-" if from_stdin else self.coordinator_address
+        return self._start(f"shard-{index}", ["-m", "shard_service", "--coordinator", coordinator,
                                               "--bind", f"{self._hosts.shard_host(index)}:0", "--device", device,
-                                              *flags], self._hosts.prefix(index))
+                                              *flags], self._hosts.prefix(index),
+                           subprocess.PIPE if from_stdin else subprocess.DEVNULL)
 
-    def _start(self, name: str, argv: list[str], prefix: Sequence[str] = ()) -> Service:
-        service = Service(name, argv, self.log_dir, self._env, prefix)
+    def _start(self, name: str, argv: list[str], prefix: Sequence[str] = (),
+               stdin: int = subprocess.DEVNULL) -> Service:
+        service = Service(name, argv, self.log_dir, self._env, prefix, stdin)
         self.services.append(service)
         return service
 

@@ -7,6 +7,7 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -18,10 +19,10 @@ import torch
 
 from shard_service.device import Device, compute_kind, stage_memory
 from shard_service.servicer import ShardServicer
-from shardtrain import carrier, health, metrics, rpc, shm
+from shardtrain import addresses, carrier, health, metrics, rpc, shm
 from shardtrain.lifecycle import (die_with_parent, freeze_imported_objects, keep_freed_memory, stop_on_sigterm,
                                   stop_reason)
-from shardtrain.errors import FailedPrecondition, ShardtrainError, Unavailable
+from shardtrain.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ShardtrainError, Unavailable
 from shardtrain.settings import ShardSettings
 from shardtrain.v1 import coordinator_pb2
 
@@ -94,6 +95,45 @@ async def register(settings: ShardSettings, address: str, instance: str = "", gr
         await coordinator.close()
 
 
+FROM_STDIN = "-"  # --coordinator -: the address comes on standard input
+
+
+async def coordinator_from_stdin(timeout: float) -> str:
+    """--coordinator -: the coordinator's host:port from standard input's first line, read once this shard serves.
+    A launcher that starts the coordinator and its shards at once (Cluster.local) writes it there when the
+    coordinator serves, so neither waits for the other's start-up. DeadlineExceeded after `timeout` seconds."""
+    try:
+        line = await asyncio.wait_for(_first_line(sys.stdin.fileno()), timeout)
+    except TimeoutError:
+        raise DeadlineExceeded(f"--coordinator -: no coordinator address came on standard input within "
+                               f"{timeout:g} s") from None
+    if not addresses.is_host_port(line):
+        raise InvalidArgument(f"--coordinator -: standard input's first line must be the coordinator's HOST:PORT, "
+                              f"got {line[:80]!r}")
+    return line
+
+
+async def _first_line(fd: int) -> str:
+    """The first line readable on `fd`, without a thread (one blocked in a read would outlive a stop)."""
+    loop, data = asyncio.get_running_loop(), b""
+    while b"\n" not in data:
+        readable = loop.create_future()
+        try:
+            loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        except PermissionError:  # a regular file: reads do not block
+            pass
+        else:
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace").strip()
+
+
 async def serve(settings: ShardSettings) -> None:
     """Runs this process's shards (settings.virtual_stages of them, on one device) until cancelled: serve,
     register, announce readiness on stdout. SIGTERM cancels it."""
@@ -106,6 +146,9 @@ async def serve(settings: ShardSettings) -> None:
         for index in range(settings.virtual_stages):
             own = dataclasses.replace(settings, advertise=_moved(settings.advertise, index))
             shards.append(await build_server(own, _moved(settings.bind, index), device))
+        if settings.coordinator == FROM_STDIN:
+            settings = dataclasses.replace(settings, coordinator=await coordinator_from_stdin(
+                settings.timeouts.connect))
         ids = [await register(settings, servicer.address, servicer.instance, group, servicer.control_key)
                for _, _, servicer in shards]
         first = shards[0][2]

@@ -291,7 +291,9 @@ def shard_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The flags of `shardtrain shard`, with `env`'s SHARDTRAIN_* variables as defaults."""
     parser = argparse.ArgumentParser(prog="shardtrain shard", description="Run one shard server.")
     parser.add_argument("--coordinator", default=_coordinator_default(env),
-                        help="host:port of the coordinator (or SHARDTRAIN_COORDINATOR, or MODEL_HOST+MODEL_PORT)")
+                        help="host:port of the coordinator (or SHARDTRAIN_COORDINATOR, or MODEL_HOST+MODEL_PORT); "
+                             "- reads it from standard input's first line once the shard serves (a launcher that "
+                             "starts the coordinator at the same time writes it there)")
     parser.add_argument("--bind", default=_env(env, "BIND", "127.0.0.1:0"),
                         help="host:port to serve on (default 127.0.0.1:0: loopback, a port the OS picks)")
     parser.add_argument("--advertise", default=_env(env, "ADVERTISE"),

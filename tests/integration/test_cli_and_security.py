@@ -70,6 +70,33 @@ def test_services_started_from_the_command_line_serve_a_client(tmp_path):
                 process.wait(10)
 
 
+@pytest.mark.parametrize("given", ["not an address\n", ""])
+def test_a_shard_told_to_read_the_coordinator_from_stdin_refuses_what_is_not_an_address(given):
+    """`--coordinator -` (how Cluster.local starts its shards alongside the coordinator): a first line that is not
+    HOST:PORT, or none at all, ends the shard with a message saying what it expected."""
+    shard = subprocess.run(["shardtrain", "shard", "--coordinator", "-", "--bind", "127.0.0.1:0"], input=given,
+                           capture_output=True, text=True, timeout=120)
+    assert shard.returncode == 1 and shard.stdout == "", shard.stdout + shard.stderr
+    assert "--coordinator -: standard input's first line must be the coordinator's HOST:PORT" in shard.stderr
+    assert repr(given.strip()) in shard.stderr
+
+
+def test_a_shard_waiting_for_the_coordinator_on_stdin_stops_at_once_when_asked():
+    shard = subprocess.Popen(["shardtrain", "shard", "--coordinator", "-", "--bind", "127.0.0.1:0"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120  # it serves before it reads the address
+        while not listening_ports(shard.pid):
+            assert time.monotonic() < deadline and shard.poll() is None, "the shard never listened"
+            time.sleep(0.05)
+        shard.send_signal(signal.SIGTERM)
+        assert shard.wait(10) == 0  # no thread left blocked reading the pipe, which is still open
+    finally:
+        if shard.poll() is None:
+            shard.kill()
+            shard.wait()
+
+
 def test_wrong_or_missing_token_is_unauthenticated():
     with Cluster.local(num_shards=1, security=Security(token="s3cret")) as cluster:
         model = cluster.deploy(nn.Sequential(nn.Linear(2, 1)))
