@@ -89,6 +89,11 @@ class Service:
         text = self.log_path.read_text(errors="replace").strip().splitlines()
         return "\n".join(text[-lines:]) or "(no output)"
 
+    def ask_to_stop(self) -> None:
+        """SIGTERM, not waiting for it to end (stop() does)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+
     def stop(self, grace: float = 3.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds; always reaps."""
         if self.process.poll() is None:
@@ -177,7 +182,10 @@ class LocalServices:
         for whoever debugs it, and the log says where.
         """
         ended = [service.name for service in self.services if service.process.poll() is not None]
-        for service in reversed(self.services):
+        shards = [service for service in self.services if service.name != "coordinator"]
+        for service in shards:  # all at once: each takes a moment to shut down gracefully
+            service.ask_to_stop()
+        for service in [*shards, *(service for service in self.services if service not in shards)]:
             service.stop()
         self.services.clear()
         shm.sweep()
