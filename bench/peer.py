@@ -65,7 +65,6 @@ TORCH_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": 
                "zb-h1": "_PipelineScheduleRuntime with shardtrain's ZB-H1 order (F, I, W)",
                "dp": "DistributedDataParallel, 2 processes"}
 TOLERANCE = 1e-5
-_CAPTURING = threading.Lock()  # torch.export's mode stacks are global: one deploy captures at a time
 QUICK = Config(vocab=64, width=32, heads=2, seq=8, batch=8, microbatches=4, warmup=1, steps=2)
 
 
@@ -125,9 +124,8 @@ def deployed(config: Config, shards: int, ms: float, virtual: int = 1, **options
     """(a local cluster of `shards` shard processes, each serving `virtual` shards, the seed's GPT deployed on it)."""
     cluster = Cluster.local(num_shards=shards, virtual_stages=virtual, hosts=SimulatedDevices(ms))
     try:
-        with _CAPTURING:
-            return cluster, cluster.deploy(build(config), (torch.optim.SGD, {"lr": config.lr}),
-                                           example_input=batches(config)[0][0][:2], **options)
+        return cluster, cluster.deploy(build(config), (torch.optim.SGD, {"lr": config.lr}),
+                                       example_input=batches(config)[0][0][:2], **options)
     except BaseException:
         cluster.close()
         raise

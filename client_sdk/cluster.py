@@ -21,6 +21,7 @@ from client_sdk.processes import LocalServices
 from client_sdk.reports import DeploymentReport, ShardInfo, Table
 from client_sdk.transport import StageClients
 from shardtrain import auth, deploy_deadlines
+from shardtrain.capture import CAPTURING
 from shardtrain.errors import InvalidArgument, Unavailable
 from shardtrain.rpc import COORDINATOR_SERVICE, Peer
 from shardtrain.settings import Security, Timeouts, security_env, security_from_env, timeouts_env
@@ -204,10 +205,11 @@ class Cluster:
             recompute=recompute, precision=precision)
         module = layer_tools.as_module(model)
         clock = PhaseClock()
-        captured = steps.capture(module, example_input, example_inputs, example_kwargs, dynamic_shapes, weights)
-        clock.done("capture whole")
-        request = steps.plan(captured, options)
-        clock.done("capture units")
+        with CAPTURING:  # one capture at a time in this process: deploys from several threads take turns here
+            captured = steps.capture(module, example_input, example_inputs, example_kwargs, dynamic_shapes, weights)
+            clock.done("capture whole")
+            request = steps.plan(captured, options)
+            clock.done("capture units")
         self._describe(request, captured, options)
         clock.done("describe")
         response = self._io.run(self._deploy_call(request))  # the coordinator partitions, places and ships
@@ -232,7 +234,8 @@ class Cluster:
         if self.spares and not options.chooses_stages:
             in_use = len(self.shards()) - self.spares
             request.partition.num_stages = max(1, min(in_use // options.replicas, len(request.layers)))
-        steps.describe(request, captured, options)
+        with CAPTURING:
+            steps.describe(request, captured, options)
         for previous in self._models:
             previous._settle()
 

@@ -8,7 +8,7 @@ import torch
 
 from client_sdk.batch import Batch
 from shardtrain import allowed_losses
-from shardtrain.capture import LayerAdapter, capture_layer
+from shardtrain.capture import CAPTURING, LayerAdapter, capture_layer
 from shardtrain.errors import InvalidArgument
 from shardtrain.v1 import shard_pb2
 
@@ -71,7 +71,8 @@ class LossSpecs:
         example = batch.example(EXAMPLE_ROWS)
         prediction = await self._predict(example.x, example.inputs)
         try:
-            program = capture_layer(LayerAdapter(loss), (prediction, example.y))
+            with CAPTURING:
+                program = capture_layer(LayerAdapter(loss), (prediction, example.y))
         except Exception as error:  # export reports unsupported code in many exception types
             raise InvalidArgument(f"loss {type(loss).__name__} cannot be captured with torch.export: "
                                   f"{type(error).__name__}: {str(error)[:500]}") from None

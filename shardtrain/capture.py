@@ -14,6 +14,7 @@ import copy
 import hashlib
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,11 @@ class LayerAdapter(torch.nn.Module):
         output, saved = result
         named = dict(saved)
         return (output, *(named[name] for name in self.out_variables))
+
+
+# torch.export's tracing keeps its state in process globals: two threads capturing at once break each other's traces
+# (and report it as a model that cannot be captured). Whatever captures in a process holds this lock meanwhile.
+CAPTURING = threading.RLock()
 
 
 def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],

@@ -1,6 +1,7 @@
 """A deploy's work, bounded and not repeated: its deadlines grow with its size (a stage of many layers loads under a
 control-plane deadline far shorter than its work, and the coordinator answers and keeps its shards meanwhile), and
-shards that compute alike measure the layers once for all."""
+shards that compute alike measure the layers once for all; deploys from several threads of one process take turns
+capturing."""
 
 from __future__ import annotations
 
@@ -97,3 +98,43 @@ def test_shards_of_one_host_that_compute_alike_measure_the_layers_once():
         calls = [total(scrape(url), "shardtrain_requests_total", method="ProfileLayers", code="OK")
                  for url in cluster.metrics_urls.values()]
         assert sorted(calls) == [0, 0, 0, 1], calls  # the coordinator's, and one shard's
+
+
+def test_deploys_and_custom_losses_from_several_threads_at_once_each_train_as_one_process():
+    """torch.export's tracing state is global to a process: two threads capturing at once broke each other's traces,
+    and a deploy was refused as a model that cannot be captured. Each thread here drives its own cluster: deploys
+    (a whole model, whose capture traces it) and train_steps under a loss of its own (captured at the first step)."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(2)]
+    local = net()
+    optimizer = torch.optim.SGD(local.parameters(), lr=0.1)
+    for x, y in batches:
+        optimizer.zero_grad()
+        ((local(x) - y) ** 2).mean().backward()
+        optimizer.step()
+    results: dict[int, object] = {}
+
+    def train(index: int) -> None:
+        try:
+            with Cluster.local(num_shards=2) as cluster:
+                for _ in range(3):
+                    model = cluster.deploy(net(), (torch.optim.SGD, {"lr": 0.1}), example_inputs=(batches[0][0],))
+                    for x, y in batches:
+                        model.train_step(x, y, lambda out, target: ((out - target) ** 2).mean())
+                    results[index] = model.state_dict()
+        except Exception as error:  # noqa: BLE001 - reported by the test's thread
+            results[index] = error
+
+    threads = [threading.Thread(target=train, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert sorted(results) == [0, 1], "a thread did not finish"
+    for index, result in results.items():
+        assert isinstance(result, dict), f"thread {index}: {result!r}"
+        for key, value in local.state_dict().items():
+            torch.testing.assert_close(result[key], value, rtol=1e-5, atol=1e-6)
