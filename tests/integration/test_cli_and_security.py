@@ -81,7 +81,7 @@ def test_a_shard_told_to_read_the_coordinator_from_stdin_refuses_what_is_not_an_
     assert repr(given.strip()) in shard.stderr
 
 
-def test_a_shard_waiting_for_the_coordinator_on_stdin_stops_at_once_when_asked():
+def test_a_shard_waiting_for_the_coordinator_on_stdin_stops_when_asked():
     shard = subprocess.Popen(["shardtrain", "shard", "--coordinator", "-", "--bind", "127.0.0.1:0"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -90,7 +90,7 @@ def test_a_shard_waiting_for_the_coordinator_on_stdin_stops_at_once_when_asked()
             assert time.monotonic() < deadline and shard.poll() is None, "the shard never listened"
             time.sleep(0.05)
         shard.send_signal(signal.SIGTERM)
-        assert shard.wait(10) == 0  # no thread left blocked reading the pipe, which is still open
+        assert shard.wait(60) == 0  # no thread left blocked reading the pipe, which stays open: it would never end
     finally:
         if shard.poll() is None:
             shard.kill()
