@@ -182,10 +182,10 @@ class LocalServices:
         for whoever debugs it, and the log says where.
         """
         ended = [service.name for service in self.services if service.process.poll() is not None]
-        shards = [service for service in self.services if service.name != "coordinator"]
-        for service in shards:  # all at once: each takes a moment to shut down gracefully
-            service.ask_to_stop()
-        for service in [*shards, *(service for service in self.services if service not in shards)]:
+        for service in self.services:  # every shard at once: each takes a moment to shut down gracefully
+            if service.name != "coordinator":
+                service.ask_to_stop()
+        for service in reversed(self.services):  # the coordinator, first started, last
             service.stop()
         self.services.clear()
         shm.sweep()

@@ -99,7 +99,7 @@ def capture_layer(adapter: LayerAdapter, example_args: tuple[torch.Tensor, ...],
         program = torch.export.export(adapter, tuple(example_args), dynamic_shapes=dynamic)
     try:
         artifact = _serde().serialize(program, serialize_state_dict=False, serialize_constants=False,
-                                          serialize_example_inputs=False)
+                                      serialize_example_inputs=False)
     except TypeError:  # an older torch (a GPU image's own build) serializes the weights too; they are dropped here
         artifact = _serde().serialize(program)
     return artifact.exported_program
@@ -266,8 +266,9 @@ class CapturedProgram:
             _BUILT.move_to_end(key)
             return _BUILT[key]
         try:
-            serialized = _serde()._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
-            exported = _serde().ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
+            serde = _serde()
+            serialized = serde._dict_to_dataclass(export_schema.ExportedProgram, self._tree)
+            exported = serde.ExportedProgramDeserializer().deserialize(serialized, state, {}, None)
         except Exception as error:  # the deserializer raises many types; all mean a bad program
             raise InvalidArgument(f"captured program does not load: {type(error).__name__}: {error}") from None
         _check_targets(exported)
